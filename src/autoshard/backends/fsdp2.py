@@ -1,0 +1,62 @@
+"""PyTorch FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy: the backend for every method."""
+
+from __future__ import annotations
+
+from autoshard.backends import Availability, Backend, require, require_all
+from autoshard.capability import Feature, no, partial, yes
+
+MIN_TORCH = "2.4"
+MIN_LIGHTNING = "2.4"
+INSTALL = 'pip install "torch>=2.4" "lightning>=2.4"'
+
+ROW = {
+    Feature.MULTIPLE_OPTIMIZERS: yes("each optimizer sees its own sharded DTensor parameters"),
+    Feature.EMA_TEACHER_STUDENT: yes("teacher and student are sharded identically, so the positional EMA zip stays exact"),
+    Feature.MULTI_FORWARD: yes("per-parameter sharding has no flat-parameter state machine to break"),
+    Feature.MANUAL_OPTIMIZATION: yes(),
+    Feature.ROOT_PARAMETERS: partial(
+        "parameters that live directly on the LightningModule cannot be sharded by the generic plan"
+        " (sharding the root breaks training_steps that call children directly); autoshard keeps them"
+        " replicated and averages their gradients across ranks",
+        "move them into a child module, or pass parallelize_fn to shard them yourself",
+    ),
+    Feature.PER_BLOCK_SHARDING: yes("blocks are the parameter-owning elements of every ModuleList / Sequential"),
+    Feature.BF16: yes(),
+    Feature.FP16_MIXED: no(
+        "Lightning's ModelParallelStrategy has no sharded gradient scaler, so fp16 autocast would train unscaled",
+        "use precision='bf16-mixed'",
+    ),
+    Feature.FP16_TRUE: yes(),
+    Feature.FP32: yes(),
+    Feature.CPU_OFFLOAD_PARAMS: yes("CPUOffloadPolicy keeps sharded parameters, gradients and optimizer state on CPU"),
+    Feature.CPU_OFFLOAD_OPTIMIZER: partial(
+        "FSDP2 has no optimizer-only offload; CPUOffloadPolicy offloads parameters, gradients and optimizer"
+        " state together and runs the optimizer step on CPU",
+        "use offload='params' to accept that, or strategy='autoshard-deepspeed' for a single-optimizer method",
+    ),
+    Feature.NVME_OFFLOAD: no(
+        "FSDP2 can offload to CPU memory only",
+        "use offload_device='cpu', or strategy='autoshard-deepspeed' for a single-optimizer method",
+    ),
+    Feature.ACTIVATION_CHECKPOINTING: yes("applied per block before sharding"),
+    Feature.DISTRIBUTED_CHECKPOINT: yes("torch.distributed.checkpoint directory, reshardable on resume"),
+    Feature.FULL_CHECKPOINT: yes("full state dict gathered on rank 0 into one file"),
+    Feature.TENSOR_PARALLEL: partial(
+        "autoshard builds the 2-D (data_parallel, tensor_parallel) mesh but has no generic tensor-parallel layout",
+        "pass parallelize_fn that applies parallelize_module on device_mesh['tensor_parallel']",
+    ),
+    Feature.CPU_ACCELERATOR: yes("runs on gloo; used by autoshard's own tests"),
+}
+
+
+def check() -> Availability:
+    return require_all(require("torch", MIN_TORCH, INSTALL), require("lightning", MIN_LIGHTNING, INSTALL))
+
+
+BACKEND = Backend(
+    name="fsdp2",
+    strategy="fsdp2",
+    row=ROW,
+    check=check,
+    summary="PyTorch fully_shard via Lightning ModelParallelStrategy",
+)

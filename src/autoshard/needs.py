@@ -1,0 +1,242 @@
+"""What a LightningModule (plus its callbacks) needs from a sharding backend, found by looking, never by changing."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import AutoShardError
+
+NEEDS_ATTRIBUTE = "autoshard_needs"
+CALLBACK_OPTIMIZERS_ATTRIBUTE = "autoshard_optimizers"
+
+
+@dataclass(frozen=True)
+class EMAPair:
+    """A teacher updated from a student by a positional zip over their parameters (DINO, BYOL, MoCo...)."""
+
+    teacher: str
+    student: str
+
+
+@dataclass(frozen=True)
+class MethodNeeds:
+    """The method's requirements; a module may declare them (``autoshard_needs = {...}``) and that wins.
+
+    ``optimizer_sources`` lists (where, how many): ``("configure_optimizers", 1)``, ``("callback OnlineProbe", 1)``.
+    ``callback_modules`` are the module paths trained by callback-owned optimizers: kept unsharded.
+    """
+
+    optimizer_sources: tuple[tuple[str, int], ...] = (("configure_optimizers", 1),)
+    ema_pairs: tuple[EMAPair, ...] = ()
+    manual_optimization: bool = False
+    multi_forward: bool = False
+    root_parameters: tuple[str, ...] = ()
+    callback_modules: tuple[str, ...] = ()
+
+    @property
+    def num_optimizers(self) -> int:
+        return sum(count for _, count in self.optimizer_sources)
+
+    def describe_optimizers(self) -> str:
+        return ", ".join(f"{where}: {count}" for where, count in self.optimizer_sources if count) or "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["num_optimizers"] = self.num_optimizers
+        return out
+
+
+def count_optimizers(configured: Any) -> int:
+    """Count optimizers in any return shape Lightning accepts from ``configure_optimizers``."""
+    if configured is None:
+        return 0
+    if isinstance(configured, torch.optim.Optimizer):
+        return 1
+    if isinstance(configured, Mapping):
+        return 1 if "optimizer" in configured else 0
+    if isinstance(configured, (list, tuple)):
+        if len(configured) == 2 and all(isinstance(part, (list, tuple)) for part in configured):
+            return count_optimizers(configured[0])  # ([optimizers], [schedulers])
+        return sum(count_optimizers(item) for item in configured)
+    return 0
+
+
+def _optimizers_in(obj: object) -> list[torch.optim.Optimizer]:
+    """Optimizers a callback holds as attributes (directly, or in a list/tuple/dict one level down)."""
+    found: list[torch.optim.Optimizer] = []
+    for value in vars(obj).values():
+        values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
+        found.extend(v for v in values if isinstance(v, torch.optim.Optimizer))
+    return found
+
+
+def _modules_owning(root: nn.Module, param_ids: set[int]) -> list[str]:
+    """Outermost submodules of ``root`` whose parameters all belong to ``param_ids``."""
+    owned: list[str] = []
+    for name, module in root.named_modules():
+        if not name or any(name.startswith(prefix + ".") for prefix in owned):
+            continue
+        params = list(module.parameters())
+        if params and all(id(p) in param_ids for p in params):
+            owned.append(name)
+    return owned
+
+
+def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[tuple[str, int]], list[str]]:
+    sources: list[tuple[str, int]] = []
+    param_ids: set[int] = set()
+    module_ids = {id(m): n for n, m in root.named_modules() if n}
+    attached: list[str] = []
+    for callback in callbacks:
+        optimizers = _optimizers_in(callback)
+        declared = getattr(callback, CALLBACK_OPTIMIZERS_ATTRIBUTE, None)
+        count = int(declared) if declared is not None else len(optimizers)
+        if count:
+            sources.append((f"callback {type(callback).__name__}", count))
+        for optimizer in optimizers:
+            param_ids.update(id(p) for group in optimizer.param_groups for p in group["params"])
+        if count:
+            attached.extend(module_ids[id(v)] for v in vars(callback).values() if id(v) in module_ids)
+    modules = _modules_owning(root, param_ids) if param_ids else []
+    modules += [m for m in attached if m not in modules and not any(m.startswith(o + ".") for o in modules)]
+    return sources, modules
+
+
+@dataclass
+class _Tally:
+    count: int = 0
+    numel: int = 0
+    frozen: bool = True
+    trainable: bool = True
+
+
+def _tally(root: nn.Module) -> dict[str, _Tally]:
+    """Parameter count, size and trainability of every subtree, in one post-order pass."""
+    out: dict[str, _Tally] = {}
+
+    def visit(module: nn.Module, name: str) -> _Tally:
+        tally = _Tally()
+        for p in module._parameters.values():
+            if p is not None:
+                tally.count += 1
+                tally.numel += p.numel()
+                tally.frozen &= not p.requires_grad
+                tally.trainable &= p.requires_grad
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
+            sub = visit(child, f"{name}.{child_name}" if name else child_name)
+            tally.count += sub.count
+            tally.numel += sub.numel
+            tally.frozen &= sub.frozen
+            tally.trainable &= sub.trainable
+        out[name] = tally
+        return tally
+
+    visit(root, "")
+    return out
+
+
+def _signature(module: nn.Module) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    return tuple((tuple(p.shape), p.dtype) for p in module.parameters())
+
+
+def find_ema_pairs(root: nn.Module) -> list[EMAPair]:
+    """Teacher/student pairs: siblings named teacher/student, or a frozen subtree mirroring a trainable one."""
+    modules = dict(root.named_modules())
+    pairs: list[EMAPair] = []
+    for name, module in modules.items():
+        children = dict(module.named_children())
+        if "teacher" in children and "student" in children:
+            prefix = f"{name}." if name else ""
+            pairs.append(EMAPair(f"{prefix}teacher", f"{prefix}student"))
+    tallies = _tally(root)
+    taken = {p.teacher for p in pairs} | {p.student for p in pairs}
+
+    def inside_taken(path: str) -> bool:
+        return any(path == t or path.startswith(t + ".") for t in taken)
+
+    for name, tally in tallies.items():
+        if not name or not tally.count or not tally.frozen or inside_taken(name):
+            continue
+        parent = name.rpartition(".")[0]
+        if tallies[parent].frozen:
+            continue  # only the outermost frozen subtree
+        signature = None
+        candidates = sorted(
+            (other for other, t in tallies.items() if other and t.trainable and t.count == tally.count and t.numel == tally.numel),
+            key=lambda other: (other.rpartition(".")[0] != parent, other.count("."), other),
+        )
+        for other in candidates:
+            if inside_taken(other) or other.startswith(name + ".") or name.startswith(other + "."):
+                continue
+            signature = signature or _signature(modules[name])
+            if _signature(modules[other]) == signature:
+                pairs.append(EMAPair(name, other))
+                taken.update((name, other))
+                break
+    return pairs
+
+
+def _declared(module: nn.Module) -> MethodNeeds | Mapping[str, Any] | None:
+    declared = getattr(module, NEEDS_ATTRIBUTE, None)
+    if declared is None or isinstance(declared, (MethodNeeds, Mapping)):
+        return declared
+    raise AutoShardError(
+        f"{type(module).__name__}.{NEEDS_ATTRIBUTE} must be a MethodNeeds or a dict such as"
+        f" {{'optimizers': 2, 'multi_forward': True}}, got {type(declared).__name__}"
+    )
+
+
+def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> MethodNeeds:
+    allowed = {"optimizers", "ema_pairs", "manual_optimization", "multi_forward", "callback_modules"}
+    unknown = sorted(set(declared) - allowed)
+    if unknown:
+        raise AutoShardError(f"unknown key(s) {', '.join(unknown)} in {NEEDS_ATTRIBUTE}: valid keys are {', '.join(sorted(allowed))}")
+    changes: dict[str, Any] = {}
+    if "optimizers" in declared:
+        others = tuple(src for src in detected.optimizer_sources if src[0] != "configure_optimizers")
+        changes["optimizer_sources"] = (("declared", int(declared["optimizers"])), *others)
+    if "ema_pairs" in declared:
+        changes["ema_pairs"] = tuple(p if isinstance(p, EMAPair) else EMAPair(*p) for p in declared["ema_pairs"])
+    for key in ("manual_optimization", "multi_forward"):
+        if key in declared:
+            changes[key] = bool(declared[key])
+    if "callback_modules" in declared:
+        changes["callback_modules"] = tuple(declared["callback_modules"])
+    return dataclasses.replace(detected, **changes)
+
+
+def inspect_needs(module: nn.Module, trainer: Any = None, callbacks: Sequence[object] | None = None) -> MethodNeeds:
+    """Find what ``module`` needs; ``trainer`` (or ``callbacks``) adds the optimizers its callbacks own."""
+    declared = _declared(module)
+    if isinstance(declared, MethodNeeds):
+        return declared
+    declared_optimizers = isinstance(declared, Mapping) and "optimizers" in declared
+    sources: list[tuple[str, int]] = []
+    if not declared_optimizers and callable(getattr(module, "configure_optimizers", None)):
+        try:
+            sources.append(("configure_optimizers", count_optimizers(module.configure_optimizers())))
+        except Exception as exc:  # the user's hook may need state we do not have; say how to skip it
+            raise AutoShardError(
+                f"autoshard could not count optimizers: {type(module).__name__}.configure_optimizers() raised"
+                f" {type(exc).__name__}: {exc}. Declare them instead: set `{NEEDS_ATTRIBUTE} = {{'optimizers': N}}`"
+                f" on the module"
+            ) from exc
+    if callbacks is None:
+        callbacks = list(getattr(trainer, "callbacks", None) or [])
+    callback_sources, callback_modules = _callback_needs(module, callbacks)
+    detected = MethodNeeds(
+        optimizer_sources=tuple(sources + callback_sources),
+        ema_pairs=tuple(find_ema_pairs(module)),
+        manual_optimization=getattr(module, "automatic_optimization", True) is False,
+        root_parameters=tuple(n for n, _ in module.named_parameters(recurse=False)),
+        callback_modules=tuple(callback_modules),
+    )
+    return _apply_declared(detected, declared) if isinstance(declared, Mapping) else detected
