@@ -32,3 +32,7 @@ __all__ = [
     "render_matrix",
     "select_backend",
 ]
+
+from autoshard import lightning as _lightning  # noqa: E402  (registers the strategies and guards)
+
+_lightning.register()

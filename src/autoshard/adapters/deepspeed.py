@@ -1,0 +1,240 @@
+"""Intent -> a complete DeepSpeed ZeRO-3 config dict, and a validator that refuses contradictory configs by key.
+
+Pure data: nothing here imports deepspeed, so configs can be generated, printed and checked on any machine.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from autoshard.backends import Availability
+from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
+from autoshard.errors import IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.needs import MethodNeeds
+from autoshard.select import select_backend
+
+# ZeRO-3 knobs, in elements. DeepSpeed's own defaults for the stage-3 ones; Lightning's 2e8 for the buckets
+# (DeepSpeed's 5e8 doubles the transient memory for little gain). Parameters below the persistence threshold
+# stay whole on every rank: partitioning tiny tensors (biases, norms) costs more in latency than it saves.
+ZERO3_DEFAULTS: dict[str, Any] = {
+    "stage": 3,
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "reduce_bucket_size": 200_000_000,
+    "allgather_bucket_size": 200_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "sub_group_size": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": False,
+}
+# Lightning's DeepSpeedStrategy fp16 defaults (loss_scale=0 means dynamic scaling), so both paths agree.
+FP16_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+ACTIVATION_CHECKPOINTING_DEFAULTS: dict[str, Any] = {
+    "partition_activations": False,
+    "cpu_checkpointing": False,
+    "contiguous_memory_optimization": False,
+    "synchronize_checkpoint_boundary": False,
+}
+AIO_DEFAULTS: dict[str, Any] = {
+    "block_size": 1_048_576,
+    "queue_depth": 8,
+    "single_submit": False,
+    "overlap_events": True,
+    "thread_count": 1,
+}
+_COMM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_PARAM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}
+_OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+# A pure config generator must not depend on what this machine has installed: the strategy checks that.
+_ASSUME_INSTALLED = Availability(True, "not checked when generating a config")
+
+
+def precision_block(precision: str) -> dict[str, Any]:
+    """DeepSpeed's precision keys for a canonical Lightning precision; 32-true gets neither block."""
+    if precision.startswith("bf16"):
+        return {"bf16": {"enabled": True}}
+    if precision.startswith("16"):
+        return {"fp16": dict(FP16_DEFAULTS)}
+    return {}
+
+
+def _offload_block(kind: str, intent: ShardingIntent) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": intent.offload_device, "pin_memory": False}
+    if intent.offload_device == "nvme":
+        block["nvme_path"] = intent.nvme_path
+        if kind == "optimizer":
+            block["buffer_count"] = 4  # Adam keeps 4 tensors per parameter (param, grad, two moments)
+        else:
+            block.update({"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000})
+    return block
+
+
+def check_intent(intent: ShardingIntent, needs: MethodNeeds | None = None, world_size: int | None = None) -> None:
+    """Refuse what ZeRO-3 cannot do (tensor parallel, several optimizers, EMA, ...) with the matrix's texts."""
+    # Raises IncompatibleBackendError naming the feature, the backend that works (fsdp2) and the fix.
+    select_backend(
+        needs or MethodNeeds(),
+        intent,
+        prefer=DEEPSPEED_BACKEND.name,
+        available={name: _ASSUME_INSTALLED for name in ("fsdp2", DEEPSPEED_BACKEND.name, "fsdp1")},
+    )
+    if world_size is not None:
+        intent.mesh_sizes(world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
+
+
+def deepspeed_config(
+    intent: ShardingIntent,
+    needs: MethodNeeds | None = None,
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    accumulate_grad_batches: int = 1,
+    gradient_clip_val: float | None = None,
+    zero_overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The complete ZeRO-3 config for ``intent`` on ``world_size`` ranks; validated before it is returned.
+
+    ``needs`` (from ``inspect_needs``) lets the method be refused here too; ``zero_overrides`` replaces
+    individual ``zero_optimization`` keys (bucket sizes, thresholds) for tuning.
+    """
+    for name, value in (("world_size", world_size), ("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise IntentError(f"{name} must be a positive integer, got {value!r}")
+    check_intent(intent, needs, world_size)
+    precision = intent.effective_precision
+    half = precision_block(precision)
+    param_dtype = _PARAM_DTYPE[next(iter(half), None)]
+    if intent.param_dtype is not None and intent.param_dtype != param_dtype:
+        raise IntentError(
+            f"param_dtype='{intent.param_dtype}' contradicts precision='{precision}': under DeepSpeed the compute"
+            f" dtype of the parameters follows the precision ({param_dtype} here). Backend that can cast"
+            f" separately: fsdp2. Fix: drop param_dtype, or set the Trainer precision that computes in"
+            f" {intent.param_dtype}"
+        )
+
+    zero: dict[str, Any] = copy.deepcopy(ZERO3_DEFAULTS)
+    if intent.offload in ("optimizer", "params"):
+        zero["offload_optimizer"] = _offload_block("optimizer", intent)
+    if intent.offload == "params":  # like Lightning's deepspeed_stage_3_offload: parameters and optimizer state
+        zero["offload_param"] = _offload_block("params", intent)
+    if intent.checkpoint == "full":
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if zero_overrides:
+        zero.update(copy.deepcopy(dict(zero_overrides)))
+
+    config: dict[str, Any] = {
+        "train_batch_size": micro_batch_size * accumulate_grad_batches * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulate_grad_batches,
+        "zero_optimization": zero,
+        # Lightning passes the user's torch optimizer: DeepSpeed calls every non-DeepSpeed optimizer "untested".
+        "zero_allow_untested_optimizer": True,
+        **half,
+        "steps_per_print": 1_000_000,  # DeepSpeed's own progress print would interleave with Lightning's logs
+        "wall_clock_breakdown": False,
+    }
+    if intent.offload != "none":
+        # Any optimizer works with offload (slower than DeepSpeedCPUAdam); DeepSpeed refuses others by default.
+        config["zero_force_ds_cpu_optimizer"] = False
+    if intent.offload_device == "nvme":
+        config["aio"] = dict(AIO_DEFAULTS)
+    if intent.reduce_dtype is not None:
+        config["communication_data_type"] = _COMM_DTYPE[intent.reduce_dtype]
+    if intent.activation_checkpointing:
+        config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING_DEFAULTS)
+    if gradient_clip_val is not None:
+        config["gradient_clipping"] = float(gradient_clip_val)
+    validate_deepspeed_config(config, world_size=world_size)
+    return config
+
+
+def _refuse(key: str, problem: str, fix: str) -> None:
+    raise IntentError(f"DeepSpeed config key '{key}': {problem}. Fix: {fix}")
+
+
+def _positive_int(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _refuse(key, f"must be a positive integer, got {value!r}", f"set '{key}' to an integer >= 1, or remove it")
+    return value
+
+
+def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | None = None) -> None:
+    """Refuse contradictions DeepSpeed would report late (or not at all), naming the key and the fix."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, Mapping):
+        _refuse("zero_optimization", "missing", "add {'stage': 3}, or build the config with deepspeed_config(intent, ...)")
+    stage = zero.get("stage")
+    if stage != 3:
+        _refuse(
+            "zero_optimization.stage",
+            f"is {stage!r} but autoshard's DeepSpeed backend is ZeRO-3 (parameters partitioned)",
+            "set zero_optimization.stage=3, or use Lightning's strategy='deepspeed_stage_2' for stages 1-2",
+        )
+    enabled = [key for key in ("bf16", "fp16") if isinstance(config.get(key), Mapping) and config[key].get("enabled", False)]
+    if len(enabled) > 1:
+        _refuse("bf16.enabled / fp16.enabled", "both are true; DeepSpeed trains in one half precision", "keep one: set the other's 'enabled' to false")
+    fp16 = config.get("fp16")
+    if isinstance(fp16, Mapping) and fp16.get("enabled", False):
+        scale = fp16.get("loss_scale", 0)
+        if not isinstance(scale, (int, float)) or scale < 0:
+            _refuse("fp16.loss_scale", f"is {scale!r}", "use 0 for dynamic loss scaling (recommended) or a positive static scale")
+
+    micro = _positive_int(config, "train_micro_batch_size_per_gpu")
+    accumulate = _positive_int(config, "gradient_accumulation_steps")
+    total = _positive_int(config, "train_batch_size")
+    if micro is None and total is None:
+        _refuse("train_micro_batch_size_per_gpu", "missing (and so is train_batch_size)", "set train_micro_batch_size_per_gpu to the DataLoader batch size")
+    if micro is not None and accumulate is not None and total is not None:
+        per_step = micro * accumulate
+        if total % per_step != 0 or (world_size is not None and total != per_step * world_size):
+            expected = f"{micro} * {accumulate} * {world_size} = {per_step * world_size}" if world_size else f"a multiple of {micro} * {accumulate} = {per_step}"
+            _refuse(
+                "train_batch_size",
+                f"is {total} but train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size must equal it ({expected})",
+                "set train_batch_size to that product, or remove it and let DeepSpeed derive it",
+            )
+
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, Mapping):
+            _refuse(f"zero_optimization.{key}", f"must be a dict such as {{'device': 'cpu'}}, got {block!r}", "set it to {'device': 'cpu'}")
+        device = block.get("device", "none")
+        if device not in _OFFLOAD_DEVICES:
+            _refuse(f"zero_optimization.{key}.device", f"is {device!r}", f"choose one of {', '.join(map(repr, _OFFLOAD_DEVICES))}")
+        if device == "nvme" and not block.get("nvme_path"):
+            _refuse(
+                f"zero_optimization.{key}.nvme_path",
+                "missing while the offload device is 'nvme'",
+                "set ShardingIntent(nvme_path='/local_nvme/...') (a directory on a local NVMe drive), or offload_device='cpu'",
+            )
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+        value = zero.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            _refuse(f"zero_optimization.{key}", f"must be a non-negative number of elements, got {value!r}", f"remove it to use the default ({ZERO3_DEFAULTS[key]:,})")
+    clip = config.get("gradient_clipping")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        _refuse("gradient_clipping", f"must be a non-negative max norm, got {clip!r}", "set Trainer(gradient_clip_val=1.0) or remove it (0 disables clipping)")
+    comm = config.get("communication_data_type")
+    if comm is not None and comm not in _COMM_DTYPE.values():
+        _refuse("communication_data_type", f"is {comm!r}", f"choose one of {', '.join(map(repr, _COMM_DTYPE.values()))}")
+
+
+__all__ = ["deepspeed_config", "validate_deepspeed_config", "check_intent", "precision_block", "ZERO3_DEFAULTS"]
