@@ -24,7 +24,7 @@ def normalize_precision(value: object) -> str:
     """Accept Lightning's spellings (16, "bf16", "32-true") and return the canonical one."""
     text = str(value).strip().lower()
     text = _PRECISION_ALIASES.get(text, text)
-    if isinstance(value, bool) or text not in PRECISIONS:
+    if text not in PRECISIONS:
         raise IntentError(
             f"unknown precision {value!r}{did_you_mean(text, PRECISIONS)}: choose one of {', '.join(PRECISIONS)}"
             f" (Lightning's short forms 'bf16', '16' and '32' work too; bf16-mixed is recommended for sharded training)"

@@ -39,6 +39,15 @@ class MethodNeeds:
     root_parameters: tuple[str, ...] = ()
     callback_modules: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Users declare needs by hand with lists and plain tuples; store tuples so the value stays hashable.
+        set_ = object.__setattr__
+        sources = tuple((str(where), _count(f"optimizers from {where}", n)) for where, n in self.optimizer_sources)
+        set_(self, "optimizer_sources", sources)
+        set_(self, "ema_pairs", tuple(_ema_pair(p) for p in self.ema_pairs))
+        set_(self, "root_parameters", tuple(self.root_parameters))
+        set_(self, "callback_modules", tuple(self.callback_modules))
+
     @property
     def num_optimizers(self) -> int:
         return sum(count for _, count in self.optimizer_sources)
@@ -50,6 +59,24 @@ class MethodNeeds:
         out = dataclasses.asdict(self)
         out["num_optimizers"] = self.num_optimizers
         return out
+
+
+def _count(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AutoShardError(f"{what} must be a whole number of optimizers (0 or more), got {value!r}")
+    return value
+
+
+def _ema_pair(value: object) -> EMAPair:
+    if isinstance(value, EMAPair):
+        return value
+    if isinstance(value, Mapping) and set(value) == {"teacher", "student"}:
+        return EMAPair(str(value["teacher"]), str(value["student"]))
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, str) for v in value):
+        return EMAPair(*value)
+    raise AutoShardError(
+        f"an EMA pair is ('teacher.path', 'student.path') or {{'teacher': ..., 'student': ...}}, got {value!r}"
+    )
 
 
 def count_optimizers(configured: Any) -> int:
@@ -70,7 +97,7 @@ def count_optimizers(configured: Any) -> int:
 def _optimizers_in(obj: object) -> list[torch.optim.Optimizer]:
     """Optimizers a callback holds as attributes (directly, or in a list/tuple/dict one level down)."""
     found: list[torch.optim.Optimizer] = []
-    for value in vars(obj).values():
+    for value in getattr(obj, "__dict__", {}).values():
         values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
         found.extend(v for v in values if isinstance(v, torch.optim.Optimizer))
     return found
@@ -102,7 +129,7 @@ def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[
         for optimizer in optimizers:
             param_ids.update(id(p) for group in optimizer.param_groups for p in group["params"])
         if count:
-            attached.extend(module_ids[id(v)] for v in vars(callback).values() if id(v) in module_ids)
+            attached.extend(module_ids[id(v)] for v in getattr(callback, "__dict__", {}).values() if id(v) in module_ids)
     modules = _modules_owning(root, param_ids) if param_ids else []
     modules += [m for m in attached if m not in modules and not any(m.startswith(o + ".") for o in modules)]
     return sources, modules

@@ -18,6 +18,7 @@ from autoshard.capability import Feature
 from autoshard.backends import get_backend
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent, normalize_precision
+from autoshard.lightning.checkpoint import CheckpointMixin
 from autoshard.needs import MethodNeeds, inspect_needs
 from autoshard.select import Decision, select_backend
 
@@ -80,7 +81,7 @@ def _configure_model_counted_as_overridden(module: torch.nn.Module) -> Any:
             del module.__dict__["configure_model"]
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
     """``strategy="fsdp2"``: pure FSDP by default (dp = world size, tp = 1), sharding at setup, no module change.
 
     ``parallelize_fn(module, device_mesh)`` replaces the generic plan; ``device_mesh["data_parallel"]`` is the dp slice.
