@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -30,7 +31,29 @@ class Feature(str, Enum):
     CPU_ACCELERATOR = "CPU accelerator (gloo)"
 
 
+# What the user's intent asks for. "auto" leaves fsdp2 only for a backend that fully provides one of these
+# where fsdp2 does it partly: a method's needs run either way, and the accelerator is not known at construction.
+INTENT_FEATURES = frozenset(
+    {
+        Feature.PER_BLOCK_SHARDING,
+        Feature.BF16,
+        Feature.FP16_MIXED,
+        Feature.FP16_TRUE,
+        Feature.FP32,
+        Feature.CPU_OFFLOAD_PARAMS,
+        Feature.CPU_OFFLOAD_OPTIMIZER,
+        Feature.NVME_OFFLOAD,
+        Feature.ACTIVATION_CHECKPOINTING,
+        Feature.DISTRIBUTED_CHECKPOINT,
+        Feature.FULL_CHECKPOINT,
+        Feature.TENSOR_PARALLEL,
+    }
+)
+
+
 class Support(str, Enum):
+    """How far a backend provides a feature; "rejected" marks a backend autoshard refuses outright."""
+
     YES = "yes"
     PARTIAL = "partial"
     NO = "no"
@@ -55,6 +78,7 @@ class Cell:
 
 
 def yes(reason: str = "") -> Cell:
+    """Shorthands that keep the backend rows readable."""
     return Cell(Support.YES, reason)
 
 
@@ -77,34 +101,56 @@ def matrix() -> dict[str, Row]:
 
 
 def cell(backend: str, feature: Feature) -> Cell:
+    """One cell, by backend name (or alias) and feature."""
     from autoshard.backends import get_backend
 
     return get_backend(backend).row[feature]
 
 
+FORMATS = ("text", "markdown")
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text if text.endswith(".") else text + "."
+
+
+def _notes(rows: Mapping[str, Row], fmt: str) -> list[str]:
+    """Why and what to do for every cell that is not "yes", one note per backend and shared answer."""
+    lines = ["Notes (every cell that is not 'yes'):", ""]
+    for name, row in rows.items():
+        grouped: dict[Cell, list[str]] = {}
+        for feature in Feature:
+            if row[feature].support is not Support.YES:
+                grouped.setdefault(row[feature], []).append(feature.value)
+        for c, features in grouped.items():
+            which = "every feature" if len(features) == len(Feature) else ", ".join(features)
+            body = f"{_sentence(c.reason)} Fix: {_sentence(c.remedy)}"
+            if fmt == "markdown":
+                lines.append(f"- **{name}**, {which}: *{c.support.value}*: {body}")
+            else:
+                lines.append(f"{name} / {which}: {c.support.value}")
+                lines += textwrap.wrap(body, width=100, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)
+    return lines
+
+
 def render_matrix(fmt: str = "text", details: bool = False) -> str:
-    """The matrix as a plain-text or Markdown table (the docs embed the Markdown one)."""
+    """The matrix as a plain-text or Markdown table (the docs embed the Markdown one); ``details`` adds the notes."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(map(repr, FORMATS))}")
     rows = matrix()
-    names = list(rows)
-    header = ["feature", *names]
-    body = [[feature.value, *(rows[n][feature].support.value for n in names)] for feature in Feature]
+    header = ["feature", *rows]
+    body = [[feature.value, *(row[feature].support.value for row in rows.values())] for feature in Feature]
     if fmt == "markdown":
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in body]
-    elif fmt == "text":
-        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-        fmt_row = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-        lines = [fmt_row(header), fmt_row(["-" * w for w in widths]), *map(fmt_row, body)]
     else:
-        raise ValueError(f"unknown format {fmt!r}: choose 'text' or 'markdown'")
+        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+        def fmt_row(r: list[str]) -> str:
+            return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+        lines = [fmt_row(header), fmt_row(["-" * w for w in widths]), *map(fmt_row, body)]
     if details:
-        lines.append("")
-        bullet = "- " if fmt == "markdown" else "  "
-        for name in names:
-            grouped: dict[Cell, list[str]] = {}
-            for feature in Feature:
-                if rows[name][feature].support is not Support.YES:
-                    grouped.setdefault(rows[name][feature], []).append(feature.value)
-            for c, features in grouped.items():
-                lines.append(f"{bullet}{name}, {', '.join(features)}: {c.support.value}. {c.reason} Fix: {c.remedy}")
+        lines += ["", *_notes(rows, fmt)]
     return "\n".join(lines)

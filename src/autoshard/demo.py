@@ -100,7 +100,7 @@ class OnlineProbe(pl.Callback):
     def __init__(self, dim: int = 32, classes: int = 4, lr: float = 0.1) -> None:
         self.dim, self.classes, self.lr = dim, classes, lr
         self.optimizer: torch.optim.Optimizer | None = None
-        self.last_loss = float("nan")
+        self.first_loss = self.last_loss = float("nan")
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if getattr(pl_module, "probe", None) is None:
@@ -115,6 +115,8 @@ class OnlineProbe(pl.Callback):
         loss.backward()
         self.optimizer.step()
         self.last_loss = float(loss.detach())
+        if self.first_loss != self.first_loss:  # nan: first batch
+            self.first_loss = self.last_loss
 
 
 class Blobs(Dataset):
@@ -199,8 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     model = DinoLike()
     trainer.fit(model, DataLoader(Blobs(), batch_size=32, shuffle=True))
     if trainer.global_rank == 0:
-        print(f"demo done: {args.steps} steps, final loss {float(trainer.callback_metrics['loss']):.3f},"
-              f" probe loss {probe.last_loss:.3f}", flush=True)
+        print(
+            f"demo done: {args.steps} steps, method loss {float(trainer.callback_metrics['loss']):.3f},"
+            f" probe loss {probe.first_loss:.3f} -> {probe.last_loss:.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

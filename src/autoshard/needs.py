@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.errors import AutoShardError
+from autoshard.errors import AutoShardError, did_you_mean
 
 NEEDS_ATTRIBUTE = "autoshard_needs"
 CALLBACK_OPTIMIZERS_ATTRIBUTE = "autoshard_optimizers"
@@ -42,18 +42,20 @@ class MethodNeeds:
     def __post_init__(self) -> None:
         # Users declare needs by hand with lists and plain tuples; store tuples so the value stays hashable.
         set_ = object.__setattr__
-        sources = tuple((str(where), _count(f"optimizers from {where}", n)) for where, n in self.optimizer_sources)
+        sources = tuple((str(where), _count(f"the optimizer count of {where!r}", n)) for where, n in self.optimizer_sources)
         set_(self, "optimizer_sources", sources)
         set_(self, "ema_pairs", tuple(_ema_pair(p) for p in self.ema_pairs))
-        set_(self, "root_parameters", tuple(self.root_parameters))
-        set_(self, "callback_modules", tuple(self.callback_modules))
+        for name in ("root_parameters", "callback_modules"):
+            value = getattr(self, name)
+            set_(self, name, (value,) if isinstance(value, str) else tuple(value))
 
     @property
     def num_optimizers(self) -> int:
         return sum(count for _, count in self.optimizer_sources)
 
     def describe_optimizers(self) -> str:
-        return ", ".join(f"{where}: {count}" for where, count in self.optimizer_sources if count) or "none"
+        """Where the optimizers come from, e.g. "1 from configure_optimizers, 1 from callback OnlineProbe"."""
+        return ", ".join(f"{count} from {where}" for where, count in self.optimizer_sources if count) or "none"
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -63,7 +65,7 @@ class MethodNeeds:
 
 def _count(what: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise AutoShardError(f"{what} must be a whole number of optimizers (0 or more), got {value!r}")
+        raise AutoShardError(f"{what} must be a whole number (0 or more), got {value!r}")
     return value
 
 
@@ -116,6 +118,7 @@ def _modules_owning(root: nn.Module, param_ids: set[int]) -> list[str]:
 
 
 def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[tuple[str, int]], list[str]]:
+    """Optimizers each callback owns (found, or declared as ``autoshard_optimizers = N``) and the modules they train."""
     sources: list[tuple[str, int]] = []
     param_ids: set[int] = set()
     module_ids = {id(m): n for n, m in root.named_modules() if n}
@@ -123,9 +126,10 @@ def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[
     for callback in callbacks:
         optimizers = _optimizers_in(callback)
         declared = getattr(callback, CALLBACK_OPTIMIZERS_ATTRIBUTE, None)
-        count = int(declared) if declared is not None else len(optimizers)
+        name = type(callback).__name__
+        count = len(optimizers) if declared is None else _count(f"{name}.{CALLBACK_OPTIMIZERS_ATTRIBUTE}", declared)
         if count:
-            sources.append((f"callback {type(callback).__name__}", count))
+            sources.append((f"callback {name}", count))
         for optimizer in optimizers:
             param_ids.update(id(p) for group in optimizer.param_groups for p in group["params"])
         if count:
@@ -140,11 +144,10 @@ class _Tally:
     count: int = 0
     numel: int = 0
     frozen: bool = True
-    trainable: bool = True
 
 
 def _tally(root: nn.Module) -> dict[str, _Tally]:
-    """Parameter count, size and trainability of every subtree, in one post-order pass."""
+    """Parameter count, size and frozenness of every subtree, in one post-order pass."""
     out: dict[str, _Tally] = {}
 
     def visit(module: nn.Module, name: str) -> _Tally:
@@ -154,7 +157,6 @@ def _tally(root: nn.Module) -> dict[str, _Tally]:
                 tally.count += 1
                 tally.numel += p.numel()
                 tally.frozen &= not p.requires_grad
-                tally.trainable &= p.requires_grad
         for child_name, child in module._modules.items():
             if child is None:
                 continue
@@ -162,7 +164,6 @@ def _tally(root: nn.Module) -> dict[str, _Tally]:
             tally.count += sub.count
             tally.numel += sub.numel
             tally.frozen &= sub.frozen
-            tally.trainable &= sub.trainable
         out[name] = tally
         return tally
 
@@ -197,7 +198,7 @@ def find_ema_pairs(root: nn.Module) -> list[EMAPair]:
             continue  # only the outermost frozen subtree
         signature = None
         candidates = sorted(
-            (other for other, t in tallies.items() if other and t.trainable and t.count == tally.count and t.numel == tally.numel),
+            (other for other, t in tallies.items() if other and not t.frozen and t.count == tally.count and t.numel == tally.numel),
             key=lambda other: (other.rpartition(".")[0] != parent, other.count("."), other),
         )
         for other in candidates:
@@ -211,52 +212,78 @@ def find_ema_pairs(root: nn.Module) -> list[EMAPair]:
     return pairs
 
 
+_DECLARABLE = ("optimizers", "ema_pairs", "manual_optimization", "multi_forward", "callback_modules")
+
+
 def _declared(module: nn.Module) -> MethodNeeds | Mapping[str, Any] | None:
     declared = getattr(module, NEEDS_ATTRIBUTE, None)
-    if declared is None or isinstance(declared, (MethodNeeds, Mapping)):
+    if declared is None or isinstance(declared, MethodNeeds):
         return declared
-    raise AutoShardError(
-        f"{type(module).__name__}.{NEEDS_ATTRIBUTE} must be a MethodNeeds or a dict such as"
-        f" {{'optimizers': 2, 'multi_forward': True}}, got {type(declared).__name__}"
-    )
+    if not isinstance(declared, Mapping):
+        raise AutoShardError(
+            f"{type(module).__name__}.{NEEDS_ATTRIBUTE} must be a MethodNeeds or a dict such as"
+            f" {{'optimizers': 2, 'multi_forward': True}}, got {type(declared).__name__}"
+        )
+    unknown = sorted(set(declared) - set(_DECLARABLE), key=str)
+    if unknown:
+        hints = "".join(f" {key!r}{did_you_mean(key, _DECLARABLE)}" for key in unknown)
+        raise AutoShardError(f"unknown key(s) in {type(module).__name__}.{NEEDS_ATTRIBUTE}:{hints}. Valid keys are {', '.join(_DECLARABLE)}")
+    if "optimizers" in declared:
+        _count(f"{NEEDS_ATTRIBUTE}['optimizers']", declared["optimizers"])
+    for key in ("manual_optimization", "multi_forward"):
+        if key in declared and not isinstance(declared[key], bool):
+            raise AutoShardError(f"{NEEDS_ATTRIBUTE}[{key!r}] must be True or False, got {declared[key]!r}")
+    return declared
 
 
 def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> MethodNeeds:
-    allowed = {"optimizers", "ema_pairs", "manual_optimization", "multi_forward", "callback_modules"}
-    unknown = sorted(set(declared) - allowed)
-    if unknown:
-        raise AutoShardError(f"unknown key(s) {', '.join(unknown)} in {NEEDS_ATTRIBUTE}: valid keys are {', '.join(sorted(allowed))}")
     changes: dict[str, Any] = {}
     if "optimizers" in declared:
         others = tuple(src for src in detected.optimizer_sources if src[0] != "configure_optimizers")
-        changes["optimizer_sources"] = (("declared", int(declared["optimizers"])), *others)
-    if "ema_pairs" in declared:
-        changes["ema_pairs"] = tuple(p if isinstance(p, EMAPair) else EMAPair(*p) for p in declared["ema_pairs"])
-    for key in ("manual_optimization", "multi_forward"):
+        changes["optimizer_sources"] = (("declared", declared["optimizers"]), *others)
+    for key in ("ema_pairs", "manual_optimization", "multi_forward", "callback_modules"):
         if key in declared:
-            changes[key] = bool(declared[key])
-    if "callback_modules" in declared:
-        changes["callback_modules"] = tuple(declared["callback_modules"])
+            changes[key] = declared[key]
     return dataclasses.replace(detected, **changes)
 
 
+def _sharded_parameter(module: nn.Module) -> str | None:
+    """A parameter that fully_shard (a DTensor) or ZeRO-3 (``ds_id``) already partitioned, if any."""
+    return next((n for n, p in module.named_parameters() if hasattr(p, "placements") or hasattr(p, "ds_id")), None)
+
+
+def _configured_optimizers(module: nn.Module) -> int:
+    """Call the user's configure_optimizers once, on the unsharded module, only to count what it returns."""
+    sharded = _sharded_parameter(module)
+    if sharded is not None:
+        raise AutoShardError(
+            f"autoshard counts optimizers on the unsharded module, but {type(module).__name__}.{sharded} is already"
+            f" sharded. Call inspect_needs before sharding, or declare them: set `{NEEDS_ATTRIBUTE} = {{'optimizers': N}}`"
+            f" on the module"
+        )
+    try:
+        return count_optimizers(module.configure_optimizers())
+    except Exception as exc:  # the user's hook may need state we do not have; say how to skip it
+        raise AutoShardError(
+            f"autoshard could not count optimizers: {type(module).__name__}.configure_optimizers() raised"
+            f" {type(exc).__name__}: {str(exc).rstrip('.')}. Declare them instead: set `{NEEDS_ATTRIBUTE} = {{'optimizers': N}}`"
+            f" on the module"
+        ) from exc
+
+
 def inspect_needs(module: nn.Module, trainer: Any = None, callbacks: Sequence[object] | None = None) -> MethodNeeds:
-    """Find what ``module`` needs; ``trainer`` (or ``callbacks``) adds the optimizers its callbacks own."""
+    """Find what ``module`` needs; the callbacks (``callbacks``, else ``trainer``'s, else the attached Trainer's) add theirs.
+
+    A declared ``autoshard_needs`` wins: a MethodNeeds is returned as is, a dict overrides only the keys it names.
+    """
     declared = _declared(module)
     if isinstance(declared, MethodNeeds):
         return declared
-    declared_optimizers = isinstance(declared, Mapping) and "optimizers" in declared
     sources: list[tuple[str, int]] = []
-    if not declared_optimizers and callable(getattr(module, "configure_optimizers", None)):
-        try:
-            sources.append(("configure_optimizers", count_optimizers(module.configure_optimizers())))
-        except Exception as exc:  # the user's hook may need state we do not have; say how to skip it
-            raise AutoShardError(
-                f"autoshard could not count optimizers: {type(module).__name__}.configure_optimizers() raised"
-                f" {type(exc).__name__}: {exc}. Declare them instead: set `{NEEDS_ATTRIBUTE} = {{'optimizers': N}}`"
-                f" on the module"
-            ) from exc
+    if not (declared and "optimizers" in declared) and callable(getattr(module, "configure_optimizers", None)):
+        sources.append(("configure_optimizers", _configured_optimizers(module)))
     if callbacks is None:
+        trainer = trainer if trainer is not None else getattr(module, "_trainer", None)
         callbacks = list(getattr(trainer, "callbacks", None) or [])
     callback_sources, callback_modules = _callback_needs(module, callbacks)
     detected = MethodNeeds(
@@ -266,4 +293,4 @@ def inspect_needs(module: nn.Module, trainer: Any = None, callbacks: Sequence[ob
         root_parameters=tuple(n for n, _ in module.named_parameters(recurse=False)),
         callback_modules=tuple(callback_modules),
     )
-    return _apply_declared(detected, declared) if isinstance(declared, Mapping) else detected
+    return _apply_declared(detected, declared) if declared else detected

@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from autoshard.backends import BACKENDS, Availability, Backend, get_backend
-from autoshard.capability import Feature, Support
+from autoshard.capability import INTENT_FEATURES, Feature, Support
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError
-from autoshard.intent import ShardingIntent
+from autoshard.intent import ShardingIntent, as_intent
 from autoshard.needs import MethodNeeds
 
 _PRECISION_FEATURE = {
@@ -18,13 +18,14 @@ _PRECISION_FEATURE = {
     "16-true": Feature.FP16_TRUE,
     "32-true": Feature.FP32,
 }
+AUTO = ("auto", "auto-shard", "auto_shard")
 
 
 def features_needed(needs: MethodNeeds, intent: ShardingIntent, accelerator: str | None = None) -> dict[Feature, str]:
     """Each feature this run needs, with the detail that shows where the need comes from."""
     out: dict[Feature, str] = {}
     if needs.num_optimizers > 1:
-        out[Feature.MULTIPLE_OPTIMIZERS] = f"{needs.num_optimizers} optimizers ({needs.describe_optimizers()})"
+        out[Feature.MULTIPLE_OPTIMIZERS] = f"{needs.num_optimizers} optimizers: {needs.describe_optimizers()}"
     if needs.ema_pairs:
         out[Feature.EMA_TEACHER_STUDENT] = "; ".join(f"teacher '{p.teacher}' follows student '{p.student}'" for p in needs.ema_pairs)
     if needs.multi_forward:
@@ -51,14 +52,14 @@ def features_needed(needs: MethodNeeds, intent: ShardingIntent, accelerator: str
         out[Feature.DISTRIBUTED_CHECKPOINT] = "checkpoint='distributed'"
     if intent.tensor_parallel_size > 1:
         out[Feature.TENSOR_PARALLEL] = f"tensor_parallel_size={intent.tensor_parallel_size}"
-    if accelerator == "cpu":
+    if accelerator is not None and str(accelerator).lower() == "cpu":
         out[Feature.CPU_ACCELERATOR] = "accelerator='cpu'"
     return out
 
 
 @dataclass(frozen=True)
 class Conflict:
-    """One feature a backend cannot provide (or, with ``feature=None``, the backend is not installed)."""
+    """One feature a backend cannot provide (or, with ``feature=None``, the backend itself is refused or missing)."""
 
     feature: Feature | None
     detail: str
@@ -73,7 +74,7 @@ class Conflict:
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen backend, why, its caveats, and every other backend with what ruled it out."""
+    """The chosen backend, why, its caveats, and every backend that was ruled out with what ruled it out."""
 
     backend: str
     strategy: str
@@ -82,11 +83,11 @@ class Decision:
     rejected: Mapping[str, tuple[Conflict, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
-        lines = [f"autoshard decision: {self.backend} (strategy='{self.strategy}')"]
-        lines += [f"  because: {r}" for r in self.reasons]
-        lines += [f"  caveat: {c.line()}. {c.remedy}" for c in self.caveats]
+        lines = [f"autoshard chose {self.backend} (strategy='{self.strategy}')"]
+        lines += [f"  {r}" for r in self.reasons]
+        lines += [f"  caveat: {c.line()}. Fix: {c.remedy}" for c in self.caveats]
         for name, conflicts in self.rejected.items():
-            lines.append(f"  refused {name}:")
+            lines.append(f"  ruled out {name}:")
             lines += [f"    - {c.line()}" for c in conflicts]
         return "\n".join(lines)
 
@@ -103,29 +104,78 @@ class Decision:
         }
 
 
-def _evaluate(backend: Backend, needed: Mapping[Feature, str], available: Availability) -> tuple[list[Conflict], list[Conflict]]:
+@dataclass(frozen=True)
+class _Verdict:
+    """One backend against this run: what it cannot do, what it does only partly, and whether it is installed."""
+
+    backend: Backend
+    conflicts: tuple[Conflict, ...]
+    caveats: tuple[Conflict, ...]
+    installed: Availability
+
+    @property
+    def missing(self) -> Conflict | None:
+        if self.installed.ok or self.backend.refused:
+            return None
+        return Conflict(None, self.installed.detail, f"the {self.backend.name} backend needs it", self.installed.fix)
+
+    @property
+    def all_conflicts(self) -> tuple[Conflict, ...]:
+        return self.conflicts + ((self.missing,) if self.missing else ())
+
+    @property
+    def usable(self) -> bool:
+        return not self.all_conflicts
+
+    @property
+    def fixes(self) -> list[str]:
+        """Feature fixes first: installing a backend that could not run the method anyway fixes nothing."""
+        return list(dict.fromkeys(c.remedy for c in (self.conflicts or self.all_conflicts)))
+
+
+def _evaluate(backend: Backend, needed: Mapping[Feature, str], installed: Availability) -> _Verdict:
+    if backend.refused:  # one refusal, not one line per feature
+        c = next(iter(backend.row.values()))
+        return _Verdict(backend, (Conflict(None, "refused", c.reason, c.remedy),), (), installed)
     conflicts, caveats = [], []
     for feature, detail in needed.items():
         c = backend.row[feature]
         if c.support is Support.PARTIAL:
             caveats.append(Conflict(feature, detail, c.reason, c.remedy))
-        elif not c.support.usable:
+        elif c.support is not Support.YES:
             conflicts.append(Conflict(feature, detail, c.reason, c.remedy))
-    if not available.ok and backend.name != "fsdp1":
-        conflicts.append(Conflict(None, available.detail, f"the {backend.name} backend needs it", available.fix))
-    return conflicts, caveats
+    return _Verdict(backend, tuple(conflicts), tuple(caveats), installed)
 
 
-def _refusal(backend: str, conflicts: list[Conflict], works: Backend | None) -> str:
-    lines = [f"autoshard cannot run this on {backend}:"]
-    lines += [f"  - {c.line()}" for c in conflicts]
-    if works is not None:
-        lines.append(f"Backend that works: {works.name} (strategy='{works.strategy}').")
-    else:
-        lines.append("No installed backend can run it as configured.")
-    fixes = list(dict.fromkeys(c.remedy for c in conflicts))
-    lines.append("Fix: " + "; ".join(fixes))
-    return "\n".join(lines)
+def _rank(verdict: _Verdict) -> int:
+    """How much of what the intent asks for this backend does only partly (see INTENT_FEATURES)."""
+    return sum(c.feature in INTENT_FEATURES for c in verdict.caveats)
+
+
+def _refusal(requested: _Verdict | None, verdicts: Mapping[str, _Verdict], works: Backend | None) -> IncompatibleBackendError:
+    """The error for a refused request, or for a run nothing can take; it names the conflicts, what works, the fix."""
+    if requested is not None and (works is not None or requested.backend.refused):
+        b = requested.backend
+        lines = [f"autoshard cannot run this on {b.name} (strategy='{b.strategy}'):"]
+        lines += [f"  - {c.line()}" for c in requested.all_conflicts]
+        if works is not None:
+            lines.append(f"Backend that works: {works.name} (strategy='{works.strategy}').")
+        lines.append("Fix: " + "; ".join(requested.fixes))
+        only_missing = not requested.conflicts
+        return (BackendUnavailableError if only_missing else IncompatibleBackendError)("\n".join(lines))
+    # Nothing fits. Closest: a backend that only needs installing, else the one with the fewest conflicts.
+    candidates = [v for v in verdicts.values() if not v.backend.refused]
+    closest = min(candidates, key=lambda v: (len(v.conflicts), v.missing is not None))
+    head = f"autoshard cannot run this on {requested.backend.name}, nor on any other backend:" if requested else (
+        "autoshard found no backend that can run this method with this intent:"
+    )
+    lines = [head]
+    for v in candidates:
+        lines += [f"  - {v.backend.name}: {c.line()}" for c in v.all_conflicts]
+    lines.append(f"Closest: {closest.backend.name} (strategy='{closest.backend.strategy}').")
+    lines.append("Fix: " + "; ".join(closest.fixes))
+    error = BackendUnavailableError if not closest.conflicts else IncompatibleBackendError
+    return error("\n".join(lines))
 
 
 def select_backend(
@@ -138,44 +188,50 @@ def select_backend(
 ) -> Decision:
     """Return the backend to use, or raise IncompatibleBackendError naming the conflict, what works and the fix.
 
-    ``available`` overrides the installed-package checks (for ``autoshard explain`` of another machine).
+    ``available`` overrides the installed-package checks by backend name (for ``autoshard explain`` of another
+    machine, and for tests). "auto" takes fsdp2 unless only another backend fully provides what the intent asks.
     """
-    intent = intent or ShardingIntent()
-    wanted = None if prefer == "auto" else get_backend(prefer)
+    intent = as_intent(intent)
+    wanted = None if isinstance(prefer, str) and prefer.strip().lower() in AUTO else get_backend(prefer)
+    overrides = {get_backend(name).name: check for name, check in (available or {}).items()}
     needed = features_needed(needs, intent, accelerator)
-    checks = {name: (available or {}).get(name) or b.check() for name, b in BACKENDS.items()}
-    verdicts = {name: _evaluate(b, needed, checks[name]) for name, b in BACKENDS.items()}
-    fsdp1 = BACKENDS["fsdp1"].row[Feature.MULTI_FORWARD]
-    rejected_fsdp1 = [Conflict(None, "FSDP1 is refused", fsdp1.reason, fsdp1.remedy)]
-    usable = [n for n, (conflicts, _) in verdicts.items() if not conflicts and n != "fsdp1"]
-    usable.sort(key=lambda n: bool(verdicts[n][1]))  # no caveats first; ties keep preference order
-    best = BACKENDS[usable[0]] if usable else None
+    verdicts = {
+        name: _evaluate(b, needed, overrides[name] if name in overrides else b.check()) for name, b in BACKENDS.items()
+    }
+    usable = sorted((v for v in verdicts.values() if v.usable), key=_rank)  # stable: ties keep preference order
+    best = usable[0] if usable else None
 
-    if wanted is not None and wanted.name == "fsdp1":
-        raise IncompatibleBackendError(_refusal("fsdp1", rejected_fsdp1, best))
-    chosen = wanted or best
-    if chosen is None:
-        # Nothing fits: report the backend closest to working (fewest conflicts) and its fixes.
-        closest = min((n for n in verdicts if n != "fsdp1"), key=lambda n: len(verdicts[n][0]))
-        lines = ["autoshard found no backend that can run this method with this intent:"]
-        for name, (conflicts, _) in verdicts.items():
-            for c in conflicts if name != "fsdp1" else rejected_fsdp1:
-                lines.append(f"  - {name}: {c.line()}")
-        fixes = list(dict.fromkeys(c.remedy for c in verdicts[closest][0]))
-        lines.append(f"Closest: {closest} (strategy='{BACKENDS[closest].strategy}').")
-        lines.append("Fix: " + "; ".join(fixes))
-        raise IncompatibleBackendError("\n".join(lines))
-    conflicts, caveats = verdicts[chosen.name]
-    if conflicts:
-        error = BackendUnavailableError if all(c.feature is None for c in conflicts) else IncompatibleBackendError
-        alternative = best if best is not None and best.name != chosen.name else None
-        raise error(_refusal(chosen.name, conflicts, alternative))
-    reasons = [f"requested {chosen.name}" if wanted else f"{chosen.name} supports everything needed"]
+    if wanted is not None:
+        chosen = verdicts[wanted.name]
+        if not chosen.usable:
+            raise _refusal(chosen, verdicts, best.backend if best else None)
+        reasons = [f"requested: {wanted.name}"]
+    elif best is None:
+        raise _refusal(None, verdicts, None)
+    else:
+        chosen = best
+        reasons = [_why_auto(chosen, verdicts)]
     reasons.append("needs: " + ", ".join(f"{f.value} [{d}]" for f, d in needed.items()))
-    reasons.append(f"installed: {checks[chosen.name].detail}")
-    rejected = {n: tuple(cs if n != "fsdp1" else rejected_fsdp1) for n, (cs, _) in verdicts.items() if n != chosen.name and (cs or n == "fsdp1")}
-    if wanted is None:
-        for n in usable:
-            if n != chosen.name:
-                rejected[n] = tuple(verdicts[n][1]) or (Conflict(None, "usable", f"ranks after {chosen.name} in preference order", ""),)
-    return Decision(chosen.name, chosen.strategy, tuple(reasons), tuple(caveats), rejected)
+    reasons.append(f"installed: {chosen.installed.detail}")
+    rejected = {n: v.all_conflicts for n, v in verdicts.items() if n != chosen.backend.name and not v.usable}
+    return Decision(chosen.backend.name, chosen.backend.strategy, tuple(reasons), chosen.caveats, rejected)
+
+
+def _why_auto(chosen: _Verdict, verdicts: Mapping[str, _Verdict]) -> str:
+    """One sentence on why "auto" took this backend over the ones ahead of it in preference order."""
+    ahead = []
+    for v in verdicts.values():
+        if v is chosen:
+            break
+        if v.backend.refused:
+            continue
+        if v.conflicts:
+            ahead.append(f"{v.backend.name} cannot run {', '.join(c.feature.value for c in v.conflicts if c.feature)}")
+        elif v.missing:
+            ahead.append(f"{v.backend.name} is not usable here ({v.installed.detail})")
+        else:
+            partly = [c.feature.value for c in v.caveats if c.feature in INTENT_FEATURES]
+            ahead.append(f"{v.backend.name} only partly supports {', '.join(partly)}")
+    if not ahead:
+        return f"auto: {chosen.backend.name} is the first choice and runs everything needed"
+    return f"auto: {chosen.backend.name}, because " + "; ".join(ahead)

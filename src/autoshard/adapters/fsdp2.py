@@ -293,6 +293,14 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
             replicated.append(_replicated(name, [p], "parameter on the LightningModule root"))
         else:
             replicated.append(_replicated(name, [p], "not inside any sharded unit"))
+    if not units:
+        message = (
+            f"no parameter-owning child modules found to shard in {type(module).__name__}: your trainable parameters"
+            f" live directly on the module. Fix: put them in child modules, or {PARALLELIZE_FN_HINT}"
+        )
+        if intent.strict:
+            raise AutoShardError(message)
+        notes.append(message)
     root_params = [r.name for r in replicated if r.why.startswith("parameter on the")]
     if root_params:
         message = (
@@ -303,14 +311,6 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
         if intent.strict:
             raise AutoShardError(message.replace("they stay replicated with averaged gradients", "strict=True refuses to replicate them"))
         warnings.warn(message, stacklevel=2)
-    if not units:
-        message = (
-            f"no parameter-owning child modules found to shard in {type(module).__name__}: your trainable parameters"
-            f" live directly on the module. Fix: put them in child modules, or {PARALLELIZE_FN_HINT}"
-        )
-        if intent.strict:
-            raise AutoShardError(message)
-        notes.append(message)
     return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes)
 
 

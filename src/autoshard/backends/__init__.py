@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
-from autoshard.capability import Feature, Row
-from autoshard.errors import IntentError
+from autoshard.capability import Feature, Row, Support
+from autoshard.errors import IntentError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -22,17 +22,25 @@ class Availability:
 
 
 def require(package: str, minimum: str, install: str) -> Availability:
-    """Check an installed distribution against a minimum version, without importing it."""
+    """Check an installed distribution against a minimum version, without importing it (importing deepspeed is slow).
+
+    Release numbers are compared, so nightly and local builds such as ``2.6.0a0+git1234`` count as 2.6.0.
+    """
     try:
         found = metadata.version(package)
     except metadata.PackageNotFoundError:
         return Availability(False, f"{package} is not installed", install)
-    if Version(found).release < Version(minimum).release:
-        return Availability(False, f"{package} {found} is older than the required {minimum}", install)
+    try:
+        too_old = Version(found).release < Version(minimum).release
+    except InvalidVersion:  # an odd local build: it is installed, and refusing it would block a working setup
+        return Availability(True, f"{package} {found} (version not checked)")
+    if too_old:
+        return Availability(False, f"{package} {found} is older than the required {minimum}", f'pip install -U "{package}>={minimum}"')
     return Availability(True, f"{package} {found}")
 
 
 def require_all(*checks: Availability) -> Availability:
+    """The first failed check, or one that lists every version found."""
     for check in checks:
         if not check.ok:
             return check
@@ -54,6 +62,11 @@ class Backend:
         if missing:
             raise ValueError(f"backend {self.name} has no matrix cell for: {', '.join(missing)}")
 
+    @property
+    def refused(self) -> bool:
+        """A backend autoshard lists only to refuse it (FSDP1)."""
+        return all(c.support is Support.REJECTED for c in self.row.values())
+
 
 def _load() -> dict[str, Backend]:
     from autoshard.backends import deepspeed, fsdp1, fsdp2
@@ -61,12 +74,28 @@ def _load() -> dict[str, Backend]:
     return {b.name: b for b in (fsdp2.BACKEND, deepspeed.BACKEND, fsdp1.BACKEND)}
 
 
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
 BACKENDS: dict[str, Backend] = _load()
-ALIASES: dict[str, str] = {"deepspeed": "deepspeed_zero3", "zero3": "deepspeed_zero3", "fsdp": "fsdp1"}
+# Users type Lightning strategy strings as often as backend names; both lead to the same backend.
+ALIASES: dict[str, str] = {
+    "deepspeed": "deepspeed_zero3",
+    "zero3": "deepspeed_zero3",
+    "deepspeed_stage_3": "deepspeed_zero3",
+    "fsdp": "fsdp1",
+    **{_key(b.strategy): b.name for b in BACKENDS.values()},
+}
 
 
 def get_backend(name: str) -> Backend:
-    key = ALIASES.get(name.lower().replace("-", "_"), name.lower().replace("-", "_"))
+    """The backend for a name, an alias or a strategy string; unknown names list the valid ones."""
+    key = _key(name) if isinstance(name, str) else ""
+    key = ALIASES.get(key, key)
     if key not in BACKENDS:
-        raise IntentError(f"unknown backend {name!r}: choose one of 'auto', {', '.join(map(repr, BACKENDS))}")
+        choices = ["auto", *(n for n, b in BACKENDS.items() if not b.refused)]
+        raise IntentError(
+            f"unknown backend {name!r}{did_you_mean(name, choices)}: choose one of {', '.join(map(repr, choices))}"
+        )
     return BACKENDS[key]

@@ -7,7 +7,7 @@ from autoshard.capability import Cell, Feature, Support
 
 REASON = (
     "FSDP1's flat-parameter training state machine breaks methods that run several forwards per step"
-    " (DINO, I-JEPA, BYOL multi-crop) and cannot run on CPU"
+    " (DINO, I-JEPA, BYOL multi-crop), and FSDP2 covers everything it does, so autoshard does not drive it"
 )
 REMEDY = "use strategy='fsdp2' (same memory savings, per-parameter sharding)"
 ROW = {feature: Cell(Support.REJECTED, REASON, REMEDY) for feature in Feature}

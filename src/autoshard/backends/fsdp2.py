@@ -8,6 +8,7 @@ from autoshard.capability import Feature, no, partial, yes
 MIN_TORCH = "2.4"
 MIN_LIGHTNING = "2.4"
 INSTALL = 'pip install "torch>=2.4" "lightning>=2.4"'
+DEEPSPEED_IF_ALLOWED = "strategy='autoshard-deepspeed' if the method has one optimizer, no EMA teacher and one forward per step"
 
 ROW = {
     Feature.MULTIPLE_OPTIMIZERS: yes("each optimizer sees its own sharded DTensor parameters"),
@@ -23,8 +24,9 @@ ROW = {
     Feature.PER_BLOCK_SHARDING: yes("blocks are the parameter-owning elements of every ModuleList / Sequential"),
     Feature.BF16: yes(),
     Feature.FP16_MIXED: no(
-        "Lightning's ModelParallelStrategy has no sharded gradient scaler, so fp16 autocast would train unscaled",
-        "use precision='bf16-mixed'",
+        "Lightning's ModelParallelStrategy refuses precision='16-mixed': it has no sharded gradient scaler, so fp16"
+        " autocast would train unscaled",
+        "use precision='bf16-mixed', or " + DEEPSPEED_IF_ALLOWED,
     ),
     Feature.FP16_TRUE: yes(),
     Feature.FP32: yes(),
@@ -32,11 +34,11 @@ ROW = {
     Feature.CPU_OFFLOAD_OPTIMIZER: partial(
         "FSDP2 has no optimizer-only offload; CPUOffloadPolicy offloads parameters, gradients and optimizer"
         " state together and runs the optimizer step on CPU",
-        "use offload='params' to accept that, or strategy='autoshard-deepspeed' for a single-optimizer method",
+        "use offload='params' to accept that, or " + DEEPSPEED_IF_ALLOWED,
     ),
     Feature.NVME_OFFLOAD: no(
         "FSDP2 can offload to CPU memory only",
-        "use offload_device='cpu', or strategy='autoshard-deepspeed' for a single-optimizer method",
+        "use offload_device='cpu', or " + DEEPSPEED_IF_ALLOWED,
     ),
     Feature.ACTIVATION_CHECKPOINTING: yes("applied per block before sharding"),
     Feature.DISTRIBUTED_CHECKPOINT: yes("torch.distributed.checkpoint directory, reshardable on resume"),

@@ -1,6 +1,7 @@
 """Fail-fast guards installed on ``import autoshard``: FSDP1 and fp16-under-fsdp2 are refused with a redirect.
 
-Both wrap Lightning methods (one public class's __init__, one private connector check); they live only here.
+They wrap FSDPStrategy.__init__ and two private checks of Lightning's accelerator connector (verified on
+lightning 2.4-2.6); every such wrap lives only here.
 """
 
 from __future__ import annotations
@@ -35,15 +36,30 @@ def install_guards() -> None:
         refuse_fsdp1._autoshard_guard = True  # type: ignore[attr-defined]
         FSDPStrategy.__init__ = refuse_fsdp1  # type: ignore[method-assign]
 
+    fallback = _AcceleratorConnector._check_strategy_and_fallback
+    if not getattr(fallback, "_autoshard_guard", False):
+
+        @functools.wraps(fallback)
+        def check_strategy(self: Any) -> None:
+            # Lightning rejects "fsdp" on CPU here with its own text, before the class is ever built.
+            flag = self._strategy_flag
+            if isinstance(flag, str) and flag in FSDPStrategy.get_registered_strategies():
+                raise IncompatibleBackendError(fsdp1_refusal())
+            fallback(self)
+
+        check_strategy._autoshard_guard = True  # type: ignore[attr-defined]
+        _AcceleratorConnector._check_strategy_and_fallback = check_strategy  # type: ignore[method-assign]
+
     original = _AcceleratorConnector._validate_precision_choice
     if not getattr(original, "_autoshard_guard", False):
 
         @functools.wraps(original)
         def validate_precision(self: Any) -> None:
-            # Lightning only checks strategy *instances*, and says "Fabric(...)": give the Trainer-level refusal.
+            # Lightning checks only strategy *instances* (not names), says "Fabric(...)", and on CPU silently turns
+            # 16-mixed into bf16-mixed later: refuse first, for names and instances alike.
             from autoshard.lightning.fsdp2 import FSDP2_PRECISIONS, FSDP2Strategy, precision_refusal
 
-            strategy = self._strategy_flag
+            strategy = self.strategy
             if isinstance(strategy, FSDP2Strategy) and self._precision_flag not in FSDP2_PRECISIONS:
                 raise IncompatibleBackendError(precision_refusal(self._precision_flag, strategy.strategy_name))
             original(self)

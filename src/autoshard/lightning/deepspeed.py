@@ -1,0 +1,359 @@
+"""DeepSpeed under Lightning: "autoshard-deepspeed" (ZeRO-3 from a ShardingIntent) and guarded Lightning names.
+
+Both strategies inspect the LightningModule and its callbacks before the DeepSpeed engine exists, and refuse
+what DeepSpeed cannot train (several optimizers, an EMA teacher under ZeRO-3, several forwards) with the
+backend that works and the fix, instead of Lightning's opaque error or a silent mis-training.
+Importing this module does not import deepspeed; constructing a strategy does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import warnings
+from collections.abc import Mapping
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from autoshard.adapters.deepspeed import deepspeed_config
+from autoshard.backends import deepspeed as deepspeed_backend
+from autoshard.capability import Feature
+from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
+from autoshard.intent import ShardingIntent, as_intent, normalize_precision
+from autoshard.needs import MethodNeeds, inspect_needs
+from autoshard.select import Decision, select_backend
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
+
+# Lightning's own DeepSpeed names, re-registered to GuardedDeepSpeedStrategy with the init params Lightning gave them.
+LIGHTNING_DEEPSPEED_NAMES: tuple[str, ...] = (
+    "deepspeed",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+    "deepspeed_stage_2_offload",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_offload",
+    "deepspeed_stage_3_offload_nvme",
+)
+
+
+# ================================================================================================================
+# THE ONLY PLACE autoshard touches private Lightning DeepSpeedStrategy members. Verified against lightning 2.6.6.
+#   _format_config()             overridden by AutoShardDeepSpeedStrategy: Lightning calls it lazily (from setup()
+#                                and model_sharded_context()) exactly when the config must be final.
+#   _auto_select_batch_size()    called: Lightning's guess of the per-device batch size from the train DataLoader.
+#   _init_deepspeed_distributed() called on CPU: sets MASTER_*/RANK env, picks gloo for a CPU root device, timeout.
+# Public methods overridden for CPU: setup_environment (skips the CUDA-only check), setup_distributed (skips the
+# device-index check, which CPU devices without an index always fail), root_device (DeepSpeed reads
+# root_device.index as device_rank; None crashes the engine).
+# ================================================================================================================
+TESTED_LIGHTNING = SpecifierSet(">=2.6,<2.7")
+_PRIVATE_MEMBERS = ("_format_config", "_auto_select_batch_size", "_init_deepspeed_distributed")
+
+
+def check_lightning(version: str | None = None) -> None:
+    """Refuse a Lightning without the private members hooked below; warn outside the tested minor range."""
+    found = version or metadata.version("lightning")
+    missing = [name for name in _PRIVATE_MEMBERS if not callable(getattr(DeepSpeedStrategy, name, None))]
+    if missing:
+        raise BackendUnavailableError(
+            f"lightning {found} has no DeepSpeedStrategy.{', DeepSpeedStrategy.'.join(missing)}, which autoshard's"
+            f" DeepSpeed strategies hook (verified on lightning {TESTED_LIGHTNING}). Backend that works: fsdp2"
+            f" (strategy='fsdp2'). Fix: pip install \"lightning{TESTED_LIGHTNING}\""
+        )
+    if not TESTED_LIGHTNING.contains(Version(found), prereleases=True):
+        warnings.warn(
+            f"autoshard's DeepSpeed strategies hook private Lightning members verified on lightning"
+            f" {TESTED_LIGHTNING}; found lightning {found}. If setup fails, pin pip install \"lightning{TESTED_LIGHTNING}\"",
+            stacklevel=3,
+        )
+
+
+def _lightning_batch_size(strategy: DeepSpeedStrategy) -> int:
+    """The train DataLoader's batch_sampler.batch_size, else 1 (Lightning's rule, so both strategies agree)."""
+    return int(strategy._auto_select_batch_size())
+
+
+def _lightning_init_distributed(strategy: DeepSpeedStrategy) -> None:
+    strategy._init_deepspeed_distributed()
+
+
+class _LightningConfigHook(DeepSpeedStrategy):
+    """Holds the one private override, so subclasses never name a private Lightning member themselves."""
+
+    def _format_config(self) -> None:  # private Lightning hook, see the block above
+        if not self._autoshard_format_config():
+            super()._format_config()
+
+    def _autoshard_format_config(self) -> bool:
+        """Return True when the config was produced here; False leaves Lightning's own formatting in place."""
+        return False
+
+
+# ================================================================================================================
+
+
+def require_deepspeed() -> None:
+    """BackendUnavailableError with the install command when deepspeed is missing, importing nothing."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise BackendUnavailableError(
+            f"deepspeed is not installed: the DeepSpeed ZeRO-3 backend (strategy='autoshard-deepspeed' or"
+            f" Lightning's 'deepspeed*' names) needs it. Backend that works without it: fsdp2 (strategy='fsdp2')."
+            f" Fix: {deepspeed_backend.INSTALL}"
+        )
+    available = deepspeed_backend.check()
+    if not available.ok:
+        raise BackendUnavailableError(
+            f"{available.detail}: the DeepSpeed ZeRO-3 backend needs it. Backend that works: fsdp2"
+            f" (strategy='fsdp2'). Fix: {available.fix}"
+        )
+
+
+def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:  # "... is not attached to a `Trainer`"
+        return None
+
+
+def _deepspeed_accelerator() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return str(get_accelerator().device_name())
+
+
+class GuardedDeepSpeedStrategy(_LightningConfigHook):
+    """Lightning's DeepSpeedStrategy, plus autoshard's refusal at setup and a CPU (gloo) path.
+
+    Registered under Lightning's own names, so ``Trainer(strategy="deepspeed_stage_3")`` refuses an EMA teacher or a
+    probe optimizer with guidance. Stages 1-2 do not partition parameters: there only several optimizers are refused.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_lightning()
+        require_deepspeed()
+        super().__init__(*args, **kwargs)
+        self.needs: MethodNeeds | None = None
+        self.decision: Decision | None = None
+
+    # -- what to check --------------------------------------------------------------------------------------------
+    @property
+    def zero_stage(self) -> int:
+        zero = (self.config or {}).get("zero_optimization") or {}
+        return int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
+
+    def _label(self) -> str:
+        return f"DeepSpeed ZeRO stage {self.zero_stage} ({type(self).__name__})"
+
+    def _trainer_precision(self) -> str | None:
+        try:
+            return normalize_precision(self.precision_plugin.precision)
+        except IntentError:
+            return None  # a precision autoshard does not plan for (e.g. transformer-engine): Lightning judges it
+
+    def _intent_to_check(self) -> ShardingIntent:
+        return ShardingIntent(precision=self._trainer_precision())
+
+    def _accelerator_name(self) -> str | None:
+        return self.parallel_devices[0].type if self.parallel_devices else None
+
+    def check_method(self, trainer: pl.Trainer) -> Decision:
+        """inspect_needs + select_backend for this module and its callbacks; raises before any engine exists."""
+        module = self.lightning_module
+        assert module is not None, "check_method needs the LightningModule connected (Trainer.fit does that)"
+        needs = inspect_needs(module, trainer)
+        if self.zero_stage != 3:
+            # Stages 1-2 keep whole parameters on every rank: EMA and several forwards are safe there.
+            needs = dataclasses.replace(needs, ema_pairs=(), multi_forward=False)
+        try:
+            decision = select_backend(needs, self._intent_to_check(), prefer=BACKEND, accelerator=self._accelerator_name())
+        except IncompatibleBackendError as err:
+            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.\n{err}") from None
+        self.needs, self.decision = needs, decision
+        return decision
+
+    # -- Lightning hooks --------------------------------------------------------------------------------------------
+    def _preflight(self) -> None:
+        """Before any process group: the early refusal, when the module's parameters already exist."""
+        module, trainer = self.lightning_module, _attached_trainer(self.lightning_module)
+        if module is not None and trainer is not None and any(True for _ in module.parameters()):
+            self.check_method(trainer)  # layers built in configure_model are checked at setup only
+
+    def setup_environment(self) -> None:
+        self._preflight()
+        if not self._on_cpu():
+            super().setup_environment()  # Lightning's CUDA path, unchanged
+            return
+        accelerator = _deepspeed_accelerator()
+        if accelerator != "cpu":
+            cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
+            raise IncompatibleBackendError(
+                f"Trainer(accelerator='cpu') with DeepSpeed, but DeepSpeed's accelerator is '{accelerator}': {cell.reason}."
+                f" Backend that works on CPU: fsdp2 (strategy='fsdp2'). Fix: export DS_ACCELERATOR=cpu before Python"
+                f" starts, or {cell.remedy}"
+            )
+        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu():
+            super().setup_distributed()
+            return
+        # Lightning checks device indices against local ranks; CPU devices have none, and nothing to select.
+        reset_seed()
+        self.set_world_ranks()
+        _lightning_init_distributed(self)
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._on_cpu():
+            return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
+        return super().root_device
+
+    def _on_cpu(self) -> bool:
+        return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        # Again here: callbacks' setup() hooks (probe optimizers) and configure_model have run since setup_environment.
+        decision = self.check_method(trainer)
+        rank_zero_info(decision.describe())
+        super().setup(trainer)
+
+
+# Lightning DeepSpeedStrategy arguments that shape the config: autoshard builds the config from the intent instead.
+_CONFIG_ARGUMENTS: dict[str, str] = {
+    "config": "pass a ShardingIntent; for a hand-written config use lightning's DeepSpeedStrategy(config=...)",
+    "zero_optimization": "autoshard-deepspeed always uses ZeRO-3",
+    "stage": "autoshard-deepspeed always uses ZeRO-3; for stage 1 or 2 use strategy='deepspeed_stage_2'",
+    "offload_optimizer": "set ShardingIntent(offload='optimizer')",
+    "offload_parameters": "set ShardingIntent(offload='params')",
+    "offload_params_device": "set ShardingIntent(offload_device='nvme', nvme_path=...)",
+    "offload_optimizer_device": "set ShardingIntent(offload_device='nvme', nvme_path=...)",
+    "nvme_path": "set ShardingIntent(nvme_path=...)",
+    "partition_activations": "set ShardingIntent(activation_checkpointing=True)",
+    "cpu_checkpointing": "set ShardingIntent(activation_checkpointing=True)",
+    "contiguous_memory_optimization": "set ShardingIntent(activation_checkpointing=True)",
+    "synchronize_checkpoint_boundary": "set ShardingIntent(activation_checkpointing=True)",
+    "logging_batch_size_per_gpu": "pass micro_batch_size=N",
+}
+_PASS_THROUGH = {
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "logging_level",
+    "load_full_weights",
+    "exclude_frozen_parameters",
+    "remote_device",
+}
+
+
+def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(intent fields, Lightning arguments); config-shaping Lightning arguments are refused with their intent field."""
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
+    for key in kwargs:
+        if key in _PASS_THROUGH:
+            continue
+        fix = _CONFIG_ARGUMENTS.get(key, f"pass zero_overrides={{'{key}': ...}} to set a zero_optimization key")
+        raise IntentError(f"AutoShardDeepSpeedStrategy does not take {key}=: it builds the DeepSpeed config from the intent. Fix: {fix}")
+    return fields, kwargs
+
+
+class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
+    """``strategy="autoshard-deepspeed"``: ZeRO-3 whose config is generated from a ShardingIntent.
+
+    The final config is built when Lightning first needs it, once the world size, the DataLoader batch size,
+    ``accumulate_grad_batches`` and ``gradient_clip_val`` are known. The Trainer's precision is the source of truth.
+    """
+
+    strategy_name = "autoshard-deepspeed"
+
+    def __init__(
+        self,
+        intent: ShardingIntent | Mapping[str, Any] | None = None,
+        *,
+        micro_batch_size: int | None = None,
+        zero_overrides: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        fields, lightning_kwargs = _split_arguments(dict(kwargs))
+        base = as_intent(intent)
+        self.intent = base.replace(**fields) if fields else base
+        self.micro_batch_size = micro_batch_size
+        self.zero_overrides = dict(zero_overrides or {})
+        check_lightning()
+        require_deepspeed()
+        # Intent-only refusals (tensor parallel, ...) at Trainer construction; the method is checked at setup.
+        select_backend(MethodNeeds(), self.intent, prefer=BACKEND)
+        provisional = deepspeed_config(self.intent, world_size=1, micro_batch_size=micro_batch_size or 1, zero_overrides=self.zero_overrides)
+        super().__init__(config=provisional, **lightning_kwargs)
+
+    def _intent_to_check(self) -> ShardingIntent:
+        return self.intent
+
+    def _resolve_precision(self) -> None:
+        trainer_precision = normalize_precision(self.precision_plugin.precision)
+        if self.intent.precision is not None and self.intent.precision != trainer_precision:
+            raise IntentError(
+                f"precision is given twice and differs: ShardingIntent(precision='{self.intent.precision}') but"
+                f" Trainer(precision='{trainer_precision}'). Backend: {BACKEND} trains in the Trainer's precision."
+                f" Fix: set it once, in the Trainer (Trainer(precision='{self.intent.precision}')), and drop it from the intent"
+            )
+        self.intent = self.intent.replace(precision=trainer_precision)
+
+    def setup_environment(self) -> None:
+        self._resolve_precision()
+        super().setup_environment()
+
+    def _autoshard_format_config(self) -> bool:
+        trainer = _attached_trainer(self.lightning_module)
+        if trainer is None:
+            return True  # no Trainer yet: keep the provisional config (Lightning leaves its own unformatted too)
+        self.config = deepspeed_config(
+            self.intent,
+            self.needs,
+            world_size=self.world_size,
+            micro_batch_size=self.micro_batch_size or _lightning_batch_size(self),
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+            zero_overrides=self.zero_overrides,
+        )
+        return True
+
+
+def register_deepspeed_strategies(registry: Any) -> None:
+    """Register "autoshard-deepspeed" and point Lightning's DeepSpeed names at the guarded class; idempotent."""
+    registry.register(
+        "autoshard-deepspeed",
+        AutoShardDeepSpeedStrategy,
+        description="autoshard: DeepSpeed ZeRO-3 from a ShardingIntent, refused with guidance when the method cannot run",
+        override=True,
+    )
+    for name in LIGHTNING_DEEPSPEED_NAMES:
+        entry = dict.get(registry, name)  # the raw entry: registry.get() would instantiate the strategy
+        if entry is None or entry["strategy"] not in (DeepSpeedStrategy, GuardedDeepSpeedStrategy):
+            continue  # absent, or someone else's subclass: leave it alone
+        registry.register(name, GuardedDeepSpeedStrategy, description=entry["description"], override=True, **entry["init_params"])
+
+
+__all__ = [
+    "AutoShardDeepSpeedStrategy",
+    "GuardedDeepSpeedStrategy",
+    "LIGHTNING_DEEPSPEED_NAMES",
+    "TESTED_LIGHTNING",
+    "check_lightning",
+    "register_deepspeed_strategies",
+    "require_deepspeed",
+]

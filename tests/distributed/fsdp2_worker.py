@@ -1,0 +1,287 @@
+"""One rank of the FSDP2 end-to-end checks; several scenarios run in a row in the same process pair.
+
+Launched by tests/distributed/test_fsdp2.py through the harness (torchrun-style environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import autoshard
+from autoshard.adapters.fsdp2 import plan_fsdp2
+from autoshard.demo import Blobs, DinoLike, OnlineProbe, ema_update
+from autoshard.lightning import FSDP2Strategy
+from tests.distributed.harness import write_result
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def trainer(strategy: Any, steps: int, precision: str = "32-true", callbacks: list | None = None) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=WORLD,
+        precision=precision,
+        max_steps=steps,
+        callbacks=callbacks or [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p.detach()).clone() for n, p in module.named_parameters()}
+
+
+def changed_and_finite(before: dict[str, torch.Tensor], module: nn.Module) -> dict[str, Any]:
+    after = snapshot(module)
+    changed = [n for n in before if not torch.equal(after[n], before[n])]
+    return {"changed": len(changed), "total": len(before), "finite": all(bool(torch.isfinite(t).all()) for t in after.values())}
+
+
+def shard_fractions(module: nn.Module) -> dict[str, float]:
+    return {n: p.to_local().numel() / p.numel() for n, p in module.named_parameters() if isinstance(p, DTensor)}
+
+
+class LossLog(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"].detach()))
+
+
+def scenario_dino() -> dict[str, Any]:
+    """The EMA + probe method under auto-shard with bf16-mixed: trains, shards 1/2, probe stays replicated."""
+    pl.seed_everything(0, verbose=False)
+    model = DinoLike()
+    before = snapshot(model)
+    probe, log = OnlineProbe(), LossLog()
+    t = trainer("auto-shard", steps=6, precision="bf16-mixed", callbacks=[probe, log])
+    t.fit(model, DataLoader(Blobs(n=192), batch_size=16))
+    plan = t.strategy.plan
+    return {
+        "decision": t.strategy.decision.backend,
+        "units": [u.name for u in plan.units],
+        "fractions": shard_fractions(model),
+        "teacher_is_dtensor": isinstance(model.teacher.blocks[0].fc1.weight, DTensor),
+        "weights": changed_and_finite(before, model),
+        "losses": log.losses,
+        "probe_weight": model.probe.weight.detach().flatten().tolist(),
+        "probe_loss": [probe.first_loss, probe.last_loss],
+        "probe_is_plain": not isinstance(model.probe.weight, DTensor),
+    }
+
+
+class Stack(pl.LightningModule):
+    """A supervised custom stack: blocks in a ModuleList, a head in a Sequential; SGD, fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": F.cross_entropy(self(x), y)}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+def stack_data(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    return TensorDataset(x, y)
+
+
+def scenario_equivalence() -> dict[str, Any]:
+    """2 ranks x batch 8 under fsdp2 must match 1 process x batch 16 of the same samples (same init, fp32)."""
+    pl.seed_everything(1, verbose=False)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    log = LossLog()
+    steps = 6
+    x_all, y_all = stack_data().tensors
+    with torch.no_grad():
+        loss_before = float(F.cross_entropy(model(x_all), y_all))
+    t = trainer("fsdp2", steps=steps, callbacks=[log])
+    data = stack_data()
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=False)
+    t.fit(model, DataLoader(data, batch_size=8, sampler=sampler))
+    # Single-process reference: DistributedSampler gives rank r the indices r, r+W, ...; a step's global batch
+    # is therefore samples [16k, 16k+16). Equal per-rank batch sizes make the mean gradients identical.
+    opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    for k in range(steps):
+        x, y = data[16 * k : 16 * (k + 1)]
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        loss_after = float(F.cross_entropy(model(x_all), y_all))  # a collective forward: every rank runs it
+    sharded = snapshot(model)
+    max_diff = max(float((sharded[n] - p.detach()).abs().max()) for n, p in reference.named_parameters())
+    return {
+        "units": [u.name for u in t.strategy.plan.units],
+        "fractions": shard_fractions(model),
+        "max_diff_vs_single_process": max_diff,
+        "full_loss": [loss_before, loss_after],
+        "losses": log.losses,
+        "weights": changed_and_finite(before, model),
+    }
+
+
+def scenario_ema_exact() -> dict[str, Any]:
+    """The positional-zip EMA update on DTensors equals the same update on unsharded copies, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(2)
+    model = DinoLike()
+    with torch.no_grad():
+        for p in model.student.parameters():
+            p.add_(torch.randn_like(p))  # student != teacher, so the update does something
+    reference = copy.deepcopy(model)
+    needs = autoshard.inspect_needs(model)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("data_parallel",))
+    plan_fsdp2(model, autoshard.ShardingIntent(), needs).apply(model, mesh)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model.teacher(x)  # a forward without backward: the root must reshard, or the zip mixes Tensor and DTensor
+    for _ in range(3):
+        ema_update(model.teacher, model.student, 0.9)
+        ema_update(reference.teacher, reference.student, 0.9)
+    got = snapshot(model.teacher)
+    want = {n: p.detach() for n, p in reference.teacher.named_parameters()}
+    return {"ema_equal": all(torch.equal(got[n], want[n]) for n in want), "pairs": [vars(p) for p in needs.ema_pairs]}
+
+
+class HFCausalLM(pl.LightningModule):
+    """A HF transformers model built from a small config (no download), trained as a plain LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def scenario_hf() -> dict[str, Any]:
+    pl.seed_everything(3, verbose=False)
+    model = HFCausalLM()
+    before = snapshot(model)
+    t = trainer("fsdp2", steps=2)
+    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+    t.fit(model, DataLoader(TensorDataset(ids), batch_size=4))
+    return {
+        "units": [(u.name, u.kind) for u in t.strategy.plan.units],
+        "fractions": shard_fractions(model),
+        "weights": changed_and_finite(before, model),
+    }
+
+
+def scenario_parallelize_fn() -> dict[str, Any]:
+    """A user parallelize_fn replaces the plan and receives the mesh with a data_parallel slice."""
+    from torch.distributed.fsdp import fully_shard
+
+    seen: dict[str, Any] = {}
+
+    def parallelize(module: nn.Module, device_mesh: Any) -> None:
+        dp = device_mesh["data_parallel"]
+        seen["dp_size"] = dp.size()
+        for block in module.blocks:
+            fully_shard(block, mesh=dp)
+        fully_shard(module.head, mesh=dp)
+        fully_shard(module.embed, mesh=dp)
+
+    pl.seed_everything(4, verbose=False)
+    model = Stack()
+    before = snapshot(model)
+    t = trainer(FSDP2Strategy(parallelize_fn=parallelize), steps=2)
+    t.fit(model, DataLoader(stack_data(), batch_size=8))
+    return {"dp_size": seen.get("dp_size"), "plan": t.strategy.plan is None, "fractions": shard_fractions(model), "weights": changed_and_finite(before, model)}
+
+
+def scenario_intent_knobs() -> dict[str, Any]:
+    """Mixed-precision policy, CPU offload, per-block activation checkpointing and resharding reach fully_shard."""
+    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed._composable.contract import _get_registry
+
+    intent = {"activation_checkpointing": True, "offload": "params", "param_dtype": "bfloat16", "reduce_dtype": "float32", "reshard_after_forward": False}
+    pl.seed_everything(5, verbose=False)
+    model = Stack()
+    before = snapshot(model)
+    t = trainer(FSDP2Strategy(intent=intent), steps=2)
+    t.fit(model, DataLoader(stack_data(), batch_size=8))
+    block, head = model.blocks[0][0], model.head
+    state = _get_module_state(block)
+    group = state._fsdp_param_group
+    return {
+        "param_dtype": str(group.mp_policy.param_dtype),
+        "reduce_dtype": str(group.mp_policy.reduce_dtype),
+        "offload": type(group.offload_policy).__name__,
+        "block_checkpointed": "checkpoint" in (_get_registry(block) or {}),
+        "head_checkpointed": "checkpoint" in (_get_registry(head) or {}),
+        "block_reshard_after_forward": group.post_forward_mesh_info is not None,
+        "weights": changed_and_finite(before, model),
+    }
+
+
+SCENARIOS = {
+    "intent_knobs": scenario_intent_knobs,
+    "dino": scenario_dino,
+    "equivalence": scenario_equivalence,
+    "ema_exact": scenario_ema_exact,
+    "hf": scenario_hf,
+    "parallelize_fn": scenario_parallelize_fn,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    results = {name: SCENARIOS[name]() for name in args.scenarios.split(",")}
+    write_result(args.out, RANK, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The fsdp2 / auto-shard strategies in one process: registration, guards and refusals, with their exact texts."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import autoshard
+from autoshard import IncompatibleBackendError, IntentError
+from autoshard.errors import AutoShardError
+from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
+
+
+def trainer(**kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.body(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+
+def test_strategies_are_registered_by_name() -> None:
+    assert isinstance(trainer(strategy="fsdp2").strategy, FSDP2Strategy)
+    assert type(trainer(strategy="auto-shard").strategy) is AutoShardStrategy
+
+
+def test_default_sizes_are_pure_fsdp_not_lightnings_tensor_parallel() -> None:
+    strategy = FSDP2Strategy()
+    assert strategy.intent.mesh_sizes(8) == (8, 1)
+
+
+@pytest.mark.parametrize("make", [lambda: trainer(strategy="fsdp"), lambda: __import__("lightning.pytorch.strategies", fromlist=["FSDPStrategy"]).FSDPStrategy()])
+def test_fsdp1_is_refused_with_a_redirect(make: Any) -> None:
+    with pytest.raises(IncompatibleBackendError) as info:
+        make()
+    text = str(info.value)
+    assert "FSDP1" in text and "several forwards per step" in text
+    assert "Backend that works: fsdp2" in text and "Fix: use strategy='fsdp2'" in text
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "auto-shard", "instance"])
+def test_16_mixed_is_refused_in_trainer_terms(strategy: str) -> None:
+    with pytest.raises(IncompatibleBackendError) as info:
+        trainer(strategy=FSDP2Strategy() if strategy == "instance" else strategy, precision="16-mixed")
+    text = str(info.value)
+    assert "precision='16-mixed') is not supported" in text and "Fabric" not in text
+    assert "'32-true', 'bf16-mixed', 'bf16-true', '16-true'" in text
+    assert "Fix: use Trainer(precision='bf16-mixed') (recommended)" in text
+
+
+def test_precision_given_twice_must_agree() -> None:
+    with pytest.raises(IntentError, match=r"ShardingIntent\(precision='bf16-true'\) but Trainer\(precision='32-true'\)"):
+        trainer(strategy=FSDP2Strategy(intent={"precision": "bf16-true"}), precision="32-true")
+    assert trainer(strategy=FSDP2Strategy(intent={"precision": "bf16-mixed"}), precision="bf16-mixed")
+
+
+def test_mesh_that_cannot_match_the_world_is_refused_at_construction() -> None:
+    with pytest.raises(IntentError) as info:
+        trainer(strategy=FSDP2Strategy(data_parallel_size=3), devices=2)
+    assert "3 * 1 = 3 does not match the world size 2" in str(info.value)
+    assert "data_parallel_size=2" in str(info.value)
+
+
+def test_slurm_tasks_must_match_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train",
+                       "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(IntentError) as info:
+        trainer(strategy="fsdp2", devices=2)
+    text = str(info.value)
+    assert "SLURM started 4 task(s) per node but Trainer(devices=2)" in text
+    assert "Fix: set Trainer(devices=4), or launch with `srun --ntasks-per-node=2" in text
+
+
+class RootParams(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (self.body(batch[0]) * self.scale).pow(2).mean()
+
+
+def test_root_parameters_refused_under_strict_with_parallelize_fn_hint() -> None:
+    with pytest.raises(AutoShardError) as info:
+        trainer(strategy=FSDP2Strategy(strict=True)).fit(RootParams(), loader())
+    text = str(info.value)
+    assert "parameters live directly on RootParams: scale" in text and "parallelize_fn" in text
+
+
+def test_root_parameters_warn_and_train_when_not_strict() -> None:
+    model = RootParams()
+    before = model.scale.detach().clone()
+    with pytest.warns(UserWarning, match="parameters live directly on RootParams: scale"):
+        t = trainer(strategy="fsdp2", max_steps=2)
+        t.fit(model, loader())
+    assert not torch.equal(model.scale.detach(), before)
+    assert [r.why for r in t.strategy.plan.replicated] == ["parameter on the LightningModule root"]
+
+
+class Flat(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (batch[0] @ self.w).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_no_parameter_owning_children_strict() -> None:
+    with pytest.raises(AutoShardError, match="no parameter-owning child modules found to shard in Flat"):
+        trainer(strategy=FSDP2Strategy(strict=True)).fit(Flat(), loader())
+
+
+class Mismatch(Net):
+    autoshard_needs = {"ema_pairs": [("teacher", "body")]}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).requires_grad_(False)
+
+
+def test_teacher_student_structure_mismatch_fails_fast() -> None:
+    with pytest.raises(AutoShardError) as info:
+        trainer(strategy="auto-shard").fit(Mismatch(), loader())
+    text = str(info.value)
+    assert "EMA teacher 'teacher' and student 'body' differ in structure" in text
+    assert "(3, 8) vs (2, 8)" in text and "copy.deepcopy(student)" in text
+
+
+class UserSharded(Net):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.body, mesh=self.device_mesh["data_parallel"])
+
+
+def test_user_configure_model_sharding_is_respected() -> None:
+    t = trainer(strategy="fsdp2", max_steps=1)
+    t.fit(UserSharded(), loader())
+    assert t.strategy.plan is None
+
+
+def test_auto_shard_picks_deepspeed_when_the_intent_needs_it() -> None:
+    pytest.importorskip("deepspeed")
+    strategy = AutoShardStrategy(intent={"offload": "optimizer", "offload_device": "nvme", "nvme_path": "/tmp/nvme"})
+    assert type(strategy).__name__ == "AutoShardDeepSpeedStrategy"
+
+
+def test_lightning_cli_yaml(tmp_path: Any) -> None:
+    """`trainer: {strategy: auto-shard, precision: bf16-mixed}` and an intent in YAML both resolve."""
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: autoshard.lightning.AutoShardStrategy\n"
+        "    init_args:\n      intent:\n        reshard_after_forward: false\n        checkpoint: full\n"
+        "  precision: bf16-mixed\n  accelerator: cpu\n  devices: 1\n"
+    )
+    cli = LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, AutoShardStrategy)
+    assert strategy.intent.reshard_after_forward is False and strategy.intent.checkpoint == "full"
+    assert strategy.intent.precision == "bf16-mixed"
+    cli = LightningCLI(Net, run=False, args=["--trainer.strategy=auto-shard", "--trainer.accelerator=cpu", "--trainer.devices=1"], save_config_callback=None)
+    assert isinstance(cli.trainer.strategy, AutoShardStrategy)

@@ -1,0 +1,154 @@
+"""ShardingIntent validates every field with an error that names the valid choices."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from autoshard import IntentError, ShardingIntent
+from autoshard.intent import as_intent, normalize_precision
+
+
+def test_defaults_are_pure_fsdp_bf16_mixed():
+    intent = ShardingIntent()
+    assert intent.shard is None and intent.exclude == ()
+    assert intent.precision is None and intent.effective_precision == "bf16-mixed"
+    assert (intent.offload, intent.checkpoint, intent.tensor_parallel_size) == ("none", "distributed", 1)
+    assert intent.mesh_sizes(8) == (8, 1)
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [(16, "16-mixed"), ("16", "16-mixed"), ("bf16", "bf16-mixed"), (32, "32-true"), (" BF16-True ", "bf16-true"), ("16-true", "16-true")],
+)
+def test_precision_accepts_lightning_spellings(given, canonical):
+    assert normalize_precision(given) == canonical
+    assert ShardingIntent(precision=given).effective_precision == canonical
+
+
+def test_misspelled_precision_names_the_choices():
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(precision="bf16-mix")
+    assert str(info.value) == (
+        "unknown precision 'bf16-mix' (did you mean 'bf16-mixed'?): choose one of bf16-mixed, 32-true, bf16-true,"
+        " 16-mixed, 16-true (Lightning's short forms 'bf16', '16' and '32' work too; bf16-mixed is recommended for"
+        " sharded training)"
+    )
+    with pytest.raises(IntentError, match="unknown precision 64: choose one of bf16-mixed"):
+        normalize_precision(64)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"offload": "everything"}, "unknown offload 'everything': choose one of 'none', 'optimizer', 'params'"),
+        ({"offload": "optimiser"}, "unknown offload 'optimiser' (did you mean 'optimizer'?): choose one of 'none', 'optimizer', 'params'"),
+        (
+            {"offload": "cpu"},
+            "unknown offload 'cpu' (offload says what to move: 'optimizer' or 'params'; offload_device='cpu' says where):"
+            " choose one of 'none', 'optimizer', 'params'",
+        ),
+        ({"offload": "params", "offload_device": "disk"}, "unknown offload_device 'disk': choose one of 'cpu', 'nvme'"),
+        ({"checkpoint": "sharded"}, "unknown checkpoint 'sharded': choose one of 'distributed', 'full'"),
+        ({"param_dtype": "bf16"}, "unknown param_dtype 'bf16' (did you mean 'bfloat16'?): choose one of 'float32', 'bfloat16', 'float16'"),
+        ({"reshard_after_forward": "yes"}, "reshard_after_forward must be true or false, got 'yes'"),
+        ({"activation_checkpointing": 1}, "activation_checkpointing must be true or false, got 1"),
+        ({"offload_device": "nvme"}, "offload_device='nvme' needs offload='optimizer' or offload='params'"),
+        ({"offload": "optimizer", "offload_device": "nvme"}, "offload_device='nvme' needs nvme_path, a directory on a local NVMe drive"),
+        ({"data_parallel_size": -2}, "data_parallel_size must be a positive integer or 'auto', got -2"),
+        ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer or 'auto', got 0"),
+        ({"tensor_parallel_size": -1}, "tensor_parallel_size must be a positive integer or 'auto', got -1"),
+        ({"tensor_parallel_size": 2.0}, "tensor_parallel_size must be a positive integer or 'auto', got 2.0"),
+        ({"data_parallel_size": True}, "data_parallel_size must be a positive integer or 'auto', got True"),
+        ({"shard": []}, "shard=[] would shard nothing: leave shard unset to shard every trainable subtree"),
+        ({"shard": ["backbone."]}, "shard holds 'backbone.': each entry must be a dotted module path such as 'backbone.blocks'"),
+        ({"exclude": 3}, "exclude must be a list of module paths such as ['backbone'], got 3"),
+        ({"shard": ["head"], "exclude": "head"}, "head is both in shard and in exclude: keep it in one of them"),
+    ],
+)
+def test_bad_fields_are_refused_with_the_valid_choices(fields, message):
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(**fields)
+    assert str(info.value) == message
+
+
+def test_intent_errors_are_value_errors():
+    with pytest.raises(ValueError):
+        ShardingIntent(checkpoint="nope")
+
+
+def test_normalises_names_and_dtypes():
+    import torch
+
+    intent = ShardingIntent(shard="backbone", exclude=["backbone.head"], param_dtype=torch.bfloat16, reduce_dtype="float32")
+    assert intent.shard == ("backbone",) and intent.exclude == ("backbone.head",)
+    assert (intent.param_dtype, intent.reduce_dtype) == ("bfloat16", "float32")
+    assert ShardingIntent(data_parallel_size="auto", tensor_parallel_size="auto").tensor_parallel_size == 1
+    hash(intent)  # frozen and hashable: safe to keep on a strategy
+
+
+def test_frozen():
+    with pytest.raises(AttributeError):
+        ShardingIntent().offload = "params"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("world", "dp", "tp", "sizes"), [(8, None, 1, (8, 1)), (8, None, 2, (4, 2)), (8, 2, 4, (2, 4)), (1, None, 1, (1, 1))]
+)
+def test_mesh_sizes(world, dp, tp, sizes):
+    assert ShardingIntent(data_parallel_size=dp, tensor_parallel_size=tp).mesh_sizes(world) == sizes
+
+
+def test_mesh_that_cannot_match_the_world_names_the_fix():
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(data_parallel_size=3, tensor_parallel_size=2).mesh_sizes(8)
+    assert str(info.value) == (
+        "data_parallel_size * tensor_parallel_size = 3 * 2 = 6 does not match the world size 8 (nodes x devices):"
+        " set data_parallel_size=4, or leave it unset to use every rank"
+    )
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(tensor_parallel_size=4).mesh_sizes(6)
+    assert str(info.value) == "tensor_parallel_size=4 does not divide the world size 6 (nodes x devices): choose one of 1, 2, 3, 6"
+    with pytest.raises(IntentError, match="world size must be a positive integer, got 0"):
+        ShardingIntent().mesh_sizes(0)
+
+
+def test_from_dict_round_trips_through_yaml():
+    text = """
+    shard: [backbone]
+    exclude: [backbone.head]
+    precision: bf16
+    offload: optimizer
+    offload_device: nvme
+    nvme_path: /local_nvme
+    activation_checkpointing: true
+    checkpoint: full
+    data_parallel_size: 4
+    tensor_parallel_size: 2
+    """
+    intent = ShardingIntent.from_dict(yaml.safe_load(text))
+    assert intent.precision == "bf16-mixed" and intent.shard == ("backbone",) and intent.mesh_sizes(8) == (4, 2)
+    dumped = yaml.safe_load(yaml.safe_dump(intent.to_dict()))
+    assert ShardingIntent.from_dict(dumped) == intent
+    assert as_intent(None) == ShardingIntent() == as_intent({})
+    assert as_intent(intent) is intent and as_intent({"offload": "params"}).offload == "params"
+
+
+def test_from_dict_refuses_unknown_keys_by_name():
+    with pytest.raises(IntentError) as info:
+        ShardingIntent.from_dict({"precison": "bf16", "nodes": 2})
+    assert str(info.value) == (
+        "unknown ShardingIntent field(s): 'nodes' 'precison' (did you mean 'precision'?). Valid fields are shard,"
+        " exclude, precision, param_dtype, reduce_dtype, reshard_after_forward, offload, offload_device, nvme_path,"
+        " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, strict"
+    )
+    with pytest.raises(IntentError, match="a ShardingIntent is read from a mapping of its fields, got list"):
+        ShardingIntent.from_dict(["shard"])  # type: ignore[arg-type]
+    with pytest.raises(IntentError, match="expected a ShardingIntent or a dict of its fields, got str"):
+        as_intent("fsdp2")  # type: ignore[arg-type]
+
+
+def test_replace_validates():
+    assert ShardingIntent().replace(offload="params").offload == "params"
+    with pytest.raises(IntentError, match="unknown offload"):
+        ShardingIntent().replace(offload="gpu")
