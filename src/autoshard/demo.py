@@ -40,7 +40,12 @@ class Encoder(nn.Module):
         self.embed = nn.Linear(in_dim, dim)
         self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
         self.head = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, out_dim))
-        self.temperature = nn.Parameter(torch.tensor(0.5))
+        self.temperature = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Lets the model be built on the meta device and materialized shard by shard."""
+        nn.init.constant_(self.temperature, 0.5)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)

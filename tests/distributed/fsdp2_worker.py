@@ -262,7 +262,30 @@ def scenario_intent_knobs() -> dict[str, Any]:
     }
 
 
+def scenario_meta_init() -> dict[str, Any]:
+    """Built on meta: sharded before any rank holds the full model, materialized locally, teacher = student."""
+    seen: dict[str, Any] = {}
+
+    class AtStart(pl.Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            pairs = zip(pl_module.teacher.parameters(), pl_module.student.parameters())
+            seen["teacher_equals_student"] = all(torch.equal(full(t), full(s)) for t, s in pairs)
+            seen["meta_left"] = sum(p.is_meta for p in pl_module.parameters())
+            seen["temperature"] = float(pl_module.student.temperature)
+
+    pl.seed_everything(6, verbose=False)
+    t = trainer("auto-shard", steps=2, callbacks=[OnlineProbe(), AtStart()])
+    with t.init_module(empty_init=True):
+        model = DinoLike()
+    seen["built_on_meta"] = all(p.is_meta for p in model.parameters())
+    t.fit(model, DataLoader(Blobs(n=64), batch_size=16))
+    seen["fractions"] = shard_fractions(model)
+    seen["finite"] = all(bool(torch.isfinite(full(p.detach())).all()) for p in model.parameters())
+    return seen
+
+
 SCENARIOS = {
+    "meta_init": scenario_meta_init,
     "intent_knobs": scenario_intent_knobs,
     "dino": scenario_dino,
     "equivalence": scenario_equivalence,

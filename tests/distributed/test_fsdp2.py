@@ -107,3 +107,13 @@ def test_intent_reaches_fully_shard(ranks: list[dict[str, Any]]) -> None:
     assert knobs["block_checkpointed"] and not knobs["head_checkpointed"]  # per block, not the head subtree
     assert knobs["block_reshard_after_forward"] is False
     assert knobs["weights"]["changed"] == knobs["weights"]["total"] and knobs["weights"]["finite"]
+
+
+@pytest.mark.timeout(450)
+def test_meta_device_init_shards_then_materializes(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        meta = rank["meta_init"]
+        assert meta["built_on_meta"] and meta["meta_left"] == 0 and meta["finite"]
+        assert meta["teacher_equals_student"]  # each side got its own reset_parameters(); the teacher is re-copied
+        assert meta["temperature"] == 0.5
+        assert all(abs(f - 0.5) < 1e-9 for f in meta["fractions"].values())

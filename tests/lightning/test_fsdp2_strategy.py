@@ -187,3 +187,28 @@ def test_lightning_cli_yaml(tmp_path: Any) -> None:
     assert strategy.intent.precision == "bf16-mixed"
     cli = LightningCLI(Net, run=False, args=["--trainer.strategy=auto-shard", "--trainer.accelerator=cpu", "--trainer.devices=1"], save_config_callback=None)
     assert isinstance(cli.trainer.strategy, AutoShardStrategy)
+
+
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+class MetaNoReset(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = NoReset()
+
+
+def test_meta_init_without_reset_parameters_is_refused() -> None:
+    t = trainer(strategy="fsdp2")
+    with t.init_module(empty_init=True):
+        model = MetaNoReset()
+    with pytest.raises(AutoShardError) as info:
+        t.fit(model, loader())
+    assert "NoReset own parameters or buffers and define no reset_parameters()" in str(info.value)
+    assert "Fix: define reset_parameters() on them" in str(info.value)

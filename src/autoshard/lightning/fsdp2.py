@@ -16,10 +16,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, check_ema_alignment, is_sharded, plan_fsdp2
 from autoshard.capability import Feature
 from autoshard.backends import get_backend
-from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent, normalize_precision
 from autoshard.lightning.checkpoint import CheckpointMixin
-from autoshard.needs import MethodNeeds, inspect_needs
+from autoshard.needs import EMAPair, MethodNeeds, inspect_needs
 from autoshard.select import Decision, select_backend
 
 if TYPE_CHECKING:
@@ -79,6 +79,39 @@ def _configure_model_counted_as_overridden(module: torch.nn.Module) -> Any:
     finally:
         if not had:
             del module.__dict__["configure_model"]
+
+
+def check_meta_init(module: torch.nn.Module) -> bool:
+    """True when built on the meta device; refuses modules whose parameters reset_parameters() would not initialize.
+
+    Lightning only warns there, and training would start from uninitialized memory.
+    """
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return False
+    missing = sorted(
+        {
+            type(m).__name__
+            for m in module.modules()
+            if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+            and not callable(getattr(m, "reset_parameters", None))
+        }
+    )
+    if missing:
+        raise AutoShardError(
+            f"the model was built on the meta device (empty_init=True), but {', '.join(missing)} own parameters or"
+            f" buffers and define no reset_parameters(), so they would start from uninitialized memory."
+            f" Fix: define reset_parameters() on them, or build the model without empty_init=True"
+        )
+    return True
+
+
+@torch.no_grad()
+def copy_students_into_teachers(module: torch.nn.Module, pairs: tuple[EMAPair, ...]) -> None:
+    """After meta init each side got its own random init; an EMA teacher must start as a copy of its student."""
+    for pair in pairs:
+        teacher, student = module.get_submodule(pair.teacher), module.get_submodule(pair.student)
+        for t, s in zip((*teacher.parameters(), *teacher.buffers()), (*student.parameters(), *student.buffers())):
+            t.copy_(s)
 
 
 class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
@@ -155,6 +188,7 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
                 f" Fix: use strategy='{self.decision.strategy}'\n{self.decision.describe()}"
             )
         rank_zero_info(self.decision.describe())
+        on_meta = check_meta_init(module)
         if is_sharded(module):
             rank_zero_info("autoshard: modules already sharded by your configure_model; the generic plan is skipped")
             for pair in self.needs.ema_pairs:
@@ -169,7 +203,9 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
             self.plan.apply(module, self.device_mesh)
             rank_zero_info(self.plan.describe(self.describe_mesh()))
         with _configure_model_counted_as_overridden(module):
-            super().setup(trainer)
+            super().setup(trainer)  # materializes meta shards locally through reset_parameters()
+        if on_meta:
+            copy_students_into_teachers(module, self.needs.ema_pairs)
 
     def describe_mesh(self) -> dict[str, Any]:
         return {
