@@ -62,6 +62,7 @@ def test_misspelled_precision_names_the_choices():
         ({"data_parallel_size": True}, "data_parallel_size must be a positive integer or 'auto', got True"),
         ({"shard": []}, "shard=[] would shard nothing: leave shard unset to shard every trainable subtree"),
         ({"shard": ["backbone."]}, "shard holds 'backbone.': each entry must be a dotted module path such as 'backbone.blocks'"),
+        ({"nvme_path": 5}, "nvme_path must be a directory path, got 5"),
         ({"exclude": 3}, "exclude must be a list of module paths such as ['backbone'], got 3"),
         ({"shard": ["head"], "exclude": "head"}, "head is both in shard and in exclude: keep it in one of them"),
     ],
@@ -80,6 +81,9 @@ def test_intent_errors_are_value_errors():
 def test_normalises_names_and_dtypes():
     import torch
 
+    from pathlib import Path
+
+    assert ShardingIntent(offload="params", offload_device="nvme", nvme_path=Path("/nvme")).nvme_path == "/nvme"
     intent = ShardingIntent(shard="backbone", exclude=["backbone.head"], param_dtype=torch.bfloat16, reduce_dtype="float32")
     assert intent.shard == ("backbone",) and intent.exclude == ("backbone.head",)
     assert (intent.param_dtype, intent.reduce_dtype) == ("bfloat16", "float32")

@@ -156,11 +156,11 @@ def test_auto_refuses_when_nothing_fits():
     assert not isinstance(info.value, BackendUnavailableError)
     assert str(info.value) == (
         "autoshard found no backend that can run this method with this intent:\n"
-        "  - fsdp2: NVMe offload (offload='optimizer', offload_device='nvme'): FSDP2 can offload to CPU memory only\n"
-        "  - deepspeed_zero3: multiple optimizers (2 optimizers: 1 from configure_optimizers, 1 from callback"
-        " OnlineProbe): a DeepSpeed engine wraps exactly one optimizer (Lightning: 'DeepSpeed currently only supports"
+        "  - fsdp2: NVMe offload [offload='optimizer', offload_device='nvme']: FSDP2 can offload to CPU memory only\n"
+        "  - deepspeed_zero3: multiple optimizers [2 optimizers: 1 from configure_optimizers, 1 from callback"
+        " OnlineProbe]: a DeepSpeed engine wraps exactly one optimizer (Lightning: 'DeepSpeed currently only supports"
         " single optimizer'), and optimizers owned by callbacks such as online probes count too\n"
-        "  - deepspeed_zero3: EMA teacher/student (teacher 'teacher' follows student 'student'): ZeRO-3 replaces every"
+        "  - deepspeed_zero3: EMA teacher/student [teacher 'teacher' follows student 'student']: ZeRO-3 replaces every"
         " parameter outside a forward with an empty partitioned placeholder, so the teacher's EMA update would read"
         " and write placeholders; nothing upstream detects this\n"
         "Closest: fsdp2 (strategy='fsdp2').\n"
@@ -183,7 +183,7 @@ def test_deepspeed_refused_for_ema_names_feature_backend_and_fix():
         select_backend(MethodNeeds(ema_pairs=(EMAPair("teacher", "student"),)), prefer="deepspeed", available=ALL_INSTALLED)
     assert str(info.value) == (
         "autoshard cannot run this on deepspeed_zero3 (strategy='autoshard-deepspeed'):\n"
-        "  - EMA teacher/student (teacher 'teacher' follows student 'student'): ZeRO-3 replaces every parameter outside"
+        "  - EMA teacher/student [teacher 'teacher' follows student 'student']: ZeRO-3 replaces every parameter outside"
         " a forward with an empty partitioned placeholder, so the teacher's EMA update would read and write"
         " placeholders; nothing upstream detects this\n"
         "Backend that works: fsdp2 (strategy='fsdp2').\n"
@@ -214,7 +214,7 @@ def test_describe_and_to_dict():
     lines = decision.describe().splitlines()
     assert lines[0] == "autoshard chose fsdp2 (strategy='fsdp2')"
     assert lines[1] == "  requested: fsdp2"
-    assert lines[4].startswith("  caveat: parameters on the module root (on the root: cls_token): parameters that live")
+    assert lines[4].startswith("  caveat: parameters on the module root [on the root: cls_token]: parameters that live")
     assert lines[4].endswith(". Fix: move them into a child module, or pass parallelize_fn to shard them yourself")
     assert lines[5:7] == ["  ruled out fsdp1:", "    - refused: FSDP1's flat-parameter training state machine breaks methods"
                           " that run several forwards per step (DINO, I-JEPA, BYOL multi-crop), and FSDP2 covers everything"
@@ -362,3 +362,12 @@ def test_nothing_imports_deepspeed_unless_asked():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_fsdp1_request_when_fsdp2_cannot_run_it_either():
+    with pytest.raises(IncompatibleBackendError) as info:
+        select_backend(EMA_AND_PROBE, ShardingIntent(**NVME), prefer="fsdp", available=ALL_INSTALLED)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "autoshard cannot run this on fsdp1, nor on any other backend:"
+    assert lines[1].startswith("  - fsdp1: refused: FSDP1's flat-parameter training state machine")
+    assert lines[2].startswith("  - fsdp2: NVMe offload") and lines[-2] == "Closest: fsdp2 (strategy='fsdp2')."

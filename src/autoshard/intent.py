@@ -114,6 +114,8 @@ class ShardingIntent:
         _choice("offload", self.offload, OFFLOADS)
         _choice("offload_device", self.offload_device, OFFLOAD_DEVICES)
         if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, (str, os.PathLike)):
+                raise IntentError(f"nvme_path must be a directory path, got {self.nvme_path!r}")
             set_(self, "nvme_path", os.fspath(self.nvme_path))
         if self.offload_device == "nvme" and self.offload == "none":
             raise IntentError("offload_device='nvme' needs offload='optimizer' or offload='params'")

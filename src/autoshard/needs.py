@@ -155,7 +155,7 @@ def _tally(root: nn.Module) -> dict[str, _Tally]:
         for p in module._parameters.values():
             if p is not None:
                 tally.count += 1
-                tally.numel += p.numel()
+                tally.numel += _numel(p)
                 tally.frozen &= not p.requires_grad
         for child_name, child in module._modules.items():
             if child is None:
@@ -171,8 +171,18 @@ def _tally(root: nn.Module) -> dict[str, _Tally]:
     return out
 
 
+# ZeRO-3 leaves an empty placeholder in each partitioned parameter and keeps the real size in ds_shape / ds_numel
+# (configure_model runs under zero.Init); a DTensor from fully_shard already reports its global shape.
+def _shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
 def _signature(module: nn.Module) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-    return tuple((tuple(p.shape), p.dtype) for p in module.parameters())
+    return tuple((_shape(p), p.dtype) for p in module.parameters())
 
 
 def find_ema_pairs(root: nn.Module) -> list[EMAPair]:
@@ -216,6 +226,7 @@ _DECLARABLE = ("optimizers", "ema_pairs", "manual_optimization", "multi_forward"
 
 
 def _declared(module: nn.Module) -> MethodNeeds | Mapping[str, Any] | None:
+    """The module's own statement of its needs, checked key by key so that a typo is not silently ignored."""
     declared = getattr(module, NEEDS_ATTRIBUTE, None)
     if declared is None or isinstance(declared, MethodNeeds):
         return declared
@@ -237,6 +248,7 @@ def _declared(module: nn.Module) -> MethodNeeds | Mapping[str, Any] | None:
 
 
 def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> MethodNeeds:
+    """Detected needs with the declared keys put over them; callback optimizers still count."""
     changes: dict[str, Any] = {}
     if "optimizers" in declared:
         others = tuple(src for src in detected.optimizer_sources if src[0] != "configure_optimizers")
@@ -247,20 +259,8 @@ def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> Metho
     return dataclasses.replace(detected, **changes)
 
 
-def _sharded_parameter(module: nn.Module) -> str | None:
-    """A parameter that fully_shard (a DTensor) or ZeRO-3 (``ds_id``) already partitioned, if any."""
-    return next((n for n, p in module.named_parameters() if hasattr(p, "placements") or hasattr(p, "ds_id")), None)
-
-
 def _configured_optimizers(module: nn.Module) -> int:
-    """Call the user's configure_optimizers once, on the unsharded module, only to count what it returns."""
-    sharded = _sharded_parameter(module)
-    if sharded is not None:
-        raise AutoShardError(
-            f"autoshard counts optimizers on the unsharded module, but {type(module).__name__}.{sharded} is already"
-            f" sharded. Call inspect_needs before sharding, or declare them: set `{NEEDS_ATTRIBUTE} = {{'optimizers': N}}`"
-            f" on the module"
-        )
+    """Call the user's configure_optimizers once, only to count what it returns; the optimizers are dropped unused."""
     try:
         return count_optimizers(module.configure_optimizers())
     except Exception as exc:  # the user's hook may need state we do not have; say how to skip it

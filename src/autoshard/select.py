@@ -69,7 +69,7 @@ class Conflict:
     def line(self) -> str:
         if self.feature is None:
             return f"{self.detail}: {self.reason}"
-        return f"{self.feature.value} ({self.detail}): {self.reason}"
+        return f"{self.feature.value} [{self.detail}]: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _evaluate(backend: Backend, needed: Mapping[Feature, str], installed: Availa
         c = backend.row[feature]
         if c.support is Support.PARTIAL:
             caveats.append(Conflict(feature, detail, c.reason, c.remedy))
-        elif c.support is not Support.YES:
+        elif not c.support.usable:
             conflicts.append(Conflict(feature, detail, c.reason, c.remedy))
     return _Verdict(backend, tuple(conflicts), tuple(caveats), installed)
 
@@ -154,28 +154,27 @@ def _rank(verdict: _Verdict) -> int:
 
 def _refusal(requested: _Verdict | None, verdicts: Mapping[str, _Verdict], works: Backend | None) -> IncompatibleBackendError:
     """The error for a refused request, or for a run nothing can take; it names the conflicts, what works, the fix."""
-    if requested is not None and (works is not None or requested.backend.refused):
+    if requested is not None and works is not None:
         b = requested.backend
         lines = [f"autoshard cannot run this on {b.name} (strategy='{b.strategy}'):"]
         lines += [f"  - {c.line()}" for c in requested.all_conflicts]
-        if works is not None:
-            lines.append(f"Backend that works: {works.name} (strategy='{works.strategy}').")
+        lines.append(f"Backend that works: {works.name} (strategy='{works.strategy}').")
         lines.append("Fix: " + "; ".join(requested.fixes))
-        only_missing = not requested.conflicts
-        return (BackendUnavailableError if only_missing else IncompatibleBackendError)("\n".join(lines))
+        return (IncompatibleBackendError if requested.conflicts else BackendUnavailableError)("\n".join(lines))
     # Nothing fits. Closest: a backend that only needs installing, else the one with the fewest conflicts.
     candidates = [v for v in verdicts.values() if not v.backend.refused]
     closest = min(candidates, key=lambda v: (len(v.conflicts), v.missing is not None))
-    head = f"autoshard cannot run this on {requested.backend.name}, nor on any other backend:" if requested else (
-        "autoshard found no backend that can run this method with this intent:"
-    )
-    lines = [head]
+    if requested is None:
+        lines = ["autoshard found no backend that can run this method with this intent:"]
+    else:
+        lines = [f"autoshard cannot run this on {requested.backend.name}, nor on any other backend:"]
+        if requested.backend.refused:
+            candidates.insert(0, requested)
     for v in candidates:
         lines += [f"  - {v.backend.name}: {c.line()}" for c in v.all_conflicts]
     lines.append(f"Closest: {closest.backend.name} (strategy='{closest.backend.strategy}').")
     lines.append("Fix: " + "; ".join(closest.fixes))
-    error = BackendUnavailableError if not closest.conflicts else IncompatibleBackendError
-    return error("\n".join(lines))
+    return (IncompatibleBackendError if closest.conflicts else BackendUnavailableError)("\n".join(lines))
 
 
 def select_backend(

@@ -1,25 +1,26 @@
-"""One rank of the DeepSpeed CPU checks; spawned twice by test_deepspeed_engine.py with torchrun-style env vars.
+"""One rank of the DeepSpeed CPU checks; launched twice by test_deepspeed_engine.py through the harness.
 
-``engine``: a raw ZeRO-3 engine from autoshard's ``deepspeed_config`` trains. ``lightning``: a Trainer with
-AutoShardDeepSpeedStrategy trains with automatic, then manual optimization, in the same processes.
-Each rank writes ``rank<R>.json`` into the output directory; the test asserts on those numbers.
+``engine``: raw ZeRO-3 engines built from autoshard's ``deepspeed_config`` train (bf16 AdamW; fp32 SGD compared
+with a single process). ``lightning``: Trainers with AutoShardDeepSpeedStrategy train with automatic, then manual
+optimization, then a probe callback that builds its optimizer in ``setup()`` is refused, all in the same processes.
+Each rank writes ``rank<R>.json``; the test asserts on those numbers.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
 import os
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import torch
 from torch import nn
+
+from tests.distributed.harness import write_result
 
 PG_TIMEOUT = timedelta(seconds=int(os.environ.get("AUTOSHARD_TEST_PG_TIMEOUT", "90")))
 IN, HIDDEN = 256, 512  # HIDDEN x IN = 131072 elements: above ZeRO-3's default persistence threshold (1e5)
@@ -137,7 +138,7 @@ def train_engine(precision: str | None, rank: int, world: int, make_optimizer: A
     return result, after
 
 
-def run_engine(out: Path, rank: int) -> dict[str, Any]:
+def run_engine(rank: int) -> dict[str, Any]:
     import deepspeed
 
     t0 = time.perf_counter()
@@ -152,7 +153,30 @@ def run_engine(out: Path, rank: int) -> dict[str, Any]:
     return results
 
 
-def run_lightning(out: Path, rank: int) -> dict[str, Any]:
+LIGHTNING_BATCH, LIGHTNING_STEPS, CLIP = 8, 3, 1.0
+
+
+def lightning_reference(x: torch.Tensor, y: torch.Tensor, world: int, accumulate: int, clip: float | None) -> dict[str, torch.Tensor]:
+    """What the 2-rank fit must equal: one process, global batches of world x 8 consecutive samples.
+
+    Each rank reads samples rank::world in order (the test's own loader), so each step's global batch is one
+    consecutive chunk; equal per-rank sizes make the mean of rank means the global mean.
+    """
+    model = make_model()
+    optimizer = sgd(model.parameters())
+    chunk = LIGHTNING_BATCH * world
+    for step in range(LIGHTNING_STEPS):
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            k = (step * accumulate + micro) * chunk
+            (nn.functional.mse_loss(model(x[k : k + chunk]), y[k : k + chunk]) / accumulate).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return {f"net.{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_lightning(rank: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -178,65 +202,98 @@ def run_lightning(out: Path, rank: int) -> dict[str, Any]:
             return None
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+            return sgd(self.parameters())
 
     world = int(os.environ["WORLD_SIZE"])  # Lightning's environment teardown deletes WORLD_SIZE after a fit
     results: dict[str, Any] = {}
     t0 = time.perf_counter()
     for mode in ("automatic", "manual"):
         t = time.perf_counter()
-        accumulate = 2 if mode == "automatic" else 1  # DeepSpeed, not Lightning, accumulates: check both agree
+        # automatic: DeepSpeed (not Lightning) accumulates 2 batches and clips; manual: one batch per step, no clip
+        accumulate, clip = (2, CLIP) if mode == "automatic" else (1, None)
         module = Regressor(manual=mode == "manual")
-        x, y = make_data(0, 96)  # 6 batches of 8 per rank: 3 steps x 2 accumulated
-        loader = DataLoader(TensorDataset(x, y), batch_size=8)
+        x, y = make_data(0, LIGHTNING_BATCH * world * LIGHTNING_STEPS * accumulate)
+        # Each rank its round-robin slice, unshuffled, so the single-process reference is exact.
+        loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=LIGHTNING_BATCH)
         strategy = AutoShardDeepSpeedStrategy({"precision": "32-true"}, timeout=PG_TIMEOUT)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=world,
             strategy=strategy,
             precision="32-true",
-            max_steps=3,
+            max_steps=LIGHTNING_STEPS,
             accumulate_grad_batches=accumulate,
-            gradient_clip_val=1.0 if mode == "automatic" else None,
+            gradient_clip_val=clip,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            use_distributed_sampler=False,
         )
         before = {n: p.detach().clone() for n, p in module.named_parameters()}  # plain tensors before setup
-        x_eval, y_eval = make_data(99, 64)
-        with torch.no_grad():
-            eval_before = float(nn.functional.mse_loss(module.net(x_eval), y_eval))
         trainer.fit(module, loader)
         engine = strategy.deepspeed_engine
-        with torch.no_grad():  # a ZeRO-3 forward gathers partitions: every rank runs it
-            eval_after = float(nn.functional.mse_loss(engine.module.net(x_eval), y_eval))
         after = full_weights(engine.module)
+        reference = lightning_reference(x, y, world, accumulate, clip)
         results[mode] = {
             "engine": type(engine).__name__,
             "config": strategy.config,
-            "stage": strategy.config["zero_optimization"]["stage"],
             "root_device": str(strategy.root_device),
             "process_group_backend": torch.distributed.get_backend(),
             "global_step": trainer.global_step,
             "engine_global_steps": int(engine.global_steps),
             "losses": module.losses,
-            "eval_loss_before": eval_before,
-            "eval_loss_after": eval_after,
             "partition": partition_report(engine.module),
             "max_change": changed(before, after),
+            "max_diff_vs_single_process": max(float((after[n] - reference[n]).abs().max()) for n in reference),
             "finite": all(bool(torch.isfinite(t).all()) for t in after.values()) and all(map(math.isfinite, module.losses)),
             "seconds": time.perf_counter() - t,
         }
+    results["probe_refused_at_setup"] = probe_refusal(Regressor, world)
     results["seconds_total"] = time.perf_counter() - t0
     return results
 
 
+def probe_refusal(module_class: Any, world: int) -> dict[str, Any]:
+    """A probe callback that builds its optimizer in setup() (as stable-pretraining's does) is seen only at
+    strategy.setup, after the process group exists: both ranks must refuse there, before any engine, and not hang."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from autoshard.demo import OnlineProbe
+    from autoshard.errors import IncompatibleBackendError
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    t = time.perf_counter()
+    probe = OnlineProbe(dim=HIDDEN, classes=2)
+    strategy = AutoShardDeepSpeedStrategy(timeout=PG_TIMEOUT)
+    x, y = make_data(0, 16)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=1, callbacks=[probe],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    message, error = "", ""
+    try:
+        trainer.fit(module_class(manual=False), DataLoader(TensorDataset(x, y), batch_size=8))
+    except IncompatibleBackendError as exc:
+        message, error = str(exc), type(exc).__name__
+    return {
+        "error": error,
+        "message": message,
+        "probe_optimizer_built": probe.optimizer is not None,
+        "model_type_at_refusal": type(strategy.model).__name__,
+        "seconds": time.perf_counter() - t,
+    }
+
+
 def main() -> None:
-    mode, out = sys.argv[1], Path(sys.argv[2])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("engine", "lightning"))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
     rank = int(os.environ["RANK"])
-    result = {"engine": run_engine, "lightning": run_lightning}[mode](out, rank)
-    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    result = {"engine": run_engine, "lightning": run_lightning}[args.mode](rank)
+    write_result(args.out, rank, result)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -76,7 +76,7 @@ def test_precision_given_twice_must_agree() -> None:
 
 def test_mesh_that_cannot_match_the_world_is_refused_at_construction() -> None:
     with pytest.raises(IntentError) as info:
-        trainer(strategy=FSDP2Strategy(data_parallel_size=3), devices=2)
+        trainer(strategy=FSDP2Strategy(intent={'data_parallel_size': 3}), devices=2)
     assert "3 * 1 = 3 does not match the world size 2" in str(info.value)
     assert "data_parallel_size=2" in str(info.value)
 
@@ -103,7 +103,7 @@ class RootParams(Net):
 
 def test_root_parameters_refused_under_strict_with_parallelize_fn_hint() -> None:
     with pytest.raises(AutoShardError) as info:
-        trainer(strategy=FSDP2Strategy(strict=True)).fit(RootParams(), loader())
+        trainer(strategy=FSDP2Strategy(intent={'strict': True})).fit(RootParams(), loader())
     text = str(info.value)
     assert "parameters live directly on RootParams: scale" in text and "parallelize_fn" in text
 
@@ -132,7 +132,7 @@ class Flat(pl.LightningModule):
 
 def test_no_parameter_owning_children_strict() -> None:
     with pytest.raises(AutoShardError, match="no parameter-owning child modules found to shard in Flat"):
-        trainer(strategy=FSDP2Strategy(strict=True)).fit(Flat(), loader())
+        trainer(strategy=FSDP2Strategy(intent={'strict': True})).fit(Flat(), loader())
 
 
 class Mismatch(Net):

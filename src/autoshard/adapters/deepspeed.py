@@ -155,8 +155,8 @@ def deepspeed_config(
         config["communication_data_type"] = _COMM_DTYPE[intent.reduce_dtype]
     if intent.activation_checkpointing:
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING_DEFAULTS)
-    if gradient_clip_val is not None:
-        config["gradient_clipping"] = float(gradient_clip_val)
+    # Always written: DeepSpeed (0.19) clips at norm 1.0 when the key is absent, silently, unlike the Trainer.
+    config["gradient_clipping"] = float(gradient_clip_val or 0.0)
     validate_deepspeed_config(config, world_size=world_size)
     return config
 

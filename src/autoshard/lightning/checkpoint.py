@@ -1,7 +1,233 @@
-"""Checkpoint behaviour shared by autoshard's Lightning strategies (crash-safe saves, format checks on resume)."""
+"""Checkpoint behaviour shared by autoshard's Lightning strategies: crash-safe saves, format checks on resume, and the
+state Lightning leaves out (callback-owned optimizers, per-rank RNG), so a resumed run continues bit for bit.
+"""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from autoshard.checkpoint import (
+    LIGHTNING_META,
+    CheckpointFormatError,
+    commit,
+    fsync_dir,
+    fsync_file,
+    prepare_staging,
+    resolve_for_load,
+    staging_path,
+)
+from autoshard.needs import _optimizers_in
+
+STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
+FORMAT_VERSION = 1
+T = TypeVar("T")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch / numpy / python (and CUDA) RNG state, in types ``torch.load(weights_only=True)`` reads."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (str(kind), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
 
 class CheckpointMixin:
-    """Mixed in before ModelParallelStrategy in FSDP2Strategy; overrides save_checkpoint / load_checkpoint."""
+    """Mixed in before ModelParallelStrategy in FSDP2Strategy; overrides save_checkpoint / load_checkpoint.
+
+    Save: every rank writes into a hidden staging sibling; rank 0 swaps it in only after all ranks finished, so a
+    crash at any instant leaves the previous checkpoint (or the complete new one) and never a partial one under the
+    final name. Load: the path is checked before anything is read, with the fix for a wrong format.
+    """
+
+    # Provided by ModelParallelStrategy; declared for readers and type checkers.
+    _save_distributed_checkpoint: bool
+    global_rank: int
+    world_size: int
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def _on_rank0(self, fn: Callable[[], T]) -> T | None:
+        """Run ``fn`` on rank 0 and raise its error on every rank: a rank-0-only failure must not leave the others
+        waiting in a barrier until the process-group timeout."""
+        result: Any = None
+        error: tuple[str, str] | None = None
+        if self.global_rank == 0:
+            try:
+                result = fn()
+            except Exception as exc:  # re-raised below, on every rank
+                error = (type(exc).__name__, str(exc))
+                if self.world_size == 1:
+                    raise
+        error = self.broadcast(error)  # type: ignore[attr-defined]
+        if error is not None:
+            kind, text = error
+            raise (CheckpointFormatError if kind == CheckpointFormatError.__name__ else RuntimeError)(
+                text if kind == CheckpointFormatError.__name__ else f"rank 0 failed while checkpointing: {kind}: {text}"
+            )
+        return self.broadcast(result)  # type: ignore[attr-defined]
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _callback_optimizers(self) -> list[tuple[str, int, torch.optim.Optimizer]]:
+        """(callback state_key, position, optimizer) for optimizers callbacks own (probes), in callback order.
+
+        Lightning saves only ``trainer.optimizers``; these would restart from scratch on resume.
+        """
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None:
+            return []
+        trainer_optimizers = {id(getattr(o, "_optimizer", o)) for o in trainer.optimizers}
+        owned = {id(p) for p in module.parameters()}
+        found = []
+        for callback in trainer.callbacks:
+            for index, optimizer in enumerate(_optimizers_in(callback)):
+                if id(optimizer) in trainer_optimizers:
+                    continue
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                if not all(id(p) in owned for p in params):
+                    rank_zero_warn(
+                        f"autoshard: {type(callback).__name__}'s optimizer trains parameters outside the LightningModule,"
+                        f" so neither they nor its state are checkpointed. Fix: attach the module to the LightningModule"
+                        f" (pl_module.probe = ...) or save it in the callback's state_dict()/load_state_dict()"
+                    )
+                    continue
+                found.append((callback.state_key, index, optimizer))
+        return found
+
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer, full: bool) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=full, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)  # type: ignore[attr-defined]
+
+    # -- save ----------------------------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy writes"
+                f" the checkpoint itself (crash-safe), not through a CheckpointIO"
+            )
+        path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
+        full = not self._save_distributed_checkpoint
+        entries = self._callback_optimizers()
+        extra: dict[str, Any] = {
+            "version": FORMAT_VERSION,
+            "world_size": self.world_size,
+            "rng_states": self._all_gather(rng_state()),
+            "callback_optimizers": [
+                {"callback": key, "index": index, "key": f"callback_optimizer_{n}"} for n, (key, index, _) in enumerate(entries)
+            ],
+        }
+        callback_states = {f"callback_optimizer_{n}": self._optimizer_state(opt, full) for n, (_, _, opt) in enumerate(entries)}
+        staged = staging_path(path)
+        self._on_rank0(lambda: prepare_staging(path))
+        if full:
+            extra["callback_optimizer_states"] = callback_states
+            checkpoint[STATE_KEY] = extra
+            self._on_rank0(lambda: self._write_full(checkpoint, staged))
+        else:
+            converted = {"state_dict": checkpoint.pop("state_dict")}
+            converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            converted.update(callback_states)
+            self._on_rank0(lambda: staged.mkdir(parents=True))
+            self._write_shards(converted, staged)
+            checkpoint[STATE_KEY] = extra
+            self._on_rank0(lambda: self._write_meta(checkpoint, staged))
+        self._on_rank0(lambda: commit(staged, path))
+
+    def _write_shards(self, state: dict[str, Any], staged: Path) -> None:
+        """Every rank writes its shards; DCP writes .metadata last, once all ranks' files are synced."""
+        from torch.distributed.checkpoint import FileSystemWriter, save
+
+        save(state, storage_writer=FileSystemWriter(str(staged), sync_files=True))
+
+    def _write_meta(self, checkpoint: dict[str, Any], staged: Path) -> None:
+        part = staged / f".{LIGHTNING_META}.part"
+        torch.save(checkpoint, part)
+        fsync_file(part)
+        part.rename(staged / LIGHTNING_META)  # meta.pt appears whole or not at all: it marks the staging complete
+        fsync_dir(staged)
+
+    def _write_full(self, checkpoint: dict[str, Any], staged: Path) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, staged)  # type: ignore[attr-defined]
+        fsync_file(staged)
+
+    # -- load ----------------------------------------------------------------------------------------------------
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
+        resolved = Path(self._on_rank0(lambda: str(resolve_for_load(path, "fsdp2"))))  # type: ignore[arg-type]
+        metadata = super().load_checkpoint(resolved, weights_only=weights_only)  # type: ignore[misc]
+        extra = metadata.pop(STATE_KEY, None)
+        if extra is not None:
+            self._restore_extra(extra, resolved)
+        else:
+            rank_zero_warn(
+                f"autoshard: {str(resolved)!r} was not written by autoshard: callback optimizers and RNG states are not"
+                f" in it, so probes restart their optimizer state and random augmentations differ from an uninterrupted run"
+            )
+        return metadata
+
+    def _restore_extra(self, extra: dict[str, Any], path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        current = {(key, index): opt for key, index, opt in self._callback_optimizers()}
+        saved = {(e["callback"], e["index"]): e["key"] for e in extra.get("callback_optimizers", [])}
+        for missing in sorted(set(current) - set(saved)):
+            rank_zero_warn(f"autoshard: the checkpoint has no state for {missing[0]}'s optimizer #{missing[1]}: it starts fresh")
+        states = extra.get("callback_optimizer_states")
+        for ident, optimizer in current.items():
+            if ident not in saved:
+                continue
+            key = saved[ident]
+            if states is not None:  # full file: the state is in the file every rank loaded; rank 0's copy is used
+                options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+                state = states[key]
+            else:
+                from torch.distributed.checkpoint import FileSystemReader, load
+
+                holder = {key: self._optimizer_state(optimizer, full=False)}
+                load(holder, storage_reader=FileSystemReader(str(path)))
+                options, state = StateDictOptions(cpu_offload=True), holder[key]
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)  # type: ignore[attr-defined]
+        rng = extra.get("rng_states") or []
+        if extra.get("world_size") == self.world_size and len(rng) == self.world_size:
+            set_rng_state(rng[self.global_rank])
+        else:
+            rank_zero_warn(
+                f"autoshard: saved at world size {extra.get('world_size')}, resumed at {self.world_size}: model and optimizer"
+                f" states are resharded exactly, but per-rank RNG states cannot be mapped, so random augmentations differ"
+                f" from an uninterrupted run"
+            )

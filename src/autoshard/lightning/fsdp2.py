@@ -129,10 +129,8 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
         parallelize_fn: ParallelizeFn | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
     ) -> None:
-        base = as_intent(intent)
-        self.intent = base.replace(**intent_fields) if intent_fields else base
+        self.intent = as_intent(intent)
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size="auto",
@@ -225,16 +223,23 @@ class AutoShardStrategy(FSDP2Strategy):
     strategy_name = "auto-shard"
     prefer = "auto"
 
-    def __new__(cls, intent: ShardingIntent | Mapping[str, Any] | None = None, *args: Any, **kwargs: Any) -> Any:
-        fields = {k: kwargs[k] for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
-        wanted = as_intent(intent).replace(**fields) if fields else as_intent(intent)
+    def __new__(
+        cls,
+        intent: ShardingIntent | Mapping[str, Any] | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> Any:
+        wanted = as_intent(intent)
         if select_backend(MethodNeeds(), wanted).backend == "deepspeed_zero3":
+            if parallelize_fn is not None:
+                raise IntentError(
+                    "this intent needs DeepSpeed (only it has what it asks for), and DeepSpeed takes no parallelize_fn."
+                    " Fix: drop parallelize_fn, or change the intent so that fsdp2 can run it"
+                )
             from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
-            for k in fields:
-                kwargs.pop(k)
-            kwargs.pop("parallelize_fn", None)
-            return AutoShardDeepSpeedStrategy(wanted, *args, **kwargs)
+            return AutoShardDeepSpeedStrategy(wanted, process_group_backend=process_group_backend, timeout=timeout)
         return super().__new__(cls)
 
     def _prefer_at_construction(self) -> str:

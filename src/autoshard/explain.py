@@ -1,0 +1,446 @@
+"""``autoshard explain TARGET``: what autoshard would do with your module, before a single process or GPU starts.
+
+The module is built on the meta device (no memory), then the needs, the backend decision, the matrix rows that
+matter, the FSDP2 plan (or the DeepSpeed config) and a per-rank memory table are printed, as text or JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from autoshard.capability import Support, matrix, render_matrix
+from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.memory import MemoryEstimate, estimate_memory_many, fmt_bytes, memory_table
+from autoshard.needs import MethodNeeds, inspect_needs
+from autoshard.select import Decision, features_needed, select_backend
+
+DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
+BACKEND_CHOICES = ("auto", "fsdp2", "deepspeed")
+_LIST_FIELDS = ("shard", "exclude")
+MATRIX_BEGIN = "<!-- BEGIN GENERATED MATRIX: python -m autoshard.explain --write-matrix docs/matrix.md -->"
+MATRIX_END = "<!-- END GENERATED MATRIX -->"
+
+
+# -- the target -----------------------------------------------------------------------------------------------------
+def load_target(target: str) -> Callable[[], Any]:
+    """``path/to/file.py:factory`` or ``package.module:factory`` (a dotted attribute path after the colon)."""
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where or not attr:
+        raise AutoShardError(
+            f"TARGET {target!r} is not path/to/file.py:factory or package.module:factory. Example:"
+            f" autoshard explain autoshard.demo:DinoLike"
+        )
+    try:
+        if where.endswith(".py") or os.sep in where or "/" in where:
+            path = Path(where).resolve()
+            if not path.is_file():
+                raise AutoShardError(f"TARGET file {where!r} does not exist")
+            name = f"_autoshard_explain_{abs(hash(str(path)))}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            sys.path.insert(0, str(path.parent))  # so the file can import its siblings
+            try:
+                spec.loader.exec_module(module)
+            finally:
+                sys.path.remove(str(path.parent))
+        else:
+            module = importlib.import_module(where)
+        obj: Any = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AutoShardError:
+        raise
+    except Exception as exc:
+        raise AutoShardError(f"could not load TARGET {target!r}: {type(exc).__name__}: {exc}") from exc
+    if not callable(obj) and not isinstance(obj, nn.Module):
+        raise AutoShardError(f"TARGET {target!r} is a {type(obj).__name__}: it must be a class or a function returning a LightningModule")
+    return obj
+
+
+@dataclass
+class Built:
+    """The module built on meta, the callbacks that came with it, and what explain had to note while building."""
+
+    module: nn.Module
+    callbacks: list[Any] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
+    """Call the factory under ``torch.device("meta")``; it may return a module or ``(module, [callbacks])``.
+
+    Callbacks get ``setup(None, module, "fit")`` so that probes attach their modules and build their optimizers.
+    """
+    notes: list[str] = []
+    with torch.device("meta"):
+        try:
+            made = factory if isinstance(factory, nn.Module) else factory()
+        except Exception as exc:
+            raise AutoShardError(
+                f"the factory raised {type(exc).__name__}: {exc}. It runs under `with torch.device('meta'):`;"
+                f" a factory that loads weights or calls .to(device) cannot: build the architecture only"
+            ) from exc
+        if isinstance(made, Mapping):
+            module, callbacks = made.get("model"), list(made.get("callbacks") or [])
+        elif isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], nn.Module):
+            module, callbacks = made[0], list(made[1] or [])
+        else:
+            module, callbacks = made, []
+        if not isinstance(module, nn.Module):
+            raise AutoShardError(f"the factory returned {type(module).__name__}, not a LightningModule (or (module, callbacks))")
+        for callback in callbacks:
+            setup = getattr(callback, "setup", None)
+            if callable(setup):
+                try:
+                    setup(None, module, "fit")
+                except Exception as exc:  # a callback that needs a real Trainer: say what is not counted
+                    notes.append(
+                        f"{type(callback).__name__}.setup needs a Trainer ({type(exc).__name__}: {exc}): its"
+                        f" optimizers are not counted; set `autoshard_optimizers = N` on it to declare them"
+                    )
+    real = [n for n, p in module.named_parameters() if not p.is_meta]
+    if real:
+        notes.append(f"{len(real)} parameter(s) are not on the meta device (the factory moved or loaded them), e.g. {real[0]}")
+    try:
+        import lightning.pytorch as pl
+
+        if not isinstance(module, pl.LightningModule):
+            notes.append(f"{type(module).__name__} is a plain nn.Module, not a LightningModule: the Trainer needs one")
+    except ImportError:  # pragma: no cover - lightning is a dependency
+        pass
+    return Built(module, callbacks, notes)
+
+
+# -- the intent -----------------------------------------------------------------------------------------------------
+def _value(key: str, text: str) -> Any:
+    """A command-line value: lists for shard/exclude, else true/false/none, integers, or the text itself."""
+    if key in _LIST_FIELDS:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def read_intent_file(path: str) -> dict[str, Any]:
+    """A YAML or JSON mapping of ShardingIntent fields, possibly under a top-level ``intent:`` key."""
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise AutoShardError(f"--intent-file {path} needs PyYAML: pip install pyyaml (or give a .json file)") from None
+        data = yaml.safe_load(text)
+    if isinstance(data, Mapping) and set(data) == {"intent"}:
+        data = data["intent"]
+    if data is not None and not isinstance(data, Mapping):
+        raise IntentError(f"--intent-file {path} must hold a mapping of ShardingIntent fields, got {type(data).__name__}")
+    return dict(data or {})
+
+
+def build_intent(pairs: Sequence[str] = (), intent_file: str | None = None, precision: str | None = None) -> ShardingIntent:
+    """File first, then each ``key=value``, then ``--precision``: the later, the stronger."""
+    data = read_intent_file(intent_file) if intent_file else {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise IntentError(f"--intent takes key=value (for example --intent offload=params), got {pair!r}")
+        data[key.strip()] = _value(key.strip(), text)
+    if precision is not None:
+        data["precision"] = precision
+    return ShardingIntent.from_dict(data)
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    """Everything explain found; ``text()`` for people and logs, ``to_dict()`` for machines."""
+
+    target: str
+    module: nn.Module
+    intent: ShardingIntent
+    needs: MethodNeeds
+    features: dict[Any, str]
+    decision: Decision | None = None
+    error: str | None = None
+    plan: Any = None
+    deepspeed_config: dict[str, Any] | None = None
+    deepspeed_config_world: int | None = None
+    memory: list[MemoryEstimate] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.error else 0
+
+    def _feature_rows(self) -> list[dict[str, Any]]:
+        rows = matrix()
+        return [
+            {
+                "feature": feature.value,
+                "detail": detail,
+                "cells": {name: {"support": row[feature].support.value, "reason": row[feature].reason, "remedy": row[feature].remedy} for name, row in rows.items()},
+            }
+            for feature, detail in self.features.items()
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "module": type(self.module).__name__,
+            "parameters": sum(p.numel() for p in self.module.parameters()),
+            "intent": self.intent.to_dict(),
+            "needs": self.needs.to_dict(),
+            "decision": self.decision.to_dict() if self.decision else None,
+            "error": self.error,
+            "features": self._feature_rows(),
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "deepspeed_config": self.deepspeed_config,
+            "memory": [e.to_dict() for e in self.memory],
+            "notes": list(self.notes),
+        }
+
+    def text(self, color: bool = False) -> str:
+        head = (lambda s: f"\x1b[1m{s}\x1b[0m") if color else (lambda s: s)  # noqa: E731
+        numel = sum(p.numel() for p in self.module.parameters())
+        full = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        out = [
+            head(f"==== autoshard explain: {self.target} ===="),
+            f"built {type(self.module).__name__} on the meta device: {numel:,d} parameters ({fmt_bytes(full)} unsharded), no memory used",
+            f"intent: {json.dumps(self._intent_changes()) if self._intent_changes() else 'defaults'}",
+            "",
+            head("== needs =="),
+            *self._needs_lines(),
+            "",
+            head("== decision =="),
+        ]
+        out += self.error.splitlines() if self.error else self.decision.describe().splitlines()  # type: ignore[union-attr]
+        out += ["", head("== matrix rows for what this run needs =="), *self._matrix_lines()]
+        if self.plan is not None:
+            out += ["", head("== FSDP2 plan =="), self.plan.describe()]
+        if self.deepspeed_config is not None:
+            out += ["", head(f"== DeepSpeed ZeRO-3 config (world size {self.deepspeed_config_world}) =="), json.dumps(self.deepspeed_config, indent=2)]
+        if self.memory:
+            out += ["", head("== per-rank memory =="), memory_table(self.memory)]
+        if self.notes:
+            out += ["", *[f"note: {n}" for n in self.notes]]
+        if self.error:
+            out += ["", "autoshard explain: refused (exit status 1); the Fix line above says what to change"]
+        return "\n".join(out)
+
+    def _intent_changes(self) -> dict[str, Any]:
+        default = ShardingIntent().to_dict()
+        return {k: v for k, v in self.intent.to_dict().items() if v != default[k]}
+
+    def _needs_lines(self) -> list[str]:
+        n = self.needs
+        yes_no = lambda b: "yes" if b else "no"  # noqa: E731
+        pairs = "; ".join(f"teacher '{p.teacher}' follows student '{p.student}'" for p in n.ema_pairs) or "none"
+        return [
+            f"optimizers: {n.num_optimizers} ({n.describe_optimizers()})",
+            f"EMA teacher/student: {pairs}",
+            f"several forwards per step: {yes_no(n.multi_forward)}",
+            f"manual optimization: {yes_no(n.manual_optimization)}",
+            f"parameters on the module root: {', '.join(n.root_parameters) or 'none'}",
+            f"modules trained by callbacks (kept whole): {', '.join(n.callback_modules) or 'none'}",
+        ]
+
+    def _matrix_lines(self) -> list[str]:
+        rows = self._feature_rows()
+        names = list(matrix())
+        header = ["feature", "needed because", *names]
+        body = [[r["feature"], r["detail"], *(r["cells"][b]["support"] for b in names)] for r in rows]
+        widths = [min(48, max(len(x[i]) for x in [header, *body])) for i in range(len(header))]
+        clip = lambda s, w: s if len(s) <= w else s[: w - 3] + "..."  # noqa: E731
+        lines = ["  ".join(clip(c, w).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *body]]
+        refused = {n for n, row in matrix().items() if all(c.support is Support.REJECTED for c in row.values())}
+        for r in rows:
+            for b in names:
+                cell = r["cells"][b]
+                if cell["support"] in ("partial", "no") and b not in refused:
+                    lines.append(f"  {b} / {r['feature']}: {cell['support']}: {cell['reason']}. Fix: {cell['remedy']}")
+        lines += [f"  {b}: rejected for every feature (see `autoshard matrix --details`)" for b in sorted(refused)]
+        return lines
+
+
+def explain(
+    target: str | Callable[[], Any],
+    *,
+    backend: str = "auto",
+    intent: ShardingIntent | None = None,
+    world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
+    accelerator: str | None = None,
+    micro_batch_size: int = 1,
+) -> Report:
+    """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``."""
+    intent = intent or ShardingIntent()
+    factory = load_target(target) if isinstance(target, str) else target
+    built = build_on_meta(factory)
+    module = built.module
+    needs = inspect_needs(module, callbacks=built.callbacks)
+    report = Report(
+        target=target if isinstance(target, str) else getattr(target, "__name__", repr(target)),
+        module=module,
+        intent=intent,
+        needs=needs,
+        features=features_needed(needs, intent, accelerator),
+        notes=list(built.notes),
+    )
+    try:
+        report.decision = select_backend(needs, intent, prefer=backend, accelerator=accelerator)
+    except IncompatibleBackendError as exc:
+        report.error = str(exc)
+        return report
+    chosen = report.decision.backend
+    if chosen == "fsdp2":
+        from autoshard.adapters.fsdp2 import plan_fsdp2
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report.plan = plan_fsdp2(module, intent, needs)
+        report.notes += [f"warning: {w.message}" for w in caught if issubclass(w.category, UserWarning)]
+    elif chosen == "deepspeed_zero3":
+        report.deepspeed_config_world = max(world_sizes)
+        try:
+            from autoshard.adapters.deepspeed import deepspeed_config
+        except ImportError:
+            report.notes.append("autoshard.adapters.deepspeed.deepspeed_config is not available in this version")
+        else:
+            try:
+                report.deepspeed_config = deepspeed_config(
+                    intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size
+                )
+            except AutoShardError as exc:
+                report.notes.append(f"DeepSpeed config: {exc}")
+    if intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None:
+        report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # already reported above
+        report.memory = estimate_memory_many(module, intent, needs, world_sizes, chosen, callbacks=built.callbacks)
+    return report
+
+
+# -- the matrix document --------------------------------------------------------------------------------------------
+def matrix_markdown() -> str:
+    """The generated part of docs/matrix.md, between its markers."""
+    return f"{MATRIX_BEGIN}\n{render_matrix('markdown', details=True)}\n{MATRIX_END}"
+
+
+def write_matrix(path: str | Path) -> None:
+    """Regenerate the matrix in ``path``: replace the marked block, or write a fresh page when there is none."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    if MATRIX_BEGIN in text and MATRIX_END in text:
+        before, rest = text.split(MATRIX_BEGIN, 1)
+        after = rest.split(MATRIX_END, 1)[1]
+        text = before + matrix_markdown() + after
+    else:
+        text = (
+            "# Capability matrix\n\nWhich backend runs which feature; every cell that is not \"yes\" says why and what to do.\n"
+            "Generated from `autoshard.capability` (the same data the selector decides with).\n\n" + matrix_markdown() + "\n"
+        )
+    path.write_text(text)
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--world-sizes takes positive integers separated by commas, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--world-sizes takes positive integers separated by commas, got {text!r}")
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", nargs="?", metavar="TARGET", help="path/to/file.py:factory or package.module:factory returning a LightningModule (or (module, callbacks))")
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="the backend to explain (default: auto, as strategy='auto-shard')")
+    parser.add_argument("--precision", default=None, help="Trainer precision to plan for (default: bf16-mixed)")
+    parser.add_argument("--intent", action="append", default=[], metavar="KEY=VALUE", help="a ShardingIntent field, repeatable (shard/exclude take comma lists)")
+    parser.add_argument("--intent-file", default=None, metavar="FILE", help="YAML or JSON mapping of ShardingIntent fields")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES, metavar="N,N,...", help="world sizes for the memory table (default: 1,2,8,64)")
+    parser.add_argument("--accelerator", default=None, help="'cpu' to check a CPU (gloo) run; default: a GPU run")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="per-rank batch size for the DeepSpeed config (default: 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--write-matrix", default=None, metavar="PATH", help="regenerate the capability matrix page (docs/matrix.md) and exit")
+
+
+def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
+    """Run explain for parsed arguments; 0 when a backend can run it, 1 when autoshard refuses it."""
+    stream = stream or sys.stdout
+    if args.write_matrix:
+        write_matrix(args.write_matrix)
+        print(f"wrote the capability matrix to {args.write_matrix}", file=stream)
+        return 0
+    if not args.target:
+        raise AutoShardError("explain needs a TARGET such as autoshard.demo:DinoLike (or --write-matrix PATH)")
+    intent = build_intent(args.intent, args.intent_file, args.precision)
+    report = explain(
+        args.target,
+        backend=args.backend,
+        intent=intent,
+        world_sizes=args.world_sizes,
+        accelerator=args.accelerator,
+        micro_batch_size=args.micro_batch_size,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1, default=str), file=stream)
+    else:
+        color = stream.isatty() and "NO_COLOR" not in os.environ
+        print(report.text(color=color), file=stream)
+    return report.exit_code
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``autoshard explain`` to the ``autoshard`` command (cli.py calls this)."""
+    parser = subparsers.add_parser(
+        "explain",
+        help="show what autoshard would do with a module: needs, backend, plan, memory per rank",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m autoshard.explain``: the same as ``autoshard explain``."""
+    parser = argparse.ArgumentParser(prog="autoshard explain", description=__doc__.splitlines()[0] if __doc__ else None)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_explain(args)
+    except AutoShardError as exc:
+        print(f"autoshard: error: {exc}", file=sys.stderr)
+        return 1
+
+
+__all__ = ["Report", "build_intent", "build_on_meta", "explain", "load_target", "main", "matrix_markdown", "register_cli", "write_matrix"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

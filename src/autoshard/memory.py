@@ -1,0 +1,648 @@
+"""Per-rank memory of a sharded run, before it runs: parameters, gradients, optimizer states, teacher, what stays whole.
+
+Works on a module built on the meta device (no memory used): only shapes, dtypes, the FSDP2 plan and the
+optimizers' settings are read. FSDP2 figures are exact per rank (uneven dim-0 shards included); ZeRO-3 figures
+are DeepSpeed's own estimator formulas, so the two tools never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import AutoShardError
+from autoshard.intent import ShardingIntent, as_intent
+from autoshard.needs import MethodNeeds, inspect_needs
+
+CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "ema_teacher", "unsharded")
+_LABELS = {
+    "parameters": "parameters (sharded)",
+    "gradients": "gradients (sharded)",
+    "optimizer_states": "optimizer states (sharded)",
+    "ema_teacher": "EMA teacher (sharded)",
+    "unsharded": "unsharded (whole on every rank)",
+}
+_HALF_PRECISIONS = {"bf16-true": 2, "16-true": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# DeepSpeed's estimator counts 18 bytes per parameter for ZeRO-3 model states (Adam in mixed precision).
+# Its formula gives only the total; the split into 16-bit params / 16-bit grads / the rest is autoshard's reading.
+ZERO3_BYTES_PER_PARAM = 18
+
+
+# -- optimizer states ---------------------------------------------------------------------------------------------
+StateFn = Callable[[Mapping[str, Any], tuple[int, ...]], tuple[int, int]]
+"""(param group, local shape) -> (elements of state in the parameter's dtype, number of float32 scalar tensors)."""
+
+
+def _n(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _per_param(tensors: int, scalars: int = 1) -> StateFn:
+    return lambda group, shape: (tensors * _n(shape), scalars)
+
+
+def _adam(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
+    return (3 if group.get("amsgrad") else 2) * _n(shape), 1  # exp_avg, exp_avg_sq (+ max_exp_avg_sq), step
+
+
+def _sgd(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
+    return (_n(shape) if group.get("momentum", 0) else 0), 0  # momentum_buffer only when momentum != 0
+
+
+def _rmsprop(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
+    k = 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))  # square_avg (+ momentum_buffer, grad_avg)
+    return k * _n(shape), 1
+
+
+def _adafactor(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) > 1:  # factored second moment: one row vector and one column vector per matrix
+        return _n(shape[:-1]) + _n(shape[:-2]) * shape[-1], 1
+    return _n(shape), 1
+
+
+# torch.optim classes by name, matched along the MRO so subclasses inherit their parent's count.
+OPTIMIZER_STATES: dict[str, StateFn] = {
+    "Adam": _adam,
+    "AdamW": _adam,
+    "SparseAdam": _per_param(2),
+    "NAdam": _per_param(2, scalars=2),  # + mu_product
+    "RAdam": _per_param(2),
+    "Adamax": _per_param(2),  # exp_avg, exp_inf
+    "Adadelta": _per_param(2),  # square_avg, acc_delta
+    "Adagrad": _per_param(1),  # sum
+    "ASGD": _per_param(1, scalars=3),  # ax; step, eta, mu
+    "Rprop": _per_param(2),  # prev, step_size
+    "RMSprop": _rmsprop,
+    "SGD": _sgd,
+    "Muon": _per_param(1, scalars=0),  # momentum_buffer
+    "Adafactor": _adafactor,
+}
+UNKNOWN_OPTIMIZER_STATES = 2  # like Adam: the common case for optimizers autoshard has no entry for
+
+
+def _state_fn(optimizer: torch.optim.Optimizer, overrides: Mapping[str, int]) -> tuple[StateFn | None, str | None]:
+    """The state model for this optimizer; a note when the count is a guess."""
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in overrides:
+            return _per_param(int(overrides[cls.__name__]), scalars=0), None
+        if cls.__name__ == "LBFGS" and cls.__module__.startswith("torch.optim"):
+            return None, None  # group-level flat history, handled apart
+        if cls.__name__ in OPTIMIZER_STATES and cls.__module__.startswith("torch.optim"):
+            return OPTIMIZER_STATES[cls.__name__], None
+    name = type(optimizer).__name__
+    note = (
+        f"optimizer {name} is not in autoshard's table: assumed {UNKNOWN_OPTIMIZER_STATES} state tensors per"
+        f" parameter (like Adam); pass state_tensors={{'{name}': K}} for its real count"
+    )
+    return _per_param(UNKNOWN_OPTIMIZER_STATES, scalars=0), note
+
+
+def _describe_states(optimizer: torch.optim.Optimizer, fn: StateFn | None) -> str:
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if fn is None:
+        return f"{type(optimizer).__name__}: 2 + 2 x history_size ({group.get('history_size')}) flat copies (upper bound)"
+    tensors, scalars = fn(group, (1,))
+    scalar = f" + {scalars} scalar{'s' if scalars > 1 else ''}" if scalars else ""
+    return f"{type(optimizer).__name__}: {tensors} state tensor{'s' if tensors != 1 else ''} per parameter{scalar}"
+
+
+# -- which optimizers ---------------------------------------------------------------------------------------------
+def _flatten(configured: Any) -> list[torch.optim.Optimizer]:
+    """Optimizers in any return shape Lightning accepts from ``configure_optimizers``."""
+    configured = getattr(configured, "_optimizer", configured)  # LightningOptimizer
+    if configured is None:
+        return []
+    if isinstance(configured, torch.optim.Optimizer):
+        return [configured]
+    if isinstance(configured, Mapping):
+        return _flatten(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)):
+        if len(configured) == 2 and all(isinstance(part, (list, tuple)) for part in configured):
+            return _flatten(configured[0])  # ([optimizers], [schedulers])
+        return [o for item in configured for o in _flatten(item)]
+    return []
+
+
+def _held_optimizers(obj: object) -> list[torch.optim.Optimizer]:
+    """Optimizers a callback holds as attributes, directly or one level down in a list/tuple/dict."""
+    found: list[torch.optim.Optimizer] = []
+    for value in getattr(obj, "__dict__", {}).values():
+        values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
+        found += [o for v in values for o in _flatten(v)]
+    return found
+
+
+def _sharded_parameter(module: nn.Module) -> str | None:
+    return next((n for n, p in module.named_parameters() if hasattr(p, "placements") or hasattr(p, "ds_id")), None)
+
+
+def collect_optimizers(module: nn.Module, callbacks: Sequence[object] | None = None) -> list[tuple[str, torch.optim.Optimizer]]:
+    """(source, optimizer) for the module's ``configure_optimizers`` and every callback-owned optimizer.
+
+    Built on the unsharded (possibly meta) module: optimizers over sharded parameters would count shards twice.
+    """
+    sharded = _sharded_parameter(module)
+    if sharded is not None:
+        raise AutoShardError(
+            f"estimate_memory reads optimizers of the unsharded module, but {type(module).__name__}.{sharded} is"
+            f" already sharded. Fix: estimate before sharding (build the module under `with torch.device('meta'):`),"
+            f" or pass optimizers=[...] built on an unsharded copy"
+        )
+    out: list[tuple[str, torch.optim.Optimizer]] = []
+    if callable(getattr(module, "configure_optimizers", None)):
+        try:
+            configured = module.configure_optimizers()
+        except Exception as exc:  # the hook may need a Trainer (schedulers reading estimated_stepping_batches)
+            raise AutoShardError(
+                f"estimate_memory could not build the optimizers: {type(module).__name__}.configure_optimizers()"
+                f" raised {type(exc).__name__}: {exc}. Fix: pass optimizers=[...] to estimate_memory"
+            ) from exc
+        out += [("configure_optimizers", o) for o in _flatten(configured)]
+    if callbacks is None:
+        trainer = getattr(module, "_trainer", None)
+        callbacks = list(getattr(trainer, "callbacks", None) or [])
+    for callback in callbacks:
+        out += [(f"callback {type(callback).__name__}", o) for o in _held_optimizers(callback)]
+    return out
+
+
+# -- the layout of one module under a plan --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    shape: tuple[int, ...]
+    elsize: int  # bytes per element while training
+    gather_elsize: int  # bytes per element of the all-gathered copy (mp_policy param_dtype)
+    sharded: bool
+    teacher: bool
+    trainable: bool
+    part: str  # the sharded unit, or the plan's "not sharded" entry it belongs to
+
+
+@dataclass(frozen=True)
+class UnshardedPart:
+    """One entry of the plan's "not sharded" list, with all its bytes (params + grads + optimizer states)."""
+
+    name: str
+    bytes: int
+    why: str
+
+
+@dataclass
+class _Layout:
+    params: dict[int, _Param]
+    units: list[tuple[str, int, bool]]  # (name, gathered bytes, reshard_after_forward)
+    whys: dict[str, str]
+    notes: list[str]
+    largest_layer_params: int  # DeepSpeed's notion: most parameters owned directly by one module
+
+
+def _elsize(p: torch.Tensor, precision: str) -> int:
+    """Bytes per element in training: "-true" half precisions convert every floating parameter (Lightning)."""
+    if p.is_floating_point() and precision in _HALF_PRECISIONS:
+        return _HALF_PRECISIONS[precision]
+    return p.element_size()
+
+
+def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str) -> _Layout:
+    from autoshard.adapters.fsdp2 import plan_fsdp2
+
+    precision = intent.effective_precision
+    notes: list[str] = []
+    owner: dict[int, tuple[str, str]] = {}  # param id -> (unit name, role)
+    units: list[tuple[str, int, bool]] = []
+    whys: dict[str, str] = {}
+    replicated: list[str] = []
+    gathered: dict[str, int] = {}
+    if backend == "fsdp2":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = plan_fsdp2(module, intent, needs)
+        notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        notes += plan.notes
+        modules = dict(module.named_modules())
+        for unit in plan.units:  # deepest first: a unit owns what no deeper unit took
+            for p in modules[unit.name].parameters():
+                if p.dim() > 0 and id(p) not in owner:
+                    owner[id(p)] = (unit.name, unit.role)
+        whys = {r.name: r.why for r in plan.replicated}
+        replicated = sorted(whys, key=len, reverse=True)
+        gathered = {u.name: 0 for u in plan.units}
+    gather_dtype = _DTYPE_BYTES.get(intent.param_dtype or "", 0)
+    params: dict[int, _Param] = {}
+    for name, p in module.named_parameters():
+        elsize = _elsize(p, precision)
+        gather = gather_dtype if gather_dtype and p.is_floating_point() else elsize
+        unit = owner.get(id(p))
+        if unit is not None:
+            part, teacher = unit[0], unit[1] == "teacher"
+            gathered[part] += p.numel() * gather
+        else:
+            part = next((r for r in replicated if name == r or name.startswith(r + ".")), name)
+            whys.setdefault(part, "not inside any sharded unit")
+            teacher = False
+        params[id(p)] = _Param(name, tuple(p.shape), elsize, gather, unit is not None, teacher, p.requires_grad, part)
+    if backend == "fsdp2":
+        units = [(u.name, gathered[u.name], u.reshard_after_forward) for u in plan.units]
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+    return _Layout(params, units, whys, notes, largest)
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rows of dim 0 that ``rank`` holds under FSDP2's Shard(0): chunks of ceil(rows / N), the tail short or empty."""
+    chunk = -(-rows // world_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def _local_shape(p: _Param, world_size: int, rank: int) -> tuple[int, ...]:
+    if not p.sharded or not p.shape:
+        return p.shape
+    return (shard_rows(p.shape[0], world_size, rank), *p.shape[1:])
+
+
+# -- the estimate ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds, by category; ``offloaded`` names the categories that live in CPU memory.
+
+    ``total`` is everything at the step's peak (model states + the transient all-gather); ``device`` is the part
+    on the accelerator. For ZeRO-3, ``device`` and ``host`` are DeepSpeed's own estimator figures.
+    """
+
+    backend: str
+    world_size: int
+    rank: int
+    precision: str
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    ema_teacher: int
+    unsharded: int
+    gathered_block: int
+    gathered_unit: str
+    full_model_states: int  # the same states with nothing sharded: ideal per rank is this / world_size
+    offloaded: tuple[str, ...] = ()
+    host: int = 0
+    unsharded_parts: tuple[UnshardedPart, ...] = ()
+    optimizers: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def model_states(self) -> int:
+        """Persistent bytes: what DTensor.to_local() of params, grads and optimizer states adds up to."""
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.gathered_block
+
+    @property
+    def device(self) -> int:
+        return self.total - sum(getattr(self, c) for c in self.offloaded)
+
+    @property
+    def ideal(self) -> float:
+        return self.full_model_states / self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(model_states=self.model_states, total=self.total, device=self.device, ideal=self.ideal)
+        return out
+
+    def table(self) -> str:
+        """Plain text for logs: one row per category, then the totals and what stays whole."""
+        return memory_table([self])
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units, three significant figures: the resolution a memory budget needs."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
+    """Estimates side by side, one column per world size (same module, backend and intent)."""
+    if not estimates:
+        return ""
+    first = estimates[0]
+    head = f"per-rank memory, {first.backend}, precision {first.precision}, rank {first.rank} (the largest shard)"
+    rows: list[tuple[str, list[str]]] = [("world size", [str(e.world_size) for e in estimates])]
+    for c in CATEGORIES:
+        rows.append((_LABELS[c] + (" [CPU]" if c in first.offloaded else ""), [fmt_bytes(getattr(e, c)) for e in estimates]))
+    rows.append(("= model states", [fmt_bytes(e.model_states) for e in estimates]))
+    rows.append(("  vs ideal (unsharded / N)", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates]))
+    rows.append(("largest gathered block (transient)", [fmt_bytes(e.gathered_block) for e in estimates]))
+    rows.append(("= peak per rank", [fmt_bytes(e.total) for e in estimates]))
+    rows.append(("  on the accelerator", [fmt_bytes(e.device) for e in estimates]))
+    if any(e.host for e in estimates):
+        label = "CPU memory (DeepSpeed, per node)" if first.backend == "deepspeed_zero3" else "CPU memory (offloaded)"
+        rows.append((label, [fmt_bytes(e.host) for e in estimates]))
+    width = max(len(r[0]) for r in rows)
+    cols = [max(len(r[1][i]) for r in rows) for i in range(len(estimates))]
+    lines = [head]
+    for label, values in rows:
+        lines.append("  " + label.ljust(width) + "  " + "  ".join(v.rjust(w) for v, w in zip(values, cols)))
+    if first.gathered_unit:
+        lines.append(f"  largest unit: '{first.gathered_unit}'")
+    lines += [f"  optimizer {o}" for o in first.optimizers]
+    if first.unsharded_parts:
+        lines.append("  whole on every rank (params + grads + optimizer states):")
+        lines += [f"    {p.name:<38} {fmt_bytes(p.bytes):>11}  {p.why}" for p in first.unsharded_parts]
+    lines += [f"  note: {n}" for n in dict.fromkeys(n for e in estimates for n in e.notes)]
+    return "\n".join(lines)
+
+
+def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent) -> str:
+    from autoshard.backends import get_backend
+    from autoshard.select import AUTO, select_backend
+
+    if isinstance(backend, str) and backend.strip().lower() in AUTO:
+        return select_backend(needs, intent).backend
+    name = get_backend(backend).name
+    if name not in ("fsdp2", "deepspeed_zero3"):
+        raise AutoShardError(f"estimate_memory covers fsdp2 and deepspeed_zero3, not {name}. Fix: use backend='fsdp2'")
+    return name
+
+
+def estimate_memory(
+    module: nn.Module,
+    intent: ShardingIntent | Mapping[str, Any] | None = None,
+    needs: MethodNeeds | None = None,
+    world_size: int = 1,
+    backend: str = "fsdp2",
+    *,
+    rank: int = 0,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
+    callbacks: Sequence[object] | None = None,
+    state_tensors: Mapping[str, int] | None = None,
+    num_nodes: int = 1,
+    zero_init: bool = True,
+) -> MemoryEstimate:
+    """Per-rank bytes of ``module`` trained on ``world_size`` ranks; rank 0 holds the largest FSDP2 shard.
+
+    ``optimizers`` default to ``configure_optimizers()`` plus the callbacks' own (built here, on the unsharded
+    module). ``state_tensors`` overrides the state count per optimizer class name. ``num_nodes`` and ``zero_init``
+    are DeepSpeed estimator inputs.
+    """
+    return estimate_memory_many(
+        module, intent, needs, [world_size], backend, rank=rank, optimizers=optimizers, callbacks=callbacks,
+        state_tensors=state_tensors, num_nodes=num_nodes, zero_init=zero_init,
+    )[0]
+
+
+def estimate_memory_many(
+    module: nn.Module,
+    intent: ShardingIntent | Mapping[str, Any] | None = None,
+    needs: MethodNeeds | None = None,
+    world_sizes: Iterable[int] = (1, 2, 8, 64),
+    backend: str = "fsdp2",
+    *,
+    rank: int = 0,
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
+    callbacks: Sequence[object] | None = None,
+    state_tensors: Mapping[str, int] | None = None,
+    num_nodes: int = 1,
+    zero_init: bool = True,
+) -> list[MemoryEstimate]:
+    """One estimate per world size; the plan and the optimizers are built once."""
+    intent = as_intent(intent)
+    if needs is None:
+        needs = inspect_needs(module, callbacks=callbacks)
+    backend = _canonical_backend(backend, needs, intent)
+    if optimizers is None:
+        sourced = collect_optimizers(module, callbacks)
+    else:
+        sourced = [("given", o) for o in (_flatten(list(optimizers)) or list(optimizers))]
+    layout = _layout(module, intent, needs, backend)
+    out = []
+    for world_size in world_sizes:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise AutoShardError(f"world sizes must be positive integers, got {world_size!r}")
+        if not 0 <= rank < world_size:
+            raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks")
+        if backend == "fsdp2":
+            out.append(_fsdp2(layout, sourced, intent, world_size, rank, dict(state_tensors or {})))
+        else:
+            out.append(_zero3(layout, sourced, intent, world_size, num_nodes, zero_init, rank))
+    return out
+
+
+def _scalar_bytes() -> int:
+    return 8 if torch.get_default_dtype() == torch.float64 else 4  # torch.optim's _get_scalar_dtype
+
+
+def _optimizer_bytes(
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
+    layout: _Layout,
+    local: Callable[[_Param], tuple[int, ...]],
+    overrides: Mapping[str, int],
+) -> tuple[dict[int, int], list[str], list[str]]:
+    """State bytes per parameter id on this rank; states exist only for parameters that get a gradient."""
+    per_param: dict[int, int] = {}
+    summaries, notes = [], []
+    scalar = _scalar_bytes()
+    for source, optimizer in sourced:
+        fn, note = _state_fn(optimizer, overrides)
+        summaries.append(f"{_describe_states(optimizer, fn)} ({source})")
+        if note:
+            notes.append(note)
+        for group in optimizer.param_groups:
+            infos = [layout.params.get(id(p)) or _outside(p) for p in group["params"]]
+            infos = [(id(p), info) for p, info in zip(group["params"], infos) if info.trainable]
+            if fn is None:  # LBFGS: flat copies of all of the group's parameters, on the first one
+                flat = sum(_n(local(i)) for _, i in infos)
+                if infos:
+                    pid, info = infos[0]
+                    per_param[pid] = per_param.get(pid, 0) + (2 + 2 * int(group.get("history_size", 100))) * flat * info.elsize
+                continue
+            for pid, info in infos:
+                elements, scalars = fn(group, local(info))
+                per_param[pid] = per_param.get(pid, 0) + elements * info.elsize + scalars * scalar
+    return per_param, summaries, notes
+
+
+def _outside(p: torch.Tensor) -> _Param:
+    """A parameter an optimizer holds that the module does not own: whole on every rank."""
+    return _Param("<not in the module>", tuple(p.shape), p.element_size(), p.element_size(), False, False, p.requires_grad, "<not in the module>")
+
+
+def _fsdp2(
+    layout: _Layout,
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
+    intent: ShardingIntent,
+    world_size: int,
+    rank: int,
+    overrides: Mapping[str, int],
+) -> MemoryEstimate:
+    local = lambda p: _local_shape(p, world_size, rank)  # noqa: E731
+    states, summaries, notes = _optimizer_bytes(sourced, layout, local, overrides)
+    full_states, _, _ = _optimizer_bytes(sourced, layout, lambda p: p.shape, overrides)
+    extra = {pid: _outside_param(sourced, pid) for pid in states if pid not in layout.params}
+    all_params = {**layout.params, **{pid: p for pid, p in extra.items() if p is not None}}
+    buckets = dict.fromkeys(CATEGORIES, 0)
+    parts: dict[str, int] = {}
+    full = 0
+    for pid, p in all_params.items():
+        own = _n(local(p)) * p.elsize
+        grad = own if p.trainable else 0
+        state = states.get(pid, 0)
+        full += _n(p.shape) * p.elsize * (2 if p.trainable else 1) + full_states.get(pid, 0)
+        if not p.sharded:
+            buckets["unsharded"] += own + grad + state
+            parts[p.part] = parts.get(p.part, 0) + own + grad + state
+        elif p.teacher:
+            buckets["ema_teacher"] += own
+            buckets["gradients"] += grad
+            buckets["optimizer_states"] += state
+        else:
+            buckets["parameters"] += own
+            buckets["gradients"] += grad
+            buckets["optimizer_states"] += state
+    held = [(n, b) for n, b, reshard in layout.units if not reshard]
+    transient = [(n, b) for n, b, reshard in layout.units if reshard]
+    largest = max(transient, key=lambda u: u[1], default=("", 0))
+    gathered = sum(b for _, b in held) + largest[1]
+    notes = list(layout.notes) + notes
+    if held:
+        notes.append(
+            f"reshard_after_forward=False keeps {len(held)} unit(s) gathered from forward to backward"
+            f" ({fmt_bytes(sum(b for _, b in held))} counted in the gathered block)"
+        )
+    offloaded: tuple[str, ...] = ()
+    if intent.offload != "none":
+        offloaded = ("parameters", "gradients", "optimizer_states", "ema_teacher")
+        notes.append("CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in CPU memory")
+    return MemoryEstimate(
+        backend="fsdp2",
+        world_size=world_size,
+        rank=rank,
+        precision=intent.effective_precision,
+        gathered_block=gathered,
+        gathered_unit=max(layout.units, key=lambda u: u[1])[0] if layout.units else "",
+        full_model_states=full,
+        offloaded=offloaded,
+        host=sum(buckets[c] for c in offloaded),
+        unsharded_parts=tuple(UnshardedPart(n, b, layout.whys.get(n, "")) for n, b in parts.items()),
+        optimizers=tuple(summaries),
+        notes=tuple(dict.fromkeys(notes)),
+        **buckets,
+    )
+
+
+def _outside_param(sourced: Sequence[tuple[str, torch.optim.Optimizer]], pid: int) -> _Param | None:
+    for _, optimizer in sourced:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) == pid:
+                    return _outside(p)
+    return None
+
+
+def zero3_model_states(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int,
+    num_nodes: int = 1,
+    cpu_offload: bool = False,
+    cpu_offload_params: bool = False,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
+    """(cpu bytes per node, gpu bytes per rank, largest layer bytes): DeepSpeed's
+    ``estimate_zero3_model_states_mem_needs``, restated so that estimating never imports deepspeed."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            per = 18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor)
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            per = 16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor)
+        cpu_mem = total_params * per * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def _zero3(
+    layout: _Layout,
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
+    intent: ShardingIntent,
+    world_size: int,
+    num_nodes: int,
+    zero_init: bool,
+    rank: int,
+) -> MemoryEstimate:
+    if world_size % num_nodes:
+        raise AutoShardError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}")
+    per_node = world_size // num_nodes
+    total = sum(_n(p.shape) for p in layout.params.values())
+    offload_opt = intent.offload in ("optimizer", "params")
+    offload_params = intent.offload == "params"
+    cpu_mem, gpu_mem, largest_mem = zero3_model_states(
+        total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, zero_init
+    )
+    states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
+    params = int(2 * total / world_size)
+    grads = int(2 * total / world_size)
+    offloaded = ("parameters", "gradients", "optimizer_states") if offload_params else ("gradients", "optimizer_states") if offload_opt else ()
+    notes = [
+        "ZeRO-3 figures are DeepSpeed's estimate_zero3_model_states_mem_needs (18 bytes per parameter, Adam in mixed"
+        " precision; the gathered block is 4 bytes x the largest layer); the split into 16-bit params (2 B),"
+        " 16-bit grads (2 B) and optimizer states with fp32 master weights (14 B) is autoshard's reading",
+        "parameters below stage3_param_persistence_threshold stay whole on every rank; DeepSpeed's formula ignores them",
+    ]
+    names = {type(o).__name__ for _, o in sourced}
+    if names - {"Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam"}:
+        notes.append(f"DeepSpeed's formula assumes Adam; this method uses {', '.join(sorted(names))}")
+    if intent.offload_device == "nvme" and intent.offload != "none":
+        notes.append("offload_device='nvme': the offloaded states live on NVMe; the CPU figure bounds the staging buffers")
+    estimate = MemoryEstimate(
+        backend="deepspeed_zero3",
+        world_size=world_size,
+        rank=rank,
+        precision=intent.effective_precision,
+        parameters=params,
+        gradients=grads,
+        optimizer_states=states - params - grads,
+        ema_teacher=0,
+        unsharded=0,
+        gathered_block=largest_mem,
+        gathered_unit="",
+        full_model_states=ZERO3_BYTES_PER_PARAM * total,
+        offloaded=offloaded,
+        host=cpu_mem,
+        optimizers=tuple(f"{type(o).__name__} ({s})" for s, o in sourced),
+        notes=tuple(notes),
+    )
+    assert estimate.device == gpu_mem, (estimate.device, gpu_mem)  # the breakdown must add up to DeepSpeed's figure
+    return estimate
+
+
+__all__ = [
+    "MemoryEstimate",
+    "OPTIMIZER_STATES",
+    "UnshardedPart",
+    "collect_optimizers",
+    "estimate_memory",
+    "estimate_memory_many",
+    "fmt_bytes",
+    "memory_table",
+    "shard_rows",
+    "zero3_model_states",
+]

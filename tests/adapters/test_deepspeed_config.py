@@ -1,0 +1,158 @@
+"""ShardingIntent -> DeepSpeed ZeRO-3 config: what a user asks for is what DeepSpeed gets, and contradictions stop early."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from autoshard.adapters.deepspeed import deepspeed_config, validate_deepspeed_config
+from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.needs import EMAPair, MethodNeeds
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def make(intent: ShardingIntent | None = None, **kwargs: object) -> dict:
+    kwargs.setdefault("world_size", 2)
+    kwargs.setdefault("micro_batch_size", 4)
+    return deepspeed_config(intent or ShardingIntent(), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("precision", "bf16", "fp16"),
+    [("bf16-mixed", True, False), ("bf16-true", True, False), ("16-mixed", False, True), ("16-true", False, True), ("32-true", False, False)],
+)
+def test_precision_block_follows_the_intent(precision: str, bf16: bool, fp16: bool) -> None:
+    config = make(ShardingIntent(precision=precision))
+    assert config.get("bf16", {}).get("enabled", False) is bf16
+    assert config.get("fp16", {}).get("enabled", False) is fp16
+    if fp16:
+        assert config["fp16"]["loss_scale"] == 0  # 0 = dynamic loss scaling: fp16 without it underflows
+    assert config["zero_optimization"]["stage"] == 3
+
+
+def test_unstated_precision_plans_for_bf16_mixed() -> None:
+    assert make()["bf16"] == {"enabled": True}
+
+
+@pytest.mark.parametrize(("world", "micro", "accumulate"), [(1, 1, 1), (2, 4, 1), (8, 3, 5)])
+def test_batch_keys_are_consistent(world: int, micro: int, accumulate: int) -> None:
+    config = make(world_size=world, micro_batch_size=micro, accumulate_grad_batches=accumulate)
+    assert config["train_micro_batch_size_per_gpu"] == micro
+    assert config["gradient_accumulation_steps"] == accumulate
+    assert config["train_batch_size"] == micro * accumulate * world
+
+
+def test_gradient_clipping_is_always_written() -> None:
+    # DeepSpeed clips at norm 1.0 when the key is absent; a Trainer without gradient_clip_val must not be clipped.
+    assert make()["gradient_clipping"] == 0.0
+    assert make(gradient_clip_val=0.5)["gradient_clipping"] == 0.5
+
+
+def test_offload_none_optimizer_params() -> None:
+    none = make()["zero_optimization"]
+    assert "offload_optimizer" not in none and "offload_param" not in none
+    optimizer = make(ShardingIntent(offload="optimizer"))
+    assert optimizer["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "offload_param" not in optimizer["zero_optimization"]
+    assert optimizer["zero_force_ds_cpu_optimizer"] is False  # a torch optimizer still works with offload
+    params = make(ShardingIntent(offload="params"))["zero_optimization"]
+    assert params["offload_param"]["device"] == "cpu" and params["offload_optimizer"]["device"] == "cpu"
+
+
+def test_nvme_offload_carries_the_path_and_aio() -> None:
+    config = make(ShardingIntent(offload="params", offload_device="nvme", nvme_path="/local_nvme/run1"))
+    zero = config["zero_optimization"]
+    assert zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "nvme"
+    assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"] == "/local_nvme/run1"
+    assert "aio" in config
+
+
+def test_checkpoint_activation_checkpointing_reduce_dtype() -> None:
+    default = make()
+    assert default["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+    assert "activation_checkpointing" not in default and "communication_data_type" not in default
+    config = make(ShardingIntent(checkpoint="full", activation_checkpointing=True, reduce_dtype="float32"))
+    assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert config["activation_checkpointing"]["partition_activations"] is False
+    assert config["communication_data_type"] == "fp32"
+
+
+def test_zero_overrides_replace_single_keys_and_are_validated() -> None:
+    zero = make(zero_overrides={"stage3_param_persistence_threshold": 0})["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == 0 and zero["reduce_bucket_size"] == 200_000_000
+    with pytest.raises(IntentError, match=r"zero_optimization.reduce_bucket_size.*Fix:"):
+        make(zero_overrides={"reduce_bucket_size": -1})
+
+
+def test_tensor_parallel_is_refused_with_the_backend_that_works() -> None:
+    with pytest.raises(IncompatibleBackendError) as err:
+        make(ShardingIntent(tensor_parallel_size=2))
+    text = str(err.value)
+    assert "tensor parallel" in text and "tensor_parallel_size=2" in text
+    assert "Backend that works: fsdp2" in text and "Fix: use strategy='fsdp2'" in text
+
+
+def test_method_needs_are_refused_from_the_matrix() -> None:
+    needs = MethodNeeds(ema_pairs=(EMAPair("teacher", "student"),))
+    with pytest.raises(IncompatibleBackendError, match=r"(?s)EMA teacher/student.*teacher 'teacher' follows student 'student'.*fsdp2"):
+        make(needs=needs)
+
+
+def test_data_parallel_size_must_be_the_world_size() -> None:
+    with pytest.raises(IntentError, match="data_parallel_size"):
+        make(ShardingIntent(data_parallel_size=4), world_size=2)
+
+
+def test_param_dtype_contradicting_precision_is_refused() -> None:
+    assert make(ShardingIntent(precision="bf16-mixed", param_dtype="bfloat16"))["bf16"]["enabled"]
+    with pytest.raises(IntentError, match=r"param_dtype='float16' contradicts precision='bf16-mixed'.*Fix:"):
+        make(ShardingIntent(precision="bf16-mixed", param_dtype="float16"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.update(fp16={"enabled": True}), r"'bf16.enabled / fp16.enabled': both are true.*Fix: keep one"),
+        (lambda c: c.update(train_batch_size=9), r"'train_batch_size': is 9 .*4 \* 1 \* 2 = 8.*Fix:"),
+        (lambda c: c["zero_optimization"].update(stage=2), r"'zero_optimization.stage': is 2.*Fix: set zero_optimization.stage=3"),
+        (
+            lambda c: c["zero_optimization"].update(offload_param={"device": "nvme"}),
+            r"'zero_optimization.offload_param.nvme_path': missing.*Fix: set ShardingIntent\(nvme_path=",
+        ),
+        (lambda c: c.update(gradient_clipping=-1), r"'gradient_clipping'.*Fix:"),
+    ],
+)
+def test_validator_names_the_key_and_the_fix(change: object, message: str) -> None:
+    config = make()
+    change(config)  # type: ignore[operator]
+    with pytest.raises(IntentError, match=message):
+        validate_deepspeed_config(config, world_size=2)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install 'autoshard[deepspeed]')")
+@pytest.mark.parametrize(
+    "intent",
+    [
+        ShardingIntent(),
+        ShardingIntent(precision="16-mixed", activation_checkpointing=True, checkpoint="full", reduce_dtype="float32"),
+        ShardingIntent(precision="32-true", offload="params"),
+        ShardingIntent(offload="optimizer", offload_device="nvme", nvme_path="/local_nvme"),
+    ],
+    ids=["default", "fp16-ckpt", "fp32-offload", "nvme"],
+)
+def test_deepspeed_itself_accepts_every_generated_config(intent: ShardingIntent) -> None:
+    """DeepSpeed's own parser forbids unknown keys and checks the batch arithmetic; world size 1 without a group."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    parsed = DeepSpeedConfig(make(intent, world_size=1, micro_batch_size=4, accumulate_grad_batches=2, gradient_clip_val=1.0))
+    assert parsed.zero_optimization_stage == 3
+    assert (parsed.train_batch_size, parsed.gradient_accumulation_steps, parsed.gradient_clipping) == (8, 2, 1.0)
+    assert parsed.bfloat16_config.enabled is intent.effective_precision.startswith("bf16")
+    assert parsed.float16_config.enabled is intent.effective_precision.startswith("16")
+    if intent.offload != "none":
+        assert parsed.zero_config.offload_optimizer.device == intent.offload_device
+    assert parsed.zero_config.gather_16bit_weights_on_model_save is (intent.checkpoint == "full")
