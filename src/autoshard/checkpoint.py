@@ -152,6 +152,21 @@ def _describe(info: CheckpointInfo) -> str:
     return f"{str(info.path)!r} is {info.detail}"
 
 
+def checkpoints_inside(path: Path) -> list[str]:
+    """Complete checkpoints directly inside a directory: the usual mistake is passing ModelCheckpoint's dirpath."""
+    if not path.is_dir():
+        return []
+    return sorted(c.name for c in path.iterdir() if not c.name.startswith(".") and detect_format(c).complete)
+
+
+def _pick_one(path: Path) -> str:
+    inside = checkpoints_inside(path)
+    if inside:
+        shown = ", ".join(inside[:3]) + (", ..." if len(inside) > 3 else "")
+        return f"it holds checkpoints ({shown}): pass one of them, e.g. {str(path / inside[-1])!r}"
+    return "pass the .ckpt path ModelCheckpoint printed (e.g. checkpoints/last.ckpt)"
+
+
 def _consolidate_fix(path: Path) -> str:
     return (
         f"convert the weights with `{CONSOLIDATE.format(path=path)}`, then model.load_state_dict(torch.load('weights.pt'))"
@@ -185,8 +200,7 @@ def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2") -> Pa
             )
         raise CheckpointFormatError(
             f"cannot resume: {_describe(info)}, so it is not a checkpoint. {backend} resumes from a directory written by"
-            f" torch.distributed.checkpoint with Lightning's meta.pt, or from one torch.save file. Fix: pass the .ckpt"
-            f" path ModelCheckpoint printed (e.g. checkpoints/last.ckpt), not its parent directory"
+            f" torch.distributed.checkpoint with Lightning's meta.pt, or from one torch.save file. Fix: {_pick_one(p)}"
         )
     if info.format is Format.DEEPSPEED and backend != "deepspeed_zero3":
         raise CheckpointFormatError(
@@ -396,7 +410,7 @@ def consolidate(ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], 
     if not info.complete:
         recovered = interrupted_save(source) if info.format is not Format.UNKNOWN else None
         if recovered is None:
-            raise CheckpointFormatError(f"cannot consolidate: {_describe(info)}. Fix: pass a checkpoint directory or file")
+            raise CheckpointFormatError(f"cannot consolidate: {_describe(info)}, so it is not a checkpoint. Fix: {_pick_one(source)}")
         warnings.warn(f"{_describe(info)}; consolidating the complete checkpoint an interrupted save left: {str(recovered)!r}", stacklevel=2)
         info = detect_format(recovered)
         source = recovered

@@ -71,20 +71,29 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def reference_weights(world: int) -> dict[str, torch.Tensor]:
-    """Plain single-process fp32 training on the union of every rank's micro-batches: what ZeRO-3 must reproduce."""
+def single_process_sgd(steps: list[list[tuple[torch.Tensor, torch.Tensor]]], clip: float | None = None) -> dict[str, torch.Tensor]:
+    """Plain fp32 training in one process, one list of global micro-batches per step: what ZeRO-3 must reproduce."""
     model = make_model()
     optimizer = sgd(model.parameters())
-    data = [make_data(r, MICRO * ACCUMULATE * STEPS) for r in range(world)]
-    for step in range(STEPS):
+    for micro_batches in steps:
         optimizer.zero_grad()
-        for micro in range(ACCUMULATE):
-            i = (step * ACCUMULATE + micro) * MICRO
-            x = torch.cat([d[0][i : i + MICRO] for d in data])
-            y = torch.cat([d[1][i : i + MICRO] for d in data])
-            (nn.functional.mse_loss(model(x), y) / ACCUMULATE).backward()
+        for x, y in micro_batches:
+            (nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_weights(world: int) -> dict[str, torch.Tensor]:
+    """The raw-engine run in one process: each global micro-batch is the union of every rank's micro-batch."""
+    data = [make_data(r, MICRO * ACCUMULATE * STEPS) for r in range(world)]
+
+    def global_micro(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part = slice(i * MICRO, (i + 1) * MICRO)
+        return torch.cat([x[part] for x, _ in data]), torch.cat([y[part] for _, y in data])
+
+    return single_process_sgd([[global_micro(step * ACCUMULATE + m) for m in range(ACCUMULATE)] for step in range(STEPS)])
 
 
 def train_engine(precision: str | None, rank: int, world: int, make_optimizer: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -154,6 +163,7 @@ def run_engine(rank: int) -> dict[str, Any]:
 
 
 LIGHTNING_BATCH, LIGHTNING_STEPS, CLIP = 8, 3, 1.0
+QUIET: dict[str, Any] = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
 def lightning_reference(x: torch.Tensor, y: torch.Tensor, world: int, accumulate: int, clip: float | None) -> dict[str, torch.Tensor]:
@@ -162,18 +172,10 @@ def lightning_reference(x: torch.Tensor, y: torch.Tensor, world: int, accumulate
     Each rank reads samples rank::world in order (the test's own loader), so each step's global batch is one
     consecutive chunk; equal per-rank sizes make the mean of rank means the global mean.
     """
-    model = make_model()
-    optimizer = sgd(model.parameters())
     chunk = LIGHTNING_BATCH * world
-    for step in range(LIGHTNING_STEPS):
-        optimizer.zero_grad()
-        for micro in range(accumulate):
-            k = (step * accumulate + micro) * chunk
-            (nn.functional.mse_loss(model(x[k : k + chunk]), y[k : k + chunk]) / accumulate).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-    return {f"net.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    starts = [[(step * accumulate + micro) * chunk for micro in range(accumulate)] for step in range(LIGHTNING_STEPS)]
+    weights = single_process_sgd([[(x[k : k + chunk], y[k : k + chunk]) for k in step] for step in starts], clip)
+    return {f"net.{n}": p for n, p in weights.items()}
 
 
 def run_lightning(rank: int) -> dict[str, Any]:
@@ -215,7 +217,8 @@ def run_lightning(rank: int) -> dict[str, Any]:
         x, y = make_data(0, LIGHTNING_BATCH * world * LIGHTNING_STEPS * accumulate)
         # Each rank its round-robin slice, unshuffled, so the single-process reference is exact.
         loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=LIGHTNING_BATCH)
-        strategy = AutoShardDeepSpeedStrategy({"precision": "32-true"}, timeout=PG_TIMEOUT)
+        # automatic states the precision in the intent too; manual leaves it to the Trainer, the source of truth
+        strategy = AutoShardDeepSpeedStrategy({"precision": "32-true"} if mode == "automatic" else None, timeout=PG_TIMEOUT)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=world,
@@ -224,11 +227,8 @@ def run_lightning(rank: int) -> dict[str, Any]:
             max_steps=LIGHTNING_STEPS,
             accumulate_grad_batches=accumulate,
             gradient_clip_val=clip,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             use_distributed_sampler=False,
+            **QUIET,
         )
         before = {n: p.detach().clone() for n, p in module.named_parameters()}  # plain tensors before setup
         trainer.fit(module, loader)
@@ -269,8 +269,7 @@ def probe_refusal(module_class: Any, world: int) -> dict[str, Any]:
     strategy = AutoShardDeepSpeedStrategy(timeout=PG_TIMEOUT)
     x, y = make_data(0, 16)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=1, callbacks=[probe],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=1, callbacks=[probe], **QUIET
     )
     message, error = "", ""
     try:

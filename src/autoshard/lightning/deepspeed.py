@@ -293,9 +293,8 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         self.intent = base.replace(**fields) if fields else base
         self.micro_batch_size = micro_batch_size
         self.zero_overrides = dict(zero_overrides or {})
-        check_lightning()
-        require_deepspeed()
-        # Intent-only refusals (tensor parallel, ...) at Trainer construction; the method is checked at setup.
+        # Intent-only refusals (tensor parallel, deepspeed not installed) at Trainer construction; the method
+        # is checked at setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
         select_backend(MethodNeeds(), self.intent, prefer=BACKEND)
         provisional = deepspeed_config(self.intent, world_size=1, micro_batch_size=micro_batch_size or 1, zero_overrides=self.zero_overrides)
         super().__init__(config=provisional, **lightning_kwargs)
@@ -315,6 +314,7 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
 
     def setup_environment(self) -> None:
         self._resolve_precision()
+        self.intent.mesh_sizes(self.world_size)  # data_parallel_size, if given, must be the world size
         super().setup_environment()
 
     def _autoshard_format_config(self) -> bool:

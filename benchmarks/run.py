@@ -1,0 +1,149 @@
+"""autoshard benchmarks, one command: ``python benchmarks/run.py [--quick] [--only step,plan,rss] [--json out.json]``.
+
+Every ratio is measured in this run (never against a number from elsewhere): step time of strategy="fsdp2" vs a
+hand-written fully_shard of the same model, per-rank model-state bytes vs total / N, plan time on big trees,
+and setup peak RSS with meta-device init vs building the model whole. Not timed tests: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests.distributed.harness import run_workers  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+GOALS = {"step_ratio": 1.03, "state_ratio": 1.02, "plan_10k_s": 1.0}
+BENCHES = ("step", "plan", "rss")
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": metadata.version("torch"),
+        "lightning": metadata.version("lightning"),
+        "backend": "gloo (CPU)",
+        "ranks": 2,
+    }
+
+
+def verdict(value: float, goal: float, lower_is_better: bool = True) -> str:
+    return "meets goal" if (value <= goal if lower_is_better else value >= goal) else "MISSES goal"
+
+
+def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
+    steps, rounds = (8, 2) if quick else (20, 4)
+    ranks = run_workers(HERE / "step_worker.py", ["--steps", str(steps), "--rounds", str(rounds)], work / "step", nprocs=2, timeout=900)
+    r0 = ranks[0]
+    auto, hand = r0["median_step_s"]["autoshard"], r0["median_step_s"]["hand"]
+    ratio = auto / hand
+    lines = [
+        f"step time, {r0['step_model']['parameters']:,d}-parameter MLP stack, batch 64 per rank, fp32, AdamW,"
+        f" {rounds} alternating rounds x {steps} timed steps each (after {3} warm-up steps):",
+        f"  autoshard strategy='fsdp2'      median {auto * 1e3:8.2f} ms/step  (n={r0['steps_timed']['autoshard']})",
+        f"  hand-written fully_shard        median {hand * 1e3:8.2f} ms/step  (n={r0['steps_timed']['hand']})",
+        f"  ratio autoshard / hand-written  {ratio:.3f}  (goal <= {GOALS['step_ratio']}: {verdict(ratio, GOALS['step_ratio'])})",
+        "model states per rank (params + grads + optimizer states, DTensor.to_local) vs ideal total / N:",
+    ]
+    states: dict[str, Any] = {}
+    for rank, r in enumerate(ranks):
+        for name, key, held in (("MLP stack (autoshard)", "step_model", r["step_model"]["held"]["autoshard"]),
+                                ("MLP stack (hand-written)", "step_model", r["step_model"]["held"]["hand"]),
+                                ("DinoLike + OnlineProbe", "dino", r["dino"]["held"])):
+            ideal, estimate = r[key]["ideal"], r[key]["estimate"]
+            states[f"{name} rank {rank}"] = {"held": held, "ideal": ideal, "ratio": held / ideal, "estimate": estimate}
+            lines.append(
+                f"  rank {rank} {name:<25} held {held:>11,d} B  ideal {ideal:>13,.1f} B  ratio {held / ideal:.4f}"
+                f"  ({verdict(held / ideal, GOALS['state_ratio'])});  estimate {estimate:,d} B"
+                f" ({100 * abs(estimate - held) / held:.2f}% off)"
+            )
+    return {"ranks": ranks, "ratio": ratio, "states": states}, lines
+
+
+def bench_plan(quick: bool) -> tuple[dict[str, Any], list[str]]:
+    from benchmarks import plan_time
+    from benchmarks.models import TREE_SHAPES
+
+    shapes = ("vit", "scalars") if quick else TREE_SHAPES
+    result = plan_time.run(shapes=shapes, repeats=1 if quick else 3)
+    at_10k = [r for r in result["rows"] if r["modules"] >= 10_000 and r["modules"] < 20_000]
+    lines = ["plan time (meta-device trees; best of the repeats; setup runs inspect_needs then plan_fsdp2):"]
+    lines += ["  " + line for line in plan_time.report(result)]
+    for r in at_10k:
+        worst = max(r["plan_s"], r["needs_s"])
+        lines.append(f"  {r['shape']} at {r['modules']:,d} modules: slowest step {worst:.3f} s (goal < {GOALS['plan_10k_s']} s: {verdict(worst, GOALS['plan_10k_s'])})")
+    return result, lines
+
+
+def bench_rss(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
+    out: dict[str, Any] = {}
+    for mode in ("naive", "meta"):  # one process pair each: ru_maxrss never goes down
+        out[mode] = run_workers(HERE / "rss_worker.py", ["--mode", mode], work / f"rss-{mode}", nprocs=2, timeout=600)
+    model = out["naive"][0]["model_mib"]
+    lines = [f"setup peak RSS per rank, {model:.0f} MiB fp32 model, 2 ranks (ru_maxrss at on_train_start; base = after imports):"]
+    for mode, label in (("naive", "built whole on CPU  "), ("meta", "trainer.init_module(empty_init=True)")):
+        for rank, r in enumerate(out[mode]):
+            lines.append(
+                f"  {label:<38} rank {rank}: peak {r['setup_peak_rss_mib']:7.1f} MiB  (base {r['base_rss_mib']:6.1f},"
+                f" above base {r['setup_peak_rss_mib'] - r['base_rss_mib']:6.1f} MiB; local params {r['local_param_mib']:.1f} MiB;"
+                f" build+setup {r['build_and_setup_s']:.1f} s)"
+            )
+    for rank in range(2):
+        naive, meta = out["naive"][rank], out["meta"][rank]
+        peak = meta["setup_peak_rss_mib"] / naive["setup_peak_rss_mib"]
+        above = (meta["setup_peak_rss_mib"] - meta["base_rss_mib"]) / (naive["setup_peak_rss_mib"] - naive["base_rss_mib"])
+        out[f"ratio_rank{rank}"] = {"peak": peak, "above_base": above}
+        lines.append(f"  rank {rank}: meta / naive peak RSS {peak:.3f}; above-base growth {above:.3f}")
+    return out, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer steps, repeats and tree shapes (about a minute)")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write every measurement as JSON")
+    args = parser.parse_args(argv)
+    chosen = [b.strip() for b in args.only.split(",") if b.strip()]
+    unknown = sorted(set(chosen) - set(BENCHES))
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHES)}")
+    info = machine()
+    command = "python benchmarks/run.py" + ("" if argv is None and len(sys.argv) == 1 else " " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    print(f"autoshard benchmarks: {json.dumps(info)}")
+    print(f"command: {command}", flush=True)
+    results: dict[str, Any] = {"machine": info, "command": command}
+    with tempfile.TemporaryDirectory(prefix="autoshard-bench-") as tmp:
+        work = Path(tmp)
+        for name in chosen:
+            start = time.perf_counter()
+            if name == "step":
+                results[name], lines = bench_step(args.quick, work)
+            elif name == "plan":
+                results[name], lines = bench_plan(args.quick)
+            else:
+                results[name], lines = bench_rss(args.quick, work)
+            print(f"\n[{name}] ({time.perf_counter() - start:.0f} s)")
+            print("\n".join(lines), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

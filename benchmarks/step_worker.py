@@ -1,0 +1,151 @@
+"""One rank of the step-time and model-state benchmark: autoshard's strategy="fsdp2" vs a hand-written fully_shard.
+
+Both variants run in the same process pair, alternating, so machine noise hits both alike. Launched by run.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import autoshard  # noqa: E402,F401  registers strategy="fsdp2"
+from autoshard.demo import Blobs, DinoLike, OnlineProbe  # noqa: E402
+from autoshard.intent import ShardingIntent  # noqa: E402
+from autoshard.memory import estimate_memory  # noqa: E402
+from autoshard.needs import inspect_needs  # noqa: E402
+from benchmarks.models import HandShardedStepModel, StepModel  # noqa: E402
+from tests.distributed.harness import write_result  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+WARMUP = 3
+
+
+def held_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
+    """Local bytes of params, grads and every optimizer state tensor (DTensor.to_local for shards)."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    size = lambda t: local(t).numel() * t.element_size()  # noqa: E731
+    total = sum(size(p) for p in module.parameters()) + sum(size(p.grad) for p in module.parameters() if p.grad is not None)
+    return total + sum(size(v) for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+class StepTimer(pl.Callback):
+    """Wall time of each training batch (forward, backward, optimizer step), after the warm-up steps."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+class Held(pl.Callback):
+    def __init__(self, extra: list[Any] | None = None) -> None:
+        self.extra = extra or []
+        self.bytes = 0
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        optimizers += [c.optimizer for c in self.extra if getattr(c, "optimizer", None) is not None]
+        self.bytes = held_bytes(pl_module, optimizers)
+
+
+def trainer(strategy: Any, steps: int, callbacks: list[Any]) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=WORLD,
+        precision="32-true",
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+
+
+def step_data(steps: int, batch: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    n = steps * batch * WORLD
+    return DataLoader(TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)), batch_size=batch)
+
+
+def run_variant(name: str, steps: int) -> tuple[list[float], int]:
+    pl.seed_everything(0, verbose=False)
+    timer, held = StepTimer(), Held()
+    if name == "autoshard":
+        model, strategy = StepModel(), "fsdp2"
+    else:
+        model = HandShardedStepModel()
+        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    trainer(strategy, steps, [timer, held]).fit(model, step_data(steps))
+    return timer.times[WARMUP:], held.bytes
+
+
+def model_states_dino() -> dict[str, Any]:
+    """The demo's EMA method with its probe: replicated probe and scalars make it a little over total / N."""
+    with torch.device("meta"):
+        twin, twin_probe = DinoLike(), OnlineProbe()
+        twin_probe.setup(None, twin, "fit")
+    estimate = estimate_memory(twin, ShardingIntent(precision="32-true"), inspect_needs(twin, callbacks=[twin_probe]), WORLD, rank=RANK, callbacks=[twin_probe])
+    pl.seed_everything(0, verbose=False)
+    probe = OnlineProbe()
+    held = Held([probe])
+    trainer("fsdp2", 3, [probe, held]).fit(DinoLike(), DataLoader(Blobs(n=96), batch_size=16))
+    return {"held": held.bytes, "estimate": estimate.model_states, "ideal": estimate.ideal}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    times: dict[str, list[float]] = {"autoshard": [], "hand": []}
+    held: dict[str, int] = {}
+    for r in range(args.rounds):
+        order = ("autoshard", "hand") if r % 2 == 0 else ("hand", "autoshard")
+        for name in order:
+            got, held[name] = run_variant(name, args.steps + WARMUP)
+            times[name] += got
+    with torch.device("meta"):
+        twin = StepModel()
+    estimate = estimate_memory(twin, ShardingIntent(precision="32-true"), None, WORLD, rank=RANK)
+    write_result(
+        args.out,
+        RANK,
+        {
+            "median_step_s": {k: statistics.median(v) for k, v in times.items()},
+            "steps_timed": {k: len(v) for k, v in times.items()},
+            "step_model": {"held": held, "estimate": estimate.model_states, "ideal": estimate.ideal, "parameters": sum(p.numel() for p in twin.parameters())},
+            "dino": model_states_dino(),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

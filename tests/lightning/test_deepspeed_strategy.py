@@ -1,0 +1,228 @@
+"""DeepSpeed strategies in one process: registration, and every refusal reached through Trainer.fit on CPU.
+
+The refusals happen in the strategy's setup_environment, before any process group or engine exists, so a
+devices=1 Trainer reaches them without spawning. Refusals seen only at setup (a probe that builds its optimizer
+in its own setup hook) are exercised on 2 real processes in tests/distributed/test_deepspeed_engine.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
+
+pytestmark = [
+    pytest.mark.deepspeed,
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install 'autoshard[deepspeed]')"),
+]
+
+from autoshard.lightning import deepspeed as ds_lightning  # noqa: E402
+from autoshard.lightning.deepspeed import (  # noqa: E402
+    LIGHTNING_DEEPSPEED_NAMES,
+    AutoShardDeepSpeedStrategy,
+    GuardedDeepSpeedStrategy,
+    check_lightning,
+    register_deepspeed_strategies,
+)
+
+register_deepspeed_strategies(StrategyRegistry)  # idempotent; `import autoshard` does it too
+
+
+def make_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
+
+
+def loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.head(self.body(batch[0])).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TwoOptimizers(Net):
+    """A GAN-like method: one optimizer per sub-network."""
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+
+
+class Probe(pl.Callback):
+    """An online probe owning its optimizer (an attribute), as evaluation callbacks do."""
+
+    def __init__(self) -> None:
+        self.linear = nn.Linear(8, 3)
+        self.optimizer = torch.optim.SGD(self.linear.parameters(), lr=0.1)
+
+
+class StudentTeacher(Net):
+    """DINO/BYOL style: the teacher is a frozen deepcopy of the student, updated by EMA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+
+
+class OnlineTarget(Net):
+    """Same EMA pattern under other names: found by structure (frozen mirror of a trainable subtree), not by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.target = copy.deepcopy(self.online).requires_grad_(False)
+
+
+class MultiForward(Net):
+    autoshard_needs = {"multi_forward": True}
+
+
+REFUSALS = {
+    "two_optimizers": (TwoOptimizers, [], "multiple optimizers", "2 optimizers"),
+    "probe_callback": (Net, [Probe], "multiple optimizers", "callback Probe"),
+    "ema_student_teacher": (StudentTeacher, [], "EMA teacher/student", "teacher 'teacher' follows student 'student'"),
+    "ema_by_structure": (OnlineTarget, [], "EMA teacher/student", "teacher 'target' follows student 'online'"),
+    "multi_forward": (MultiForward, [], "several forwards per step", "multi_forward=True"),
+}
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_3", "deepspeed_stage_3_offload", "autoshard-deepspeed"])
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refused_at_setup_with_the_feature_the_backend_that_works_and_the_fix(case: str, strategy: str) -> None:
+    module_class, callbacks, feature, detail = REFUSALS[case]
+    distributed_before = torch.distributed.is_initialized()
+    trainer = make_trainer(strategy, callbacks=[c() for c in callbacks])
+    assert isinstance(trainer.strategy, GuardedDeepSpeedStrategy)
+    with pytest.raises(IncompatibleBackendError) as info:
+        trainer.fit(module_class(), loader())
+    text = str(info.value)
+    assert f"{module_class.__name__} cannot train under DeepSpeed ZeRO stage 3" in text, text
+    assert feature in text and detail in text, text
+    assert "Backend that works: fsdp2 (strategy='fsdp2')" in text, text
+    assert "Fix: use strategy='fsdp2'" in text, text
+    # Refused before any process group or engine existed.
+    assert torch.distributed.is_initialized() == distributed_before
+    assert type(trainer.strategy.model).__name__ != "DeepSpeedEngine"
+
+
+@pytest.mark.parametrize("stage_name", ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload"])
+def test_stages_1_and_2_refuse_only_several_optimizers(stage_name: str) -> None:
+    """Parameters stay whole below stage 3: EMA and several forwards are fine there, several optimizers are not."""
+    for module_class in (StudentTeacher, MultiForward):
+        trainer = make_trainer(stage_name)
+        module = module_class()
+        trainer.strategy.connect(module)
+        module.trainer = trainer
+        decision = trainer.strategy.check_method(trainer)
+        assert decision.backend == "deepspeed_zero3"
+    with pytest.raises(IncompatibleBackendError, match=r"(?s)stage [12].*multiple optimizers.*Fix: use strategy='fsdp2'"):
+        make_trainer(stage_name).fit(TwoOptimizers(), loader())
+
+
+def test_registration_keeps_lightnings_init_params_and_is_idempotent() -> None:
+    lightning_own = _StrategyRegistry()
+    DeepSpeedStrategy.register_strategies(lightning_own)  # what Lightning registers, read from Lightning itself
+    register_deepspeed_strategies(StrategyRegistry)
+    register_deepspeed_strategies(StrategyRegistry)
+    assert set(LIGHTNING_DEEPSPEED_NAMES) == set(lightning_own)
+    for name in LIGHTNING_DEEPSPEED_NAMES:
+        entry = StrategyRegistry[name]
+        assert entry["strategy"] is GuardedDeepSpeedStrategy, name
+        assert entry["init_params"] == lightning_own[name]["init_params"], name
+        assert entry["description"] == lightning_own[name]["description"], name
+    assert StrategyRegistry["autoshard-deepspeed"]["strategy"] is AutoShardDeepSpeedStrategy
+    offload = make_trainer("deepspeed_stage_3_offload").strategy
+    assert offload.zero_stage == 3 and offload.config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert make_trainer("deepspeed_stage_2").strategy.zero_stage == 2
+
+
+def test_precision_stated_twice_and_differing_is_refused() -> None:
+    strategy = AutoShardDeepSpeedStrategy({"precision": "bf16-mixed"})
+    with pytest.raises(IntentError) as info:
+        make_trainer(strategy, precision="32-true").fit(Net(), loader())
+    text = str(info.value)
+    assert "ShardingIntent(precision='bf16-mixed')" in text and "Trainer(precision='32-true')" in text
+    assert "Fix: set it once, in the Trainer" in text
+
+
+def test_trainer_precision_fills_an_unstated_intent_precision() -> None:
+    strategy = AutoShardDeepSpeedStrategy()
+    with pytest.raises(IncompatibleBackendError):  # refused at the preflight, after the precision was resolved
+        make_trainer(strategy, precision="32-true").fit(TwoOptimizers(), loader())
+    assert strategy.intent.precision == "32-true"
+
+
+def test_intent_only_refusals_happen_at_construction() -> None:
+    with pytest.raises(IncompatibleBackendError, match=r"(?s)tensor parallel.*Backend that works: fsdp2.*Fix:"):
+        AutoShardDeepSpeedStrategy(tensor_parallel_size=2)
+
+
+def test_intent_fields_as_arguments_and_config_arguments_refused() -> None:
+    strategy = AutoShardDeepSpeedStrategy(offload="optimizer", checkpoint="full")
+    assert strategy.intent.offload == "optimizer"
+    assert strategy.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert strategy.config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    with pytest.raises(IntentError, match=r"does not take stage=.*Fix: .*strategy='deepspeed_stage_2'"):
+        AutoShardDeepSpeedStrategy(stage=2)
+    with pytest.raises(IntentError, match=r"does not take offload_optimizer=.*Fix: set ShardingIntent\(offload='optimizer'\)"):
+        AutoShardDeepSpeedStrategy(offload_optimizer=True)
+
+
+def test_missing_deepspeed_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now fails, as when it is absent
+    for make in (AutoShardDeepSpeedStrategy, lambda: make_trainer("deepspeed_stage_3")):
+        with pytest.raises(BackendUnavailableError) as info:
+            make()
+        text = str(info.value)
+        assert 'pip install "autoshard[deepspeed]"' in text and "fsdp2" in text, text
+
+
+def test_deepspeed_accelerator_other_than_cpu_is_refused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # DeepSpeed picks its accelerator at import (cpu on this machine); this stands in for a CUDA build used with
+    # accelerator="cpu", a case this machine cannot produce for real.
+    monkeypatch.setattr(ds_lightning, "_deepspeed_accelerator", lambda: "cuda")
+    with pytest.raises(IncompatibleBackendError, match=r"(?s)DeepSpeed's accelerator is 'cuda'.*fsdp2.*Fix: export DS_ACCELERATOR=cpu"):
+        make_trainer(AutoShardDeepSpeedStrategy()).fit(Net(), loader())
+
+
+def test_lightning_version_outside_the_tested_range_warns() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_lightning()  # the installed version is the tested one
+    for version in ("2.5.3", "2.7.0"):
+        with pytest.warns(UserWarning, match=r"verified on lightning <2.7,>=2.6|verified on lightning >=2.6,<2.7"):
+            check_lightning(version)
+
+
+def test_import_autoshard_does_not_import_deepspeed_and_installs_the_guard() -> None:
+    code = (
+        "import sys, autoshard, autoshard.adapters.deepspeed, autoshard.lightning.deepspeed\n"
+        "from lightning.pytorch.strategies import StrategyRegistry as R\n"
+        "print('deepspeed' in sys.modules, R['deepspeed_stage_3']['strategy'].__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["False", "GuardedDeepSpeedStrategy"], out
