@@ -48,16 +48,29 @@ class StepModel(pl.LightningModule):
 
 
 class HandShardedStepModel(StepModel):
-    """The same model sharded by hand the way the FSDP2 docs show: one fully_shard per block, then the rest."""
+    """The same model sharded by hand the way the FSDP2 docs show: one fully_shard per block, then the rest.
+
+    ``reshard_after_forward=None`` is fully_shard's default. Here every unit is a sibling with no sharded parent,
+    so each becomes an FSDP root and None then means False: nothing is resharded between forward and backward
+    (fewer all-gathers, the whole model gathered at the peak). ``True`` is what autoshard's plan passes.
+    """
+
+    reshard_after_forward: bool | None = None
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
         for block in self.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.embed, mesh=mesh)
-        fully_shard(self.head, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(self.embed, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(self.head, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+
+
+class HandShardedResharding(HandShardedStepModel):
+    """The hand-written version with autoshard's setting: every unit reshards after forward."""
+
+    reshard_after_forward = True
 
 
 class BigModel(pl.LightningModule):

@@ -30,7 +30,7 @@ from autoshard.demo import Blobs, DinoLike, OnlineProbe  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
 from autoshard.memory import estimate_memory  # noqa: E402
 from autoshard.needs import inspect_needs  # noqa: E402
-from benchmarks.models import HandShardedStepModel, StepModel  # noqa: E402
+from benchmarks.models import HandShardedResharding, HandShardedStepModel, StepModel  # noqa: E402
 from tests.distributed.harness import write_result  # noqa: E402
 
 RANK = int(os.environ["RANK"])
@@ -98,7 +98,7 @@ def run_variant(name: str, steps: int) -> tuple[list[float], int]:
     if name == "autoshard":
         model, strategy = StepModel(), "fsdp2"
     else:
-        model = HandShardedStepModel()
+        model = HandShardedResharding() if name == "hand_reshard" else HandShardedStepModel()
         strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     trainer(strategy, steps, [timer, held]).fit(model, step_data(steps))
     return timer.times[WARMUP:], held.bytes
@@ -125,10 +125,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    times: dict[str, list[float]] = {"autoshard": [], "hand": []}
+    names = ("autoshard", "hand_reshard", "hand_default")
+    times: dict[str, list[float]] = {name: [] for name in names}
     held: dict[str, int] = {}
     for r in range(args.rounds):
-        order = ("autoshard", "hand") if r % 2 == 0 else ("hand", "autoshard")
+        order = names[r % 3 :] + names[: r % 3]  # rotate, so no variant always runs first
         for name in order:
             got, held[name] = run_variant(name, args.steps + WARMUP)
             times[name] += got

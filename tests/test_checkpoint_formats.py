@@ -35,6 +35,9 @@ from autoshard.checkpoint import (
 )
 
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
 def model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
@@ -259,17 +262,23 @@ DEEPSPEED_WRITER = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def deepspeed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def make_deepspeed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ZeRO-3 checkpoint from one CPU process (~10 s), written once per session and shared by test modules."""
     pytest.importorskip("deepspeed")
     from tests.distributed.harness import free_port
 
-    path = tmp_path_factory.mktemp("deepspeed") / "epoch=0-step=2.ckpt"
-    done = subprocess.run(
-        [sys.executable, "-c", DEEPSPEED_WRITER, str(path), str(free_port())], capture_output=True, text=True, timeout=150
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    path = tmp_path_factory.getbasetemp() / "deepspeed-zero3" / "epoch=0-step=2.ckpt"
+    if not Path(str(path) + ".ref").exists():
+        done = subprocess.run(
+            [sys.executable, "-c", DEEPSPEED_WRITER, str(path), str(free_port())], capture_output=True, text=True, timeout=150
+        )
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return path
+
+
+@pytest.fixture(scope="module")
+def deepspeed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_deepspeed_checkpoint(tmp_path_factory)
 
 
 @pytest.mark.deepspeed

@@ -176,6 +176,18 @@ class ShardingIntent:
         return out
 
 
+def with_trainer_precision(intent: ShardingIntent, trainer_precision: object) -> ShardingIntent:
+    """The Trainer's precision is the one that runs; an intent may repeat it but not contradict it."""
+    precision = normalize_precision(trainer_precision)
+    if intent.precision is not None and intent.precision != precision:
+        raise IntentError(
+            f"precision is given twice and differs: ShardingIntent(precision='{intent.precision}') but"
+            f" Trainer(precision='{precision}'). Fix: set it once, in the Trainer"
+            f" (Trainer(precision='{intent.precision}')), and drop it from the intent"
+        )
+    return intent.replace(precision=precision)
+
+
 def as_intent(value: ShardingIntent | Mapping[str, Any] | None) -> ShardingIntent:
     """Accept an intent, a dict of its fields, or nothing (all defaults)."""
     if isinstance(value, ShardingIntent):

@@ -38,7 +38,11 @@ ROW = {
     Feature.CPU_OFFLOAD_PARAMS: yes("offload_param.device='cpu'"),
     Feature.CPU_OFFLOAD_OPTIMIZER: yes("offload_optimizer.device='cpu'"),
     Feature.NVME_OFFLOAD: yes("offload to nvme_path"),
-    Feature.ACTIVATION_CHECKPOINTING: yes("activation_checkpointing config block"),
+    Feature.ACTIVATION_CHECKPOINTING: partial(
+        "the activation_checkpointing config block only configures deepspeed.checkpointing; the model's blocks must"
+        " call deepspeed.checkpointing.checkpoint themselves",
+        "call deepspeed.checkpointing.checkpoint in your blocks, or use strategy='fsdp2', which checkpoints per block for you",
+    ),
     Feature.DISTRIBUTED_CHECKPOINT: yes("DeepSpeed's own sharded checkpoint directory"),
     Feature.FULL_CHECKPOINT: partial(
         "ZeRO-3 saves a sharded directory; the full fp32 weights come from DeepSpeed's zero_to_fp32 conversion",

@@ -21,12 +21,9 @@ def register() -> None:
     StrategyRegistry.register(
         "auto-shard", AutoShardStrategy, description="autoshard: the sharding backend your method can run on", override=True
     )
-    try:
-        from autoshard.lightning.deepspeed import register_deepspeed_strategies
-    except ImportError:  # the DeepSpeed strategy module itself needs no deepspeed; lightning too old at worst
-        pass
-    else:
-        register_deepspeed_strategies(StrategyRegistry)
+    from autoshard.lightning.deepspeed import register_deepspeed_strategies  # imports no deepspeed
+
+    register_deepspeed_strategies(StrategyRegistry)
     install_guards()
     _REGISTERED = True
 

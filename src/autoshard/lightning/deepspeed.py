@@ -27,7 +27,7 @@ from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
-from autoshard.intent import ShardingIntent, as_intent, normalize_precision
+from autoshard.intent import ShardingIntent, as_intent, normalize_precision, with_trainer_precision
 from autoshard.needs import MethodNeeds, inspect_needs
 from autoshard.select import Decision, select_backend
 
@@ -303,14 +303,7 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         return self.intent
 
     def _resolve_precision(self) -> None:
-        trainer_precision = normalize_precision(self.precision_plugin.precision)
-        if self.intent.precision is not None and self.intent.precision != trainer_precision:
-            raise IntentError(
-                f"precision is given twice and differs: ShardingIntent(precision='{self.intent.precision}') but"
-                f" Trainer(precision='{trainer_precision}'). Backend: {BACKEND} trains in the Trainer's precision."
-                f" Fix: set it once, in the Trainer (Trainer(precision='{self.intent.precision}')), and drop it from the intent"
-            )
-        self.intent = self.intent.replace(precision=trainer_precision)
+        self.intent = with_trainer_precision(self.intent, self.precision_plugin.precision)
 
     def setup_environment(self) -> None:
         self._resolve_precision()

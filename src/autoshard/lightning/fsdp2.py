@@ -17,7 +17,7 @@ from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, check_ema_alignme
 from autoshard.capability import Feature
 from autoshard.backends import get_backend
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
-from autoshard.intent import ShardingIntent, as_intent, normalize_precision
+from autoshard.intent import ShardingIntent, as_intent, normalize_precision, with_trainer_precision
 from autoshard.lightning.checkpoint import CheckpointMixin
 from autoshard.needs import EMAPair, MethodNeeds, inspect_needs
 from autoshard.select import Decision, select_backend
@@ -159,12 +159,7 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
         trainer_precision = normalize_precision(getattr(self.precision_plugin, "precision", "32-true"))
         if trainer_precision not in FSDP2_PRECISIONS:
             raise IncompatibleBackendError(precision_refusal(trainer_precision, self.strategy_name))
-        if self.intent.precision is not None and self.intent.precision != trainer_precision:
-            raise IntentError(
-                f"precision is given twice and differs: ShardingIntent(precision='{self.intent.precision}') but"
-                f" Trainer(precision='{trainer_precision}'). Fix: set it once, in the Trainer"
-            )
-        return self.intent.replace(precision=trainer_precision)
+        return with_trainer_precision(self.intent, trainer_precision)
 
     def _accelerator_name(self) -> str | None:
         device = self.parallel_devices[0] if self.parallel_devices else None
