@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autoshard {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_matrix(subparsers)
+    from autoshard import checkpoint, explain
+
+    explain.register_cli(subparsers)
+    checkpoint.register_cli(subparsers)
     return parser
 
 
