@@ -91,6 +91,17 @@ def test_detects_every_format(tmp_path: Path, dcp_dir: Path) -> None:
     assert info.format is Format.DEEPSPEED and info.tag == "global_step5"
 
 
+def test_torn_shards_under_an_intact_looking_metadata_are_incomplete(dcp_dir: Path) -> None:
+    """Stock Lightning overwrites last.ckpt in place: killed midway, the old .metadata and meta.pt stay next to
+    truncated shards (seen: 11,858 of 439,788 bytes), and DCP's load dies with EOFError. Detected from .metadata alone."""
+    shard = dcp_dir / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    info = detect_format(dcp_dir)
+    assert info.format is Format.INCOMPLETE and "shard __0_0.distcp holds 100 bytes where .metadata expects" in info.detail
+    with pytest.raises(CheckpointFormatError, match="a save overwrote it in place and was interrupted"):
+        resolve_for_load(dcp_dir)
+
+
 # -- the states an interrupted save can leave -----------------------------------------------------------------------
 def test_staging_names_are_hidden_and_never_match_last_ckpt(tmp_path: Path) -> None:
     """ModelCheckpoint's ckpt_path='last' search takes names ending in .ckpt that start with 'last'."""
@@ -131,7 +142,7 @@ def test_aside_copy_is_used_when_the_new_one_is_incomplete(tmp_path: Path, dcp_d
 def test_a_torn_staging_file_is_never_loaded(tmp_path: Path) -> None:
     target = tmp_path / "model.ckpt"
     staging_path(target).write_bytes(b"PK\x03\x04 torn in the middle")
-    with pytest.raises(CheckpointFormatError, match="nothing exists at this path"):
+    with pytest.raises(CheckpointFormatError, match="nothing exists at this path .the first save to it was interrupted"):
         resolve_for_load(target)
 
 

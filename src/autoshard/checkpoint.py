@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -99,8 +100,37 @@ def _deepspeed_tag(path: Path) -> str | None:
     return None
 
 
-def detect_format(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Classify ``path`` by its files only (no tensor is read), so it is cheap on any checkpoint size."""
+def torn_shard(path: Path) -> str | None:
+    """A shard shorter than .metadata says, or missing: what an in-place save (stock Lightning's) leaves when killed.
+
+    Only .metadata is read (offsets and lengths), never the tensors.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a torn .metadata cannot happen with DCP's tmp + rename, but say so if it does
+        return f".metadata cannot be read ({type(exc).__name__})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"shard {name} is missing"
+        size = shard.stat().st_size
+        if size < end:
+            return f"shard {name} holds {size:,d} bytes where .metadata expects {end:,d}"
+    return None
+
+
+def detect_format(path: str | os.PathLike[str], verify: bool = True) -> CheckpointInfo:
+    """Classify ``path`` by its files only (no tensor is read), so it is cheap on any checkpoint size.
+
+    ``verify`` also reads DCP's .metadata to catch torn shards; deciding whether a path may be replaced skips it.
+    """
     p = Path(path)
     if not p.exists():
         if p.is_symlink():
@@ -117,6 +147,10 @@ def detect_format(path: str | os.PathLike[str]) -> CheckpointInfo:
     has_metadata = (p / DCP_METADATA).is_file()
     has_meta = (p / LIGHTNING_META).is_file()
     shards = sorted(x.name for x in p.glob("*.distcp"))
+    if has_metadata and verify:
+        torn = torn_shard(p)
+        if torn is not None:
+            return CheckpointInfo(p, Format.INCOMPLETE, f"a distributed checkpoint whose {torn}: a save overwrote it in place and was interrupted")
     if has_metadata and has_meta:
         return CheckpointInfo(p, Format.DCP, f"a distributed checkpoint: {len(shards)} shard file(s), .metadata, meta.pt")
     if has_metadata:
@@ -156,7 +190,11 @@ def checkpoints_inside(path: Path) -> list[str]:
     """Complete checkpoints directly inside a directory: the usual mistake is passing ModelCheckpoint's dirpath."""
     if not path.is_dir():
         return []
-    return sorted(c.name for c in path.iterdir() if not c.name.startswith(".") and detect_format(c).complete)
+    return sorted(
+        c.name
+        for c in path.iterdir()
+        if not c.name.startswith(".") and (c.is_dir() or c.suffix == ".ckpt") and detect_format(c, verify=False).complete
+    )
 
 
 def _pick_one(path: Path) -> str:
@@ -192,7 +230,11 @@ def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2") -> Pa
             )
             return resolve_for_load(recovered, backend)
         if info.format is Format.MISSING:
-            raise CheckpointFormatError(f"cannot resume: {_describe(info)}. Fix: pass the path of an existing checkpoint (a .ckpt directory or file)")
+            partial = staging_path(p)
+            why = f" (the first save to it was interrupted: {str(partial)!r} is partial)" if partial.exists() else ""
+            raise CheckpointFormatError(
+                f"cannot resume: {_describe(info)}{why}. Fix: pass the path of an existing checkpoint (a .ckpt directory or file)"
+            )
         if info.format is Format.INCOMPLETE:
             raise CheckpointFormatError(
                 f"cannot resume: {_describe(info)}. autoshard never leaves a partial save under the final name, so this one"
@@ -241,7 +283,7 @@ def _check_full_file(path: Path) -> None:
 
 def check_replaceable(path: str | os.PathLike[str]) -> None:
     """Saving swaps ``path`` out: refuse when it holds something that is not a checkpoint (a user directory)."""
-    info = detect_format(path)
+    info = detect_format(path, verify=False)
     if info.format is Format.MISSING or info.format in (Format.DCP, Format.DCP_RAW, Format.FULL, Format.INCOMPLETE):
         return
     p = info.path
@@ -479,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except AutoShardError as exc:
-        print(f"autoshard: error: {exc}")
+        print(f"autoshard: error: {exc}", file=sys.stderr)
         return 1
 
 

@@ -270,7 +270,11 @@ def scenario_crash(work: Path, results: dict[str, Any], out: str) -> dict[str, A
             if trainer.global_step == 4 and 2 in capture.steps:
                 save_reference(capture.steps[2], work / "wc_ref_step2.pt")
                 save_reference(capture.steps[4], work / "wc_ref_step4.pt")
-                results["crash"] = {"armed_at_step": trainer.global_step, "saved": sorted(p.name for p in (work / "wc").iterdir())}
+                results["crash"] = {
+                    "armed_at_step": trainer.global_step,
+                    "saved": sorted(p.name for p in (work / "wc").iterdir()),
+                    "weights": weights_report(capture.start, capture.steps[4]),
+                }
                 write_result(out, RANK, results)
                 arm_kill(save_number=2, items=1)  # counted from now: the step-4 top-k file, then last.ckpt
 

@@ -142,7 +142,8 @@ class CheckpointMixin:
             )
         path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
         full = not self._save_distributed_checkpoint
-        entries = self._callback_optimizers()
+        # save_checkpoint(weights_only=True) leaves optimizers out: callback optimizers too.
+        entries = self._callback_optimizers() if "optimizer_states" in checkpoint else []
         extra: dict[str, Any] = {
             "version": FORMAT_VERSION,
             "world_size": self.world_size,

@@ -147,6 +147,14 @@ class GuardedDeepSpeedStrategy(_LightningConfigHook):
         self.needs: MethodNeeds | None = None
         self.decision: Decision | None = None
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Refuse a checkpoint of another backend (fsdp2 DCP, say) by name, before DeepSpeed reads anything."""
+        if not (self.load_full_weights and self.zero_stage_3):
+            from autoshard.checkpoint import resolve_for_load
+
+            checkpoint_path = resolve_for_load(checkpoint_path, "deepspeed_zero3")
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
     # -- what to check --------------------------------------------------------------------------------------------
     @property
     def zero_stage(self) -> int:
