@@ -104,13 +104,9 @@ class FSDP2Plan:
                 offload_policy=offload_policy,
                 **({"ignored_params": ignored} if ignored else {}),
             )
-        trainable = [p for name, p in module.named_parameters() if self._is_replicated(name) and p.requires_grad]
-        average_gradients(trainable, dp_mesh)
+        average_unsharded_gradients(module, dp_mesh)
         for pair in self.ema_pairs:
             check_ema_alignment(module, pair)
-
-    def _is_replicated(self, param_name: str) -> bool:
-        return any(param_name == r.name or param_name.startswith(r.name + ".") for r in self.replicated)
 
     def describe(self, mesh_info: dict[str, Any] | None = None) -> str:
         """The rank-0 summary: a header, one line of settings, then every unit and every replicated part."""
@@ -172,25 +168,32 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["data_parallel"] if "data_parallel" in names and len(names) > 1 else mesh
 
 
-def average_gradients(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Keep unsharded trainable parameters identical across ranks: average each gradient once it is accumulated.
+def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh) -> int:
+    """Keep every trainable parameter left unsharded (probes, root or 0-dim parameters) identical across ranks.
 
-    Hooks, not ``replicate()``: callback optimizers already hold these very Parameter objects.
+    Each gradient is averaged once accumulated. Hooks, not ``replicate()``: callback optimizers already hold these
+    very Parameter objects. Idempotent (a second setup adds no second hook); returns how many got one.
     """
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     group = mesh.get_group()
     size = dist.get_world_size(group)
     if size == 1:
-        return
+        return 0
 
     def hook(param: torch.Tensor) -> None:
         if param.grad is not None:
             dist.all_reduce(param.grad, group=group)
             param.grad.div_(size)
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(hook)
+    count = 0
+    for p in module.parameters():
+        if p.requires_grad and not isinstance(p, DTensor) and not getattr(p, "_autoshard_grad_hook", False):
+            p.register_post_accumulate_grad_hook(hook)
+            p._autoshard_grad_hook = True  # type: ignore[attr-defined]
+            count += 1
+    return count
 
 
 def _param_names(module: nn.Module) -> dict[int, list[str]]:

@@ -13,7 +13,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, check_ema_alignment, is_sharded, plan_fsdp2
+from autoshard.adapters.fsdp2 import (
+    FSDP2Plan,
+    ParallelizeFn,
+    average_unsharded_gradients,
+    check_ema_alignment,
+    data_parallel_mesh,
+    is_sharded,
+    plan_fsdp2,
+)
 from autoshard.capability import Feature
 from autoshard.backends import get_backend
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
@@ -182,15 +190,15 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
             )
         rank_zero_info(self.decision.describe())
         on_meta = check_meta_init(module)
-        if is_sharded(module):
-            rank_zero_info("autoshard: modules already sharded by your configure_model; the generic plan is skipped")
+        if is_sharded(module) or self.parallelize_fn is not None:
+            if not is_sharded(module):
+                self.parallelize_fn(module, self.device_mesh)  # type: ignore[misc]
+                rank_zero_info("autoshard: sharded by your parallelize_fn; the generic plan is skipped")
+            else:
+                rank_zero_info("autoshard: modules already sharded (your configure_model); the generic plan is skipped")
+            average_unsharded_gradients(module, data_parallel_mesh(self.device_mesh))
             for pair in self.needs.ema_pairs:
                 check_ema_alignment(module, pair)
-        elif self.parallelize_fn is not None:
-            self.parallelize_fn(module, self.device_mesh)
-            for pair in self.needs.ema_pairs:
-                check_ema_alignment(module, pair)
-            rank_zero_info("autoshard: sharded by your parallelize_fn")
         else:
             self.plan = plan_fsdp2(module, self.intent, self.needs)
             self.plan.apply(module, self.device_mesh)
