@@ -32,6 +32,14 @@ WORLD = int(os.environ["WORLD_SIZE"])
 
 
 def peak_rss_mib() -> float:
+    """This process's peak RSS. Linux's VmHWM first: ru_maxrss survives exec, so a worker started by a big parent
+    would report the parent's size as its own peak; getrusage where /proc is missing."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

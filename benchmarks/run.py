@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +28,7 @@ from tests.distributed.harness import run_workers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GOALS = {"step_ratio": 1.03, "state_ratio": 1.02, "plan_10k_s": 1.0}
-BENCHES = ("step", "plan", "rss")
+BENCHES = ("step", "rss", "plan")  # rss before plan: the plan trees grow this process
 
 
 def machine() -> dict[str, Any]:
@@ -46,22 +47,51 @@ def verdict(value: float, goal: float, lower_is_better: bool = True) -> str:
     return "meets goal" if (value <= goal if lower_is_better else value >= goal) else "MISSES goal"
 
 
+def _paired(rounds: dict[int, dict[str, tuple[float, float]]], a: str, b: str, which: int) -> list[float]:
+    """a / b within each round (same minute, same machine load), sorted; which: 0 wall time, 1 CPU time."""
+    return sorted(v[a][which] / v[b][which] for v in rounds.values())
+
+
 def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
-    steps, rounds = (8, 3) if quick else (20, 6)
-    ranks = run_workers(HERE / "step_worker.py", ["--steps", str(steps), "--rounds", str(rounds)], work / "step", nprocs=2, timeout=900)
+    steps, rounds = (8, 4) if quick else (20, 8)
+    ranks = run_workers(HERE / "step_worker.py", ["--steps", str(steps), "--rounds", str(rounds)], work / "step", nprocs=2, timeout=1200)
     r0 = ranks[0]
-    median = r0["median_step_s"]
-    ratio = median["autoshard"] / median["hand_reshard"]
-    ratio_default = median["autoshard"] / median["hand_default"]
+    wall, cpu = r0["median_step_s"], r0["median_step_cpu_s"]
+    per_round: dict[int, dict[str, tuple[float, float]]] = {}
+    for r, name, w, c in r0["per_round_median_s"]:
+        per_round.setdefault(r, {})[name] = (w, c)
+    ratios = {
+        f"{a}/{b}/{kind}": _paired(per_round, a, b, i)
+        for a, b in (("autoshard", "hand_reshard"), ("autoshard", "hand_default"), ("autoshard_again", "autoshard"))
+        for i, kind in enumerate(("wall", "cpu"))
+    }
+    med = {k: statistics.median(v) for k, v in ratios.items()}
+
+    def show(key: str) -> str:
+        v = ratios[key]
+        return f"{med[key]:.3f} (range {v[0]:.3f}..{v[-1]:.3f})"
+
     lines = [
-        f"step time, {r0['step_model']['parameters']:,d}-parameter MLP stack, batch 64 per rank, fp32, AdamW,"
-        f" {rounds} rotating rounds x {steps} timed steps per variant (after 3 warm-up steps each), rank 0:",
-        f"  autoshard strategy='fsdp2'                          median {median['autoshard'] * 1e3:8.2f} ms/step  (n={r0['steps_timed']['autoshard']})",
-        f"  hand-written fully_shard, reshard_after_forward=True median {median['hand_reshard'] * 1e3:8.2f} ms/step  (n={r0['steps_timed']['hand_reshard']})",
-        f"  hand-written fully_shard, defaults                  median {median['hand_default'] * 1e3:8.2f} ms/step  (n={r0['steps_timed']['hand_default']})",
-        f"  ratio autoshard / hand-written (same settings)  {ratio:.3f}  (goal <= {GOALS['step_ratio']}: {verdict(ratio, GOALS['step_ratio'])})",
-        f"  ratio autoshard / hand-written (defaults)       {ratio_default:.3f}  (the defaults keep every unit gathered"
-        f" from forward to backward: fewer all-gathers, more memory)",
+        f"step time, {r0['step_model']['parameters']:,d}-parameter MLP stack, batch 64 per rank, fp32, AdamW, rank 0;"
+        f" {rounds} rotating rounds x {steps} timed steps per variant (after an untimed pass of each, 3 warm-up steps per fit):",
+        "                                                        wall ms/step   CPU ms/step",
+    ]
+    for name, label in (
+        ("autoshard", "autoshard strategy='fsdp2'"),
+        ("hand_reshard", "hand-written fully_shard, reshard_after_forward=True"),
+        ("hand_default", "hand-written fully_shard, defaults"),
+        ("autoshard_again", "autoshard again (A/A control)"),
+    ):
+        lines.append(f"  {label:<53} {wall[name] * 1e3:9.2f}  {cpu[name] * 1e3:12.2f}   (n={r0['steps_timed'][name]})")
+    lines += [
+        "  ratios: median of the same-round ratios (range over rounds)",
+        f"  autoshard / hand-written, same settings:  wall {show('autoshard/hand_reshard/wall')}  CPU {show('autoshard/hand_reshard/cpu')}"
+        f"  (goal <= {GOALS['step_ratio']}: CPU {verdict(med['autoshard/hand_reshard/cpu'], GOALS['step_ratio'])},"
+        f" wall {verdict(med['autoshard/hand_reshard/wall'], GOALS['step_ratio'])})",
+        f"  A/A control, autoshard again / autoshard: wall {show('autoshard_again/autoshard/wall')}  CPU {show('autoshard_again/autoshard/cpu')}"
+        "  (the noise floor of this run)",
+        f"  autoshard / hand-written, defaults:       wall {show('autoshard/hand_default/wall')}  CPU {show('autoshard/hand_default/cpu')}"
+        "  (fully_shard's default keeps every sibling unit gathered from forward to backward: fewer all-gathers, more memory)",
         "model states per rank (params + grads + optimizer states, DTensor.to_local) vs ideal total / N:",
     ]
     states: dict[str, Any] = {}
@@ -76,7 +106,7 @@ def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
                 f"  ({verdict(held / ideal, GOALS['state_ratio'])});  estimate {estimate:,d} B"
                 f" ({100 * abs(estimate - held) / held:.2f}% off)"
             )
-    return {"ranks": ranks, "ratio": ratio, "ratio_vs_defaults": ratio_default, "states": states}, lines
+    return {"ranks": ranks, "ratios": ratios, "median_ratios": med, "states": states}, lines
 
 
 def bench_plan(quick: bool) -> tuple[dict[str, Any], list[str]]:
@@ -99,7 +129,7 @@ def bench_rss(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
     for mode in ("naive", "meta"):  # one process pair each: ru_maxrss never goes down
         out[mode] = run_workers(HERE / "rss_worker.py", ["--mode", mode], work / f"rss-{mode}", nprocs=2, timeout=600)
     model = out["naive"][0]["model_mib"]
-    lines = [f"setup peak RSS per rank, {model:.0f} MiB fp32 model, 2 ranks (ru_maxrss at on_train_start; base = after imports):"]
+    lines = [f"setup peak RSS per rank, {model:.0f} MiB fp32 model, 2 ranks (VmHWM at on_train_start; base = after imports):"]
     for mode, label in (("naive", "built whole on CPU  "), ("meta", "trainer.init_module(empty_init=True)")):
         for rank, r in enumerate(out[mode]):
             lines.append(
