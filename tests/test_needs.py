@@ -297,3 +297,28 @@ def test_inspection_leaves_the_module_unchanged(module_cls):
     callbacks = [OnlineProbe(module.probe)] if hasattr(module, "probe") else []
     inspect_needs(module, callbacks=callbacks)
     assert_unchanged(module, before)
+
+
+class FineTuned(nn.Module):
+    """Fine-tuning, not EMA: early blocks frozen, and a frozen norm beside a trainable one in every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(4))
+        self.blocks[:2].requires_grad_(False)
+        self.norms = nn.ModuleDict({"a": nn.LayerNorm(8), "b": nn.LayerNorm(8)})
+        self.norms["a"].requires_grad_(False)
+
+
+def test_frozen_layers_of_a_fine_tuned_model_are_not_ema_pairs():
+    assert find_ema_pairs(FineTuned()) == []
+
+
+def test_byol_style_online_target_pair_is_found_by_structure():
+    class BYOL(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.online = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+            self.target = copy.deepcopy(self.online).requires_grad_(False)
+
+    assert find_ema_pairs(BYOL()) == [EMAPair("target", "online")]

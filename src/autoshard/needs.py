@@ -200,19 +200,28 @@ def find_ema_pairs(root: nn.Module) -> list[EMAPair]:
     def inside_taken(path: str) -> bool:
         return any(path == t or path.startswith(t + ".") for t in taken)
 
+    def pairable(path: str) -> bool:
+        """A whole model, not a layer: leaves and stack elements (a frozen norm, frozen early blocks) never pair."""
+        parent = modules[path.rpartition(".")[0]]
+        return bool(modules[path]._modules) and not isinstance(parent, (nn.ModuleList, nn.Sequential))
+
+    trainable_by_size: dict[tuple[int, int], list[str]] = {}
+    for other, t in tallies.items():
+        if other and not t.frozen:
+            trainable_by_size.setdefault((t.count, t.numel), []).append(other)
     for name, tally in tallies.items():
         if not name or not tally.count or not tally.frozen or inside_taken(name):
             continue
         parent = name.rpartition(".")[0]
-        if tallies[parent].frozen:
-            continue  # only the outermost frozen subtree
+        if tallies[parent].frozen or not pairable(name):
+            continue  # only the outermost frozen subtree, and only whole models
         signature = None
         candidates = sorted(
-            (other for other, t in tallies.items() if other and not t.frozen and t.count == tally.count and t.numel == tally.numel),
+            trainable_by_size.get((tally.count, tally.numel), ()),
             key=lambda other: (other.rpartition(".")[0] != parent, other.count("."), other),
         )
         for other in candidates:
-            if inside_taken(other) or other.startswith(name + ".") or name.startswith(other + "."):
+            if inside_taken(other) or other.startswith(name + ".") or name.startswith(other + ".") or not pairable(other):
                 continue
             signature = signature or _signature(modules[name])
             if _signature(modules[other]) == signature:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -207,8 +208,18 @@ def _is_metric(module: nn.Module) -> bool:
     return any(cls.__module__.startswith("torchmetrics") and cls.__name__ == "Metric" for cls in type(module).__mro__)
 
 
-def _within(path: str, prefixes: Iterable[str]) -> bool:
-    return any(path == p or path.startswith(p + ".") for p in prefixes)
+def _outermost(path: str, prefixes: AbstractSet[str]) -> str | None:
+    """The shortest of ``prefixes`` that is ``path`` or a dotted ancestor of it; a walk up the path, not a scan."""
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        candidate = ".".join(parts[:i])
+        if candidate in prefixes:
+            return candidate
+    return None
+
+
+def _within(path: str, prefixes: AbstractSet[str]) -> bool:
+    return _outermost(path, prefixes) is not None
 
 
 def _subtree_roots(root: nn.Module, shard: tuple[str, ...] | None) -> list[str]:
@@ -251,7 +262,8 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
 
     def exclusive(path: str) -> bool:
         """A unit may not share a parameter (tied weights) with anything outside it."""
-        return all(_within(n, [path]) for p in modules[path].parameters() for n in names_of[id(p)])
+        inside = {path}
+        return all(_within(n, inside) for p in modules[path].parameters() for n in names_of[id(p)])
 
     roots = [r for r in _subtree_roots(module, intent.shard) if not _within(r, excluded)]
     roots += [m for p in needs.ema_pairs for m in (p.teacher, p.student) if m not in roots and not _within(m, excluded)]
@@ -279,23 +291,25 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
             del candidates[path]
     units = _units(modules, candidates, teachers, intent)
     covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
-    excluded_seen: set[str] = set()
+    unit_names = {u.name for u in units}
+    replicated_names = {r.name for r in replicated}
     for name, p in module.named_parameters():
-        if id(p) in covered or _within(name, [r.name for r in replicated]):
+        if id(p) in covered or _within(name, replicated_names):
             continue
-        if p.dim() == 0 and any(_within(name, [u.name]) for u in units):
+        if p.dim() == 0 and _within(name, unit_names):
             replicated.append(_replicated(name, [p], "0-dim parameter (fully_shard cannot shard scalars)"))
+            replicated_names.add(name)
             continue
-        owner = next((e for e in sorted(excluded, key=len) if _within(name, [e])), None)
+        owner = _outermost(name, excluded)
         if owner is not None:
-            if owner not in excluded_seen:
-                excluded_seen.add(owner)
+            if owner not in replicated_names:
+                replicated_names.add(owner)
                 why = "trained by a callback's optimizer" if owner in needs.callback_modules else "excluded"
                 replicated.append(_replicated(owner, modules[owner].parameters(), why))
-        elif "." not in name:
-            replicated.append(_replicated(name, [p], "parameter on the LightningModule root"))
         else:
-            replicated.append(_replicated(name, [p], "not inside any sharded unit"))
+            why = "parameter on the LightningModule root" if "." not in name else "not inside any sharded unit"
+            replicated.append(_replicated(name, [p], why))
+            replicated_names.add(name)
     if not units:
         message = (
             f"no parameter-owning child modules found to shard in {type(module).__name__}: your trainable parameters"
