@@ -13,3 +13,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_leaks_between_modules() -> object:
+    """Single-process Trainer tests leave a 1-rank process group (Lightning never destroys it); drop it per module
+    so that tests needing their own (fake) process group run instead of skipping."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
