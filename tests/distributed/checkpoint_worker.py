@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 import autoshard  # noqa: F401  registers strategy="fsdp2"
 from autoshard.demo import Blobs, DinoLike, OnlineProbe
 from autoshard.lightning import FSDP2Strategy
-from tests.distributed.harness import write_result
+from tests.distributed.harness import quiet_trainer, write_result
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -125,17 +125,12 @@ class Capture(pl.Callback):
 def make_trainer(strategy: Any = "fsdp2", callbacks: list[Any] | None = None, **kwargs: Any) -> pl.Trainer:
     options: dict[str, Any] = dict(
         strategy=strategy,
-        accelerator="cpu",
-        devices=WORLD,
         precision="32-true",
         max_epochs=2,
-        logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or []),
-        enable_model_summary=False,
-        enable_progress_bar=False,
         num_sanity_val_steps=0,
     )
-    return pl.Trainer(callbacks=callbacks or [], **{**options, **kwargs})
+    return quiet_trainer(callbacks=callbacks or [], **{**options, **kwargs})
 
 
 def loader() -> DataLoader:

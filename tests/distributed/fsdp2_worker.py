@@ -5,15 +5,12 @@ Launched by tests/distributed/test_fsdp2.py through the harness (torchrun-style 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -23,25 +20,14 @@ import autoshard
 from autoshard.adapters.fsdp2 import plan_fsdp2
 from autoshard.demo import Blobs, DinoLike, OnlineProbe, ema_update
 from autoshard.lightning import FSDP2Strategy
-from tests.distributed.harness import write_result
+from tests.distributed.harness import quiet_trainer, run_scenarios
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 
 
 def trainer(strategy: Any, steps: int, precision: str = "32-true", callbacks: list | None = None) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=WORLD,
-        precision=precision,
-        max_steps=steps,
-        callbacks=callbacks or [],
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    return quiet_trainer(strategy=strategy, precision=precision, max_steps=steps, callbacks=callbacks or [])
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -295,16 +281,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    results = {name: SCENARIOS[name]() for name in args.scenarios.split(",")}
-    write_result(args.out, RANK, results)
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(SCENARIOS)

@@ -68,3 +68,33 @@ def run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int = 2, t
 
 def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+# Read once at start, as the workers always did: WORLD_SIZE read later, after several Trainers ran in this
+# process, gave the wrong device count (seen once, cause not pinned down; Lightning launchers do rewrite it).
+JOB_WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+QUIET = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+
+
+def quiet_trainer(**kwargs: Any) -> Any:
+    """A CPU Trainer with devices = this job's world size and no loggers, bars or summaries; kwargs win."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(**{**QUIET, "devices": JOB_WORLD_SIZE, **kwargs})
+
+
+def run_scenarios(scenarios: dict[str, Any]) -> None:
+    """A worker's main: ``--scenarios a,b --out DIR``; all scenarios run in this one process pair, in order."""
+    import argparse
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenarios", default=",".join(scenarios))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    write_result(args.out, dist.get_rank(), {name: scenarios[name]() for name in args.scenarios.split(",")})

@@ -5,14 +5,11 @@ Launched by tests/distributed/test_memory.py through the harness (torchrun-style
 
 from __future__ import annotations
 
-import argparse
 import os
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -23,7 +20,7 @@ from autoshard.demo import Blobs, DinoLike, OnlineProbe, local_state_bytes
 from autoshard.intent import ShardingIntent
 from autoshard.memory import estimate_memory
 from autoshard.needs import inspect_needs
-from tests.distributed.harness import write_result
+from tests.distributed.harness import quiet_trainer, run_scenarios
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -53,18 +50,7 @@ class Measure(pl.Callback):
 
 
 def fit(model: pl.LightningModule, data: Any, precision: str, callbacks: list[Any], steps: int = 3) -> pl.Trainer:
-    trainer = pl.Trainer(
-        strategy="fsdp2",
-        accelerator="cpu",
-        devices=WORLD,
-        precision=precision,
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    trainer = quiet_trainer(strategy="fsdp2", precision=precision, max_steps=steps, callbacks=callbacks)
     trainer.fit(model, data)
     return trainer
 
@@ -125,15 +111,5 @@ def scenario_uneven() -> dict[str, Any]:
 SCENARIOS = {"dino": scenario_dino, "uneven": scenario_uneven}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    write_result(args.out, RANK, {name: SCENARIOS[name]() for name in args.scenarios.split(",")})
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(SCENARIOS)
