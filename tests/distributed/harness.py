@@ -70,8 +70,8 @@ def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
-# Read once at start, as the workers always did: WORLD_SIZE read later, after several Trainers ran in this
-# process, gave the wrong device count (seen once, cause not pinned down; Lightning launchers do rewrite it).
+# Read once at start: Lightning's LightningEnvironment.teardown() deletes WORLD_SIZE when a Trainer finishes,
+# so the second Trainer of a process pair would otherwise see a world of 1.
 JOB_WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 QUIET = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
 
