@@ -158,3 +158,9 @@ def test_module_entry_point_runs_without_deepspeed_or_a_gpu() -> None:
     assert done.stdout.startswith("==== autoshard explain: autoshard.demo:DinoLike ====")
     assert "==== autoshard: FSDP2 plan ====" in done.stdout and "== per-rank memory ==" in done.stdout
     assert "\x1b[" not in done.stdout
+
+
+def test_packaged_demo_factory_brings_its_probe() -> None:
+    report = as_json("autoshard.demo:dino_with_probe", "--world-sizes", "2")
+    assert report["needs"]["num_optimizers"] == 2 and report["needs"]["callback_modules"] == ["probe"]
+    assert report["decision"]["backend"] == "fsdp2"

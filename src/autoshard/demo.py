@@ -178,6 +178,11 @@ class MemoryReport(pl.Callback):
         )
 
 
+def dino_with_probe() -> tuple[DinoLike, list[pl.Callback]]:
+    """The demo's method and its probe callback: ``autoshard explain autoshard.demo:dino_with_probe``."""
+    return DinoLike(), [OnlineProbe()]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
