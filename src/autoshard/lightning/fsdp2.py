@@ -190,12 +190,13 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
             )
         rank_zero_info(self.decision.describe())
         on_meta = check_meta_init(module)
-        if is_sharded(module) or self.parallelize_fn is not None:
-            if not is_sharded(module):
+        already_sharded = is_sharded(module)
+        if already_sharded or self.parallelize_fn is not None:
+            if already_sharded:
+                rank_zero_info("autoshard: modules already sharded (your configure_model); the generic plan is skipped")
+            else:
                 self.parallelize_fn(module, self.device_mesh)  # type: ignore[misc]
                 rank_zero_info("autoshard: sharded by your parallelize_fn; the generic plan is skipped")
-            else:
-                rank_zero_info("autoshard: modules already sharded (your configure_model); the generic plan is skipped")
             average_unsharded_gradients(module, data_parallel_mesh(self.device_mesh))
             for pair in self.needs.ema_pairs:
                 check_ema_alignment(module, pair)
