@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.harness import ROOT, run_workers
+from tests.distributed.harness import ROOT, free_port, run_workers
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
@@ -86,8 +87,9 @@ def test_parallelize_fn_replaces_the_plan(ranks: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(120)
 def test_demo_trains_through_lightning_launcher() -> None:
     """`make demo`'s job: devices=2 spawned by Lightning itself, decision + plan + per-rank memory printed."""
+    env = {**os.environ, "MASTER_PORT": str(free_port())}  # Lightning's own pick can race with other jobs' ports
     out = subprocess.run(
-        [sys.executable, "-m", "autoshard.demo", "--steps", "4"], cwd=ROOT, capture_output=True, text=True, timeout=110
+        [sys.executable, "-m", "autoshard.demo", "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
