@@ -7,6 +7,7 @@ lightning 2.4-2.6); every such wrap lives only here.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from autoshard.backends import fsdp1
@@ -22,39 +23,39 @@ def fsdp1_refusal() -> str:
     return FSDP1_REFUSAL.format(reason=fsdp1.REASON)
 
 
+def _wrap_once(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``owner.name`` by ``make(original)`` unless autoshard already did: re-imports stay harmless."""
+    original = getattr(owner, name)
+    if getattr(original, "_autoshard_guard", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._autoshard_guard = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
 def install_guards() -> None:
-    """Idempotent: wrap FSDPStrategy.__init__ and the connector's precision check once."""
+    """Idempotent: refuse FSDP1 at construction and by name, and fp16 under fsdp2 before Lightning's own check."""
     from lightning.pytorch.strategies import FSDPStrategy
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    if not getattr(FSDPStrategy.__init__, "_autoshard_guard", False):
-
-        @functools.wraps(FSDPStrategy.__init__)
-        def refuse_fsdp1(self: Any, *args: Any, **kwargs: Any) -> None:
+    def refuse_fsdp1(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
             raise IncompatibleBackendError(fsdp1_refusal())
 
-        refuse_fsdp1._autoshard_guard = True  # type: ignore[attr-defined]
-        FSDPStrategy.__init__ = refuse_fsdp1  # type: ignore[method-assign]
+        return init
 
-    fallback = _AcceleratorConnector._check_strategy_and_fallback
-    if not getattr(fallback, "_autoshard_guard", False):
-
-        @functools.wraps(fallback)
-        def check_strategy(self: Any) -> None:
+    def check_strategy(original: Callable[..., Any]) -> Callable[..., Any]:
+        def check(self: Any) -> None:
             # Lightning rejects "fsdp" on CPU here with its own text, before the class is ever built.
             flag = self._strategy_flag
             if isinstance(flag, str) and flag in FSDPStrategy.get_registered_strategies():
                 raise IncompatibleBackendError(fsdp1_refusal())
-            fallback(self)
+            original(self)
 
-        check_strategy._autoshard_guard = True  # type: ignore[attr-defined]
-        _AcceleratorConnector._check_strategy_and_fallback = check_strategy  # type: ignore[method-assign]
+        return check
 
-    original = _AcceleratorConnector._validate_precision_choice
-    if not getattr(original, "_autoshard_guard", False):
-
-        @functools.wraps(original)
-        def validate_precision(self: Any) -> None:
+    def validate_precision(original: Callable[..., Any]) -> Callable[..., Any]:
+        def validate(self: Any) -> None:
             # Lightning checks only strategy *instances* (not names), says "Fabric(...)", and on CPU silently turns
             # 16-mixed into bf16-mixed later: refuse first, for names and instances alike.
             from autoshard.lightning.fsdp2 import FSDP2_PRECISIONS, FSDP2Strategy, precision_refusal
@@ -64,5 +65,8 @@ def install_guards() -> None:
                 raise IncompatibleBackendError(precision_refusal(self._precision_flag, strategy.strategy_name))
             original(self)
 
-        validate_precision._autoshard_guard = True  # type: ignore[attr-defined]
-        _AcceleratorConnector._validate_precision_choice = validate_precision  # type: ignore[method-assign]
+        return validate
+
+    _wrap_once(FSDPStrategy, "__init__", refuse_fsdp1)
+    _wrap_once(_AcceleratorConnector, "_check_strategy_and_fallback", check_strategy)
+    _wrap_once(_AcceleratorConnector, "_validate_precision_choice", validate_precision)
