@@ -25,7 +25,19 @@ def free_port() -> int:
 
 
 def run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int = 2, timeout: float = 240) -> list[dict[str, Any]]:
-    """Start ``nprocs`` ranks of ``script``; each must write ``out_dir/rank{R}.json``. Returns them in rank order."""
+    """Start ``nprocs`` ranks of ``script``; each must write ``out_dir/rank{R}.json``. Returns them in rank order.
+
+    A free port can be taken by another job between our pick and rank 0's bind: that one failure is retried once.
+    """
+    try:
+        return _run_workers(script, args, out_dir, nprocs, timeout)
+    except AssertionError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        return _run_workers(script, args, out_dir, nprocs, timeout)
+
+
+def _run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int, timeout: float) -> list[dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
