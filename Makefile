@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench clean spt-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Opt-in: autoshard under real stable-pretraining 0.1.8 code (docs/guide.md). Installs it, and the part of its
+# dependencies that it imports, into $(SPT_SITE) without --deps: the venv's torch stays as it is.
+SPT_SITE ?= .spt-site
+SPT_PACKAGES := stable-pretraining==0.1.8 torchvision==0.28.0 timm kornia kornia_rs torchmetrics lightning-utilities \
+	loguru omegaconf antlr4-python3-runtime==4.9.3 hydra-core tabulate rich markdown-it-py mdurl pygments prettytable \
+	wcwidth pillow datasets multiprocess dill xxhash pyarrow pandas python-dateutil pytz tzdata six requests urllib3 \
+	certifi requests_cache url_normalize cattrs matplotlib pyparsing cycler kiwisolver fonttools
+
+spt-check: $(STAMP)
+	test -d $(SPT_SITE) || $(PY) -m pip install -q --no-deps --target $(SPT_SITE) $(SPT_PACKAGES)
+	PYTHONPATH=$(abspath $(SPT_SITE)) $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_stable_pretraining.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

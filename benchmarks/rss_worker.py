@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import autoshard  # noqa: E402,F401  registers strategy="fsdp2"
 from benchmarks.models import BigModel  # noqa: E402
-from tests.distributed.harness import write_result  # noqa: E402
+from autoshard._harness import write_result  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

@@ -1,8 +1,9 @@
-"""autoshard benchmarks, one command: ``python benchmarks/run.py [--quick] [--only step,plan,rss] [--json out.json]``.
+"""autoshard benchmarks, one command: ``python benchmarks/run.py [--quick] [--only step,comm,plans,plan,rss] [--json out.json]``.
 
 Every ratio is measured in this run (never against a number from elsewhere): step time of strategy="fsdp2" vs a
-hand-written fully_shard of the same model, per-rank model-state bytes vs total / N, plan time on big trees,
-and setup peak RSS with meta-device init vs building the model whole. Not timed tests: nothing here asserts.
+hand-written fully_shard of the same model, per-rank model-state bytes vs total / N, bytes all-gathered and
+reduced per step under bf16-mixed (bf16 vs fp32 all-gather), plan time on big trees, and setup peak RSS with
+meta-device init vs building the model whole. Not timed tests: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.distributed.harness import run_workers  # noqa: E402
+from autoshard._harness import run_workers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GOALS = {"step_ratio": 1.03, "state_ratio": 1.02, "plan_10k_s": 1.0}
-BENCHES = ("step", "rss", "plan")  # rss before plan: the plan trees grow this process
+BENCHES = ("step", "comm", "rss", "plans", "plan")  # rss before plan: the plan trees grow this process
 
 
 def machine() -> dict[str, Any]:
@@ -109,6 +110,48 @@ def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
     return {"ranks": ranks, "ratios": ratios, "median_ratios": med, "states": states}, lines
 
 
+def bench_comm(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
+    ranks = run_workers(HERE / "comm_worker.py", ["--steps", "3"], work / "comm", nprocs=2, timeout=600)
+    r0 = ranks[0]
+    mib = lambda n: f"{n / 2**20:8.2f} MiB"  # noqa: E731
+    lines = [
+        f"bytes per training step, {r0['parameters']:,d}-parameter MLP stack, precision='bf16-mixed', 2 ranks, rank 0"
+        " (all-gather: gathered output; reduce-scatter: full gradient in; every step after the first the same):",
+        f"  {'':<62} {'all-gathered':>22} {'reduce-scattered':>22} {'gathered block (explain)':>26}",
+    ]
+    totals: dict[str, dict[str, int]] = {}
+    for name, run in r0["variants"].items():  # "before", then "after"
+        label = run["label"]
+        later = run["steps"][1:]
+        assert all(s == later[0] for s in later), f"{name}: bytes differ between steps: {later}"
+        step = later[0]
+        totals[name] = {kind: sum(step[kind].values()) for kind in ("all_gather", "reduce_scatter")}
+        totals[name]["gathered_block"] = run["gathered_block"]
+
+        def show(kind: str) -> str:
+            return f"{mib(totals[name][kind])} ({'+'.join(step[kind])})"
+
+        lines.append(
+            f"  {label:<62} {show('all_gather'):>22} {show('reduce_scatter'):>22}"
+            f" {mib(run['gathered_block'])} ({run['gather_dtype']})"
+        )
+    before, after = totals["before"], totals["after"]
+    ratio = {k: after[k] / before[k] for k in before}
+    ratio["total"] = (after["all_gather"] + after["reduce_scatter"]) / (before["all_gather"] + before["reduce_scatter"])
+    lines.append(
+        f"  after / before: all-gathered {ratio['all_gather']:.3f}, reduce-scattered {ratio['reduce_scatter']:.3f},"
+        f" both {ratio['total']:.3f}; largest gathered block {ratio['gathered_block']:.3f}"
+    )
+    return {"ranks": ranks, "bytes_per_step": totals, "ratio_after_over_before": ratio}, lines
+
+
+def bench_plans(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
+    """Plans on real architectures against a torchtitan-style hand-written plan (benchmarks/plans.py)."""
+    from benchmarks.plans import bench_plans as run
+
+    return run(quick, work)
+
+
 def bench_plan(quick: bool) -> tuple[dict[str, Any], list[str]]:
     from benchmarks import plan_time
     from benchmarks.models import TREE_SHAPES
@@ -167,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             if name == "step":
                 results[name], lines = bench_step(args.quick, work)
+            elif name == "comm":
+                results[name], lines = bench_comm(args.quick, work)
+            elif name == "plans":
+                results[name], lines = bench_plans(args.quick, work)
             elif name == "plan":
                 results[name], lines = bench_plan(args.quick)
             else:

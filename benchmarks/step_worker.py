@@ -31,7 +31,7 @@ from autoshard.intent import ShardingIntent  # noqa: E402
 from autoshard.memory import estimate_memory  # noqa: E402
 from autoshard.needs import inspect_needs  # noqa: E402
 from benchmarks.models import HandShardedResharding, HandShardedStepModel, StepModel  # noqa: E402
-from tests.distributed.harness import write_result  # noqa: E402
+from autoshard._harness import write_result  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

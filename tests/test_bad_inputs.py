@@ -374,6 +374,57 @@ def test_24_offload_where_instead_of_what() -> None:
     refused(IntentError, lambda: ShardingIntent(offload="cpu"), "offload says what to move", "offload_device='cpu' says where")
 
 
+# -- 25-29: fixes the user has not applied yet, settings that would be silently ignored ------------------------------
+def test_25_auto_shard_chose_deepspeed_for_the_intent_and_the_method_has_an_ema_teacher() -> None:
+    """offload='optimizer' alone makes auto-shard pick DeepSpeed; the EMA found at setup must not be answered with
+    "use strategy='auto-shard'", which the user already runs."""
+    pytest.importorskip("deepspeed")
+    from autoshard.lightning import AutoShardStrategy
+
+    text = refused(
+        IncompatibleBackendError, lambda: trainer(strategy=AutoShardStrategy(intent={"offload": "optimizer"})).fit(DinoLike(), data()),
+        "auto-shard chose DeepSpeed when the Trainer was built", "EMA teacher/student", "Backend that works: fsdp2",
+    )
+    assert text.rpartition("Fix: ")[2] == "use strategy='fsdp2'", text
+
+
+def test_26_nvme_path_without_nvme_offload() -> None:
+    refused(
+        IntentError, lambda: ShardingIntent(offload="optimizer", nvme_path="/local_nvme"),
+        "nvme_path='/local_nvme' is set but offload_device='cpu', so nothing would go to it", "Fix: set offload_device='nvme'",
+    )
+
+
+def test_27_zero_micro_batch_size() -> None:
+    pytest.importorskip("deepspeed")
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    refused(IntentError, lambda: AutoShardDeepSpeedStrategy(micro_batch_size=0), "micro_batch_size must be a positive integer, got 0")
+
+
+def test_28_intent_field_misspelt_as_a_strategy_keyword() -> None:
+    refused(IntentError, lambda: FSDP2Strategy(ofload="params"), "unknown ShardingIntent field(s): 'ofload'", "Fix: rename 'ofload' to 'offload'")
+    assert FSDP2Strategy(offload="params").intent.offload == "params"  # the fields themselves are accepted
+
+
+def test_29_tensor_parallel_without_a_layout() -> None:
+    refused(
+        IntentError, lambda: trainer(strategy=FSDP2Strategy(tensor_parallel_size=1 + 1), devices=2),
+        "tensor_parallel_size=2 needs a parallelize_fn", "Fix: pass FSDP2Strategy(parallelize_fn=fn)",
+    )
+
+
+def test_30_resume_from_another_models_checkpoint(fsdp2_checkpoint: Path) -> None:
+    """torch's CheckpointException is a BaseException that escapes `except Exception`; it becomes a named refusal."""
+    model = Net()
+    model.extra = nn.Linear(4, 2)  # a key the checkpoint (written by a plain Net) does not have
+    refused(
+        CheckpointFormatError, lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=fsdp2_checkpoint),
+        "extra.weight", "Fix:",
+    )
+    assert model.steps == 0
+
+
 def test_catalog_has_a_test_per_row() -> None:
     """docs/bad-inputs.md and this file stay in step: every numbered row has its test."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "bad-inputs.md").read_text()

@@ -28,7 +28,7 @@ def test_every_answer_short_of_yes_says_why_and_what_to_do():
 def test_fsdp1_is_rejected_everywhere_with_the_redirect_to_fsdp2():
     for c in matrix()["fsdp1"].values():
         assert c.support is Support.REJECTED and "strategy='fsdp2'" in c.remedy
-    assert BACKENDS["fsdp1"].refused and not BACKENDS["fsdp2"].refused
+    assert BACKENDS["fsdp1"].rejected and not BACKENDS["fsdp2"].rejected
 
 
 def test_only_fsdp1_is_rejected():
@@ -99,7 +99,7 @@ def test_markdown_details_layout():
 def test_unknown_format():
     with pytest.raises(ValueError) as info:
         render_matrix("html")
-    assert str(info.value) == "unknown format 'html': choose one of 'text', 'markdown'"
+    assert str(info.value) == "unknown format 'html': choose one of 'text', 'markdown', 'json'"
 
 
 def test_get_backend_accepts_names_aliases_and_strategy_strings():

@@ -1,4 +1,5 @@
-"""Checkpoint formats in one process: detection, the crash states a swap can leave, commit, consolidation.
+"""Checkpoint formats in one process: detection, the crash states a swap can leave, commit, the manifest and what it
+catches, consolidation (which never replaces an existing output unless forced).
 
 The DCP directories here are real ones (torch.distributed.checkpoint.save in this process, the Lightning layout:
 model under "state_dict", optimizer under "optimizer_0", trainer state in meta.pt); the DeepSpeed one is written by
@@ -8,16 +9,19 @@ a real ZeRO-3 engine in a subprocess.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import autoshard.checkpoint as ckpt
 from autoshard.checkpoint import (
     CheckpointFormatError,
     Format,
@@ -33,9 +37,13 @@ from autoshard.checkpoint import (
     resolve_for_load,
     staging_path,
 )
+from autoshard.cli import main
 
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:autoshard.*has no manifest"),  # the Lightning-layout fixtures have none
+]
 
 
 def model() -> nn.Module:
@@ -241,6 +249,180 @@ def test_register_cli_adds_consolidate(tmp_path: Path, dcp_dir: Path, capsys: py
     assert args.func is cmd_consolidate and args.tag is None
     assert args.func(args) == 0
     assert "consolidated distributed checkpoint" in capsys.readouterr().out
+
+
+# -- consolidate never destroys its output ---------------------------------------------------------------------------
+def test_consolidate_refuses_an_existing_output_unless_forced(tmp_path: Path, dcp_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: exit 0, and the full Lightning checkpoint at OUT was replaced by weights only."""
+    out = tmp_path / "model.ckpt"
+    torch.save({"state_dict": model().state_dict(), "global_step": 7, "optimizer_states": []}, out)
+    before = out.read_bytes()
+    assert main(["consolidate", str(dcp_dir), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"refusing to overwrite {str(out)!r}: it already exists (a single torch.save file)" in err
+    assert err.rstrip().endswith("Fix: choose another output path, or pass --force (force=True) to replace it")
+    assert out.read_bytes() == before
+    assert main(["consolidate", str(dcp_dir), str(out), "--force"]) == 0
+    assert set(torch.load(out, weights_only=True)) == set(model().state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dcp_dir.name, out.name])  # no staging left
+
+
+def test_a_failed_forced_write_leaves_the_old_output_whole(tmp_path: Path, dcp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "weights.pt"
+    out.write_bytes(b"PK\x03\x04 the previous weights")
+
+    def disk_full(obj: object, f: str | os.PathLike[str]) -> None:
+        Path(f).write_bytes(b"PK\x03\x04 half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        consolidate(dcp_dir, out, force=True)
+    assert out.read_bytes() == b"PK\x03\x04 the previous weights" and not staging_path(out).exists()
+
+
+def test_consolidate_never_writes_over_its_own_source(tmp_path: Path) -> None:
+    full = tmp_path / "full.ckpt"
+    torch.save({"state_dict": model().state_dict(), "global_step": 3}, full)
+    with pytest.raises(CheckpointFormatError, match="it is the checkpoint being consolidated. Fix: choose another output path"):
+        consolidate(full, full, force=True)
+    assert torch.load(full, weights_only=True)["global_step"] == 3
+
+
+# -- the manifest: every file's size and sha256, checked before anything is read --------------------------------------
+MANIFEST = "autoshard-manifest.json"  # on-disk names are a contract: spelled out here
+CORRUPTED_FIX = "Fix: restore the checkpoint from a backup, or use the previous checkpoint"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def with_manifest(path: Path) -> Path:
+    """What autoshard's save adds: the manifest of every file, inside a directory or beside a file."""
+    if path.is_dir():
+        ckpt.write_manifest(path / MANIFEST, ckpt.describe_files(path, [p.name for p in path.iterdir()]))
+    else:
+        ckpt.write_manifest(path.with_name(path.name + ".autoshard-manifest.json"), ckpt.describe_files(path.parent, [path.name]))
+    return path
+
+
+def flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_same_size_corruption_is_refused_naming_the_file_and_both_checksums(tmp_path: Path, dcp_dir: Path) -> None:
+    """Before: exit 0 and a silently changed weight (1.9e26 seen)."""
+    with_manifest(dcp_dir)
+    shard = dcp_dir / "__0_0.distcp"
+    expected = sha256(shard)
+    flip_byte(shard, shard.stat().st_size // 2)
+    with pytest.raises(CheckpointFormatError) as info:
+        consolidate(dcp_dir, tmp_path / "weights.pt")
+    text = str(info.value)
+    assert f"{str(dcp_dir)!r} is corrupted: {str(shard)!r} has sha256 {sha256(shard)} where {MANIFEST} records {expected}" in text
+    assert "(same size," in text and text.endswith(CORRUPTED_FIX)
+    assert not (tmp_path / "weights.pt").exists()
+
+
+def test_missing_and_truncated_files_are_named(dcp_dir: Path) -> None:
+    with_manifest(dcp_dir)
+    size = (dcp_dir / "meta.pt").stat().st_size
+    (dcp_dir / "meta.pt").write_bytes((dcp_dir / "meta.pt").read_bytes()[:10])
+    (dcp_dir / ".metadata").unlink()
+    assert sorted(ckpt.integrity_problems(dcp_dir) or []) == [
+        f"{str(dcp_dir / '.metadata')!r} is missing ({MANIFEST} lists it)",
+        f"{str(dcp_dir / 'meta.pt')!r} holds 10 bytes where {MANIFEST} records {size:,d}",
+    ]
+
+
+def test_shares_of_the_check_cover_every_file_once(dcp_dir: Path) -> None:
+    """Each rank checks every world_size-th file, largest first: together, all of them."""
+    with_manifest(dcp_dir)
+    flip_byte(dcp_dir / "__0_0.distcp", 200)
+    flip_byte(dcp_dir / "meta.pt", 100)
+    shares = [ckpt.integrity_problems(dcp_dir, slice(rank, None, 2)) for rank in range(2)]
+    assert sorted(p.split("'")[1].rsplit("/", 1)[1] for share in shares for p in share or []) == ["__0_0.distcp", "meta.pt"]
+
+
+def test_consolidate_without_a_manifest_warns_once(tmp_path: Path, dcp_dir: Path) -> None:
+    """Lightning's own checkpoints and older autoshard ones have no manifest: read, unverified, with one warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        consolidate(dcp_dir, tmp_path / "weights.pt")
+    assert [str(w.message) for w in caught if "autoshard" in str(w.message)] == [
+        f"autoshard: {str(dcp_dir)!r} has no manifest {MANIFEST!r} (written by Lightning itself or an older autoshard):"
+        f" its files cannot be checked against the checksums of the save, so a corrupted file would go unnoticed"
+    ]
+
+
+def saved_over(target: Path, step: int) -> Path:
+    """A full-file save over a full file with its manifest, up to the commit: both the new file and its manifest staged."""
+    torch.save({"state_dict": {}, "global_step": 1}, target)
+    with_manifest(target)
+    staged = prepare_staging(target)
+    torch.save({"state_dict": {}, "global_step": step}, staged)
+    ckpt.stage_sidecar(target)
+    return staged
+
+
+def test_a_full_file_and_its_manifest_are_swapped_in_together(tmp_path: Path) -> None:
+    target = tmp_path / "x.ckpt"
+    sidecar = tmp_path / "x.ckpt.autoshard-manifest.json"
+    commit(saved_over(target, step=2), target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name, sidecar.name]
+    assert ckpt.check_integrity(target) and torch.load(target)["global_step"] == 2
+    staged = prepare_staging(target)  # a directory replaces the file: the file's manifest goes with it
+    write_lightning_dcp(staged, model())
+    commit(staged, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_full_file_manifest_survives_a_crash_between_its_two_renames(tmp_path: Path) -> None:
+    """Killed after the file's rename, before its manifest's: the new file sits beside the old manifest, and the
+    staged one (no staged file left) is the one describing it. The next save puts it in place first."""
+    target = tmp_path / "model.ckpt"
+    sidecar = tmp_path / "model.ckpt.autoshard-manifest.json"
+    os.replace(saved_over(target, step=22), target)  # commit's first rename; killed here
+    assert torch.load(target)["global_step"] == 22 and ckpt.check_integrity(target)
+    finish_interrupted_commit(target)
+    assert not staging_path(sidecar).exists() and ckpt.check_integrity(target)
+    torch.save({"state_dict": {}, "global_step": 333}, target)  # replaced by hand, the manifest left stale
+    with pytest.raises(CheckpointFormatError, match=f"{target.name}'? holds .* bytes where {sidecar.name} records"):
+        ckpt.check_integrity(target)
+
+
+def test_removing_a_full_checkpoint_removes_its_manifest(tmp_path: Path) -> None:
+    """ModelCheckpoint's top-k rotation calls strategy.remove_checkpoint: no orphan manifest may stay."""
+    from autoshard.lightning.checkpoint import CheckpointMixin
+
+    class Lightning:
+        def remove_checkpoint(self, filepath: Path) -> None:
+            Path(filepath).unlink()
+
+    class Strategy(CheckpointMixin, Lightning):
+        global_rank = 0
+
+    target = tmp_path / "epoch=0-step=4.ckpt"
+    torch.save({"state_dict": {}}, target)
+    Strategy().remove_checkpoint(with_manifest(target))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_another_models_keys_are_named(dcp_dir: Path) -> None:
+    """What resuming another model's checkpoint raises instead of torch's CheckpointException (a BaseException)."""
+    other = {"0.weight": (8, 4), "0.bias": (9,), "3.weight": (2, 8)}
+    text = str(ckpt.load_failure(dcp_dir, "Other", other, {0: (RuntimeError("Missing key"), None)}))
+    assert text.startswith(
+        f"cannot resume from {str(dcp_dir)!r}: its model weights do not match this Other: 1 missing from the checkpoint:"
+        " 3.weight; 2 in the checkpoint but not in the model: 2.bias, 2.weight; 1 with another shape: 0.bias"
+        " (checkpoint (8,), model (9,)). Fix: resume from a checkpoint of this model"
+    ), text
+    same = {k: tuple(v.shape) for k, v in model().state_dict().items()}
+    text = str(ckpt.load_failure(dcp_dir, "Net", same, {1: (RuntimeError("optimizer_0 missing\ntrace"), None)}))
+    assert "torch.distributed.checkpoint failed on rank(s) 1: RuntimeError: optimizer_0 missing. Fix:" in text
 
 
 # -- DeepSpeed: a real ZeRO-3 checkpoint, converted through DeepSpeed's own zero_to_fp32 ----------------------------

@@ -7,12 +7,13 @@ import yaml
 
 from autoshard import IntentError, ShardingIntent
 from autoshard.intent import as_intent, normalize_precision
+from autoshard.precision import resolve_precision
 
 
 def test_defaults_are_pure_fsdp_bf16_mixed():
     intent = ShardingIntent()
     assert intent.shard is None and intent.exclude == ()
-    assert intent.precision is None and intent.effective_precision == "bf16-mixed"
+    assert intent.precision is None and resolve_precision(None, intent).precision == "bf16-mixed"
     assert (intent.offload, intent.checkpoint, intent.tensor_parallel_size) == ("none", "distributed", 1)
     assert intent.mesh_sizes(8) == (8, 1)
 
@@ -23,7 +24,7 @@ def test_defaults_are_pure_fsdp_bf16_mixed():
 )
 def test_precision_accepts_lightning_spellings(given, canonical):
     assert normalize_precision(given) == canonical
-    assert ShardingIntent(precision=given).effective_precision == canonical
+    assert ShardingIntent(precision=given).precision == canonical
 
 
 def test_misspelled_precision_names_the_choices():
@@ -31,8 +32,8 @@ def test_misspelled_precision_names_the_choices():
         ShardingIntent(precision="bf16-mix")
     assert str(info.value) == (
         "unknown precision 'bf16-mix' (did you mean 'bf16-mixed'?): choose one of bf16-mixed, 32-true, bf16-true,"
-        " 16-mixed, 16-true (Lightning's short forms 'bf16', '16' and '32' work too; bf16-mixed is recommended for"
-        " sharded training)"
+        " 16-mixed, 16-true (Lightning's short forms 'bf16', '16' and '32' work too). Fix: precision='bf16-mixed'"
+        " (bf16-mixed is recommended for sharded training)"
     )
     with pytest.raises(IntentError, match="unknown precision 64: choose one of bf16-mixed"):
         normalize_precision(64)
@@ -41,30 +42,27 @@ def test_misspelled_precision_names_the_choices():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"offload": "everything"}, "unknown offload 'everything': choose one of 'none', 'optimizer', 'params'"),
-        ({"offload": "optimiser"}, "unknown offload 'optimiser' (did you mean 'optimizer'?): choose one of 'none', 'optimizer', 'params'"),
-        (
-            {"offload": "cpu"},
-            "unknown offload 'cpu' (offload says what to move: 'optimizer' or 'params'; offload_device='cpu' says where):"
-            " choose one of 'none', 'optimizer', 'params'",
-        ),
-        ({"offload": "params", "offload_device": "disk"}, "unknown offload_device 'disk': choose one of 'cpu', 'nvme'"),
-        ({"checkpoint": "sharded"}, "unknown checkpoint 'sharded': choose one of 'distributed', 'full'"),
-        ({"param_dtype": "bf16"}, "unknown param_dtype 'bf16' (did you mean 'bfloat16'?): choose one of 'float32', 'bfloat16', 'float16'"),
-        ({"reshard_after_forward": "yes"}, "reshard_after_forward must be true or false, got 'yes'"),
-        ({"activation_checkpointing": 1}, "activation_checkpointing must be true or false, got 1"),
-        ({"offload_device": "nvme"}, "offload_device='nvme' needs offload='optimizer' or offload='params'"),
-        ({"offload": "optimizer", "offload_device": "nvme"}, "offload_device='nvme' needs nvme_path, a directory on a local NVMe drive"),
-        ({"data_parallel_size": -2}, "data_parallel_size must be a positive integer or 'auto', got -2"),
-        ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer or 'auto', got 0"),
-        ({"tensor_parallel_size": -1}, "tensor_parallel_size must be a positive integer or 'auto', got -1"),
-        ({"tensor_parallel_size": 2.0}, "tensor_parallel_size must be a positive integer or 'auto', got 2.0"),
-        ({"data_parallel_size": True}, "data_parallel_size must be a positive integer or 'auto', got True"),
-        ({"shard": []}, "shard=[] would shard nothing: leave shard unset to shard every trainable subtree"),
-        ({"shard": ["backbone."]}, "shard holds 'backbone.': each entry must be a dotted module path such as 'backbone.blocks'"),
-        ({"nvme_path": 5}, "nvme_path must be a directory path, got 5"),
-        ({"exclude": 3}, "exclude must be a list of module paths such as ['backbone'], got 3"),
-        ({"shard": ["head"], "exclude": "head"}, "head is both in shard and in exclude: keep it in one of them"),
+        ({'offload': 'everything'}, "unknown offload 'everything': choose one of 'none', 'optimizer', 'params'. Fix: offload='none'"),
+        ({'offload': 'optimiser'}, "unknown offload 'optimiser' (did you mean 'optimizer'?): choose one of 'none', 'optimizer', 'params'. Fix: offload='optimizer'"),
+        ({'offload': 'cpu'}, "unknown offload 'cpu' (offload says what to move: 'optimizer' or 'params'; offload_device='cpu' says where): choose one of 'none', 'optimizer', 'params'. Fix: offload='params', offload_device='cpu'"),
+        ({'offload': 'params', 'offload_device': 'disk'}, "unknown offload_device 'disk': choose one of 'cpu', 'nvme'. Fix: offload_device='cpu'"),
+        ({'checkpoint': 'sharded'}, "unknown checkpoint 'sharded': choose one of 'distributed', 'full'. Fix: checkpoint='distributed'"),
+        ({'param_dtype': 'bf16'}, "unknown param_dtype 'bf16' (did you mean 'bfloat16'?): choose one of 'float32', 'bfloat16', 'float16'. Fix: param_dtype='bfloat16'"),
+        ({'reshard_after_forward': 'yes'}, "reshard_after_forward must be true or false, got 'yes'. Fix: reshard_after_forward=True or reshard_after_forward=False"),
+        ({'activation_checkpointing': 1}, 'activation_checkpointing must be true or false, got 1. Fix: activation_checkpointing=True or activation_checkpointing=False'),
+        ({'offload_device': 'nvme'}, "offload_device='nvme' with offload='none' offloads nothing. Fix: add offload='optimizer' or offload='params'"),
+        ({'offload': 'optimizer', 'offload_device': 'nvme'}, "offload_device='nvme' needs a directory to offload to. Fix: add nvme_path=, a directory on a local NVMe drive"),
+        ({'data_parallel_size': -2}, "data_parallel_size must be a positive integer or 'auto', got -2. Fix: data_parallel_size='auto' (or a whole number >= 1)"),
+        ({'data_parallel_size': 0}, "data_parallel_size must be a positive integer or 'auto', got 0. Fix: data_parallel_size='auto' (or a whole number >= 1)"),
+        ({'tensor_parallel_size': -1}, "tensor_parallel_size must be a positive integer or 'auto', got -1. Fix: tensor_parallel_size='auto' (or a whole number >= 1)"),
+        ({'tensor_parallel_size': 2.0}, "tensor_parallel_size must be a positive integer or 'auto', got 2.0. Fix: tensor_parallel_size='auto' (or a whole number >= 1)"),
+        ({'data_parallel_size': True}, "data_parallel_size must be a positive integer or 'auto', got True. Fix: data_parallel_size='auto' (or a whole number >= 1)"),
+        ({'shard': []}, 'shard=[] would shard nothing. Fix: leave shard unset to shard every trainable subtree'),
+        ({'shard': ['backbone.']}, "shard holds 'backbone.': each entry must be a dotted module path. Fix: write it as a path such as 'backbone.blocks' (no leading or trailing dot)"),
+        ({'nvme_path': 5}, "nvme_path must be a directory path, got 5. Fix: nvme_path='/local_nvme/offload'"),
+        ({'exclude': 3}, "exclude must be a list of module paths, got 3. Fix: exclude=['backbone'] (dotted paths of modules)"),
+        ({'shard': ['head'], 'exclude': 'head'}, 'head is both in shard and in exclude. Fix: keep it in one of them'),
+        ({"nvme_path": "/nvme"}, "nvme_path='/nvme' is set but offload_device='cpu', so nothing would go to it. Fix: set offload_device='nvme' (with offload='optimizer' or 'params'), or drop nvme_path"),
     ],
 )
 def test_bad_fields_are_refused_with_the_valid_choices(fields, message):
@@ -107,12 +105,14 @@ def test_mesh_that_cannot_match_the_world_names_the_fix():
     with pytest.raises(IntentError) as info:
         ShardingIntent(data_parallel_size=3, tensor_parallel_size=2).mesh_sizes(8)
     assert str(info.value) == (
-        "data_parallel_size * tensor_parallel_size = 3 * 2 = 6 does not match the world size 8 (nodes x devices):"
-        " set data_parallel_size=4, or leave it unset to use every rank"
+        "data_parallel_size * tensor_parallel_size = 3 * 2 = 6 does not match the world size 8 (nodes x devices)."
+        " Fix: set data_parallel_size=4, or leave it unset to use every rank"
     )
     with pytest.raises(IntentError) as info:
         ShardingIntent(tensor_parallel_size=4).mesh_sizes(6)
-    assert str(info.value) == "tensor_parallel_size=4 does not divide the world size 6 (nodes x devices): choose one of 1, 2, 3, 6"
+    assert str(info.value) == (
+        "tensor_parallel_size=4 does not divide the world size 6 (nodes x devices). Fix: tensor_parallel_size= one of 1, 2, 3, 6"
+    )
     with pytest.raises(IntentError, match="world size must be a positive integer, got 0"):
         ShardingIntent().mesh_sizes(0)
 
@@ -143,8 +143,9 @@ def test_from_dict_refuses_unknown_keys_by_name():
         ShardingIntent.from_dict({"precison": "bf16", "nodes": 2})
     assert str(info.value) == (
         "unknown ShardingIntent field(s): 'nodes' 'precison' (did you mean 'precision'?). Valid fields are shard,"
-        " exclude, precision, param_dtype, reduce_dtype, reshard_after_forward, offload, offload_device, nvme_path,"
-        " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, strict"
+        " exclude, blocks, precision, param_dtype, reduce_dtype, reshard_after_forward, offload, offload_device, nvme_path,"
+        " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, strict, init_from."
+        " Fix: drop 'nodes'; rename 'precison' to 'precision'"
     )
     with pytest.raises(IntentError, match="a ShardingIntent is read from a mapping of its fields, got list"):
         ShardingIntent.from_dict(["shard"])  # type: ignore[arg-type]

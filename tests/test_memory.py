@@ -175,7 +175,8 @@ def test_exact_bytes_per_rank_against_real_fully_shard(world: int, rank: int) ->
     with fake_world(world, rank) as mesh, pytest.warns(UserWarning):
         plan_fsdp2(model, ShardingIntent(), NO_NEEDS).apply(model, mesh)
         optimizer = torch.optim.AdamW(model.parameters())
-        one_step(model, optimizer, inputs=8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed, as the estimate assumes: bf16 all-gathers
+            one_step(model, optimizer, inputs=8)
         assert estimate.model_states == held(model, optimizer), estimate.table()
         with pytest.raises(AutoShardError, match="already sharded"):
             collect_optimizers(model)
@@ -187,8 +188,12 @@ def test_precision_policy_offload_and_resharding_change_what_they_should() -> No
     base = estimate_memory(model, None, needs, 8, callbacks=[probe])
     half = estimate_memory(model, {"precision": "bf16-true"}, needs, 8, callbacks=[probe])
     assert half.parameters * 2 == base.parameters and half.gradients * 2 == base.gradients
-    gathered_bf16 = estimate_memory(model, {"param_dtype": "bfloat16"}, needs, 8, callbacks=[probe])
-    assert gathered_bf16.gathered_block * 2 == base.gathered_block and gathered_bf16.model_states == base.model_states
+    # bf16-mixed (the default) all-gathers in bf16: half the gathered block of the fp32 opt-out, same model states
+    assert base.gather_dtype == "bfloat16" and "largest gathered block (transient, bfloat16)" in base.table()
+    assert f"largest unit: '{base.gathered_unit}', all-gathered in bfloat16" in base.table()
+    gathered_fp32 = estimate_memory(model, {"param_dtype": "float32"}, needs, 8, callbacks=[probe])
+    assert gathered_fp32.gathered_block == 2 * base.gathered_block and gathered_fp32.model_states == base.model_states
+    assert estimate_memory(model, {"precision": "32-true"}, needs, 8, callbacks=[probe]).gathered_block == gathered_fp32.gathered_block
     kept = estimate_memory(model, {"reshard_after_forward": False}, needs, 8, callbacks=[probe])
     assert kept.gathered_block > 3 * base.gathered_block  # every student unit stays gathered until backward
     offload = estimate_memory(model, {"offload": "params"}, needs, 8, callbacks=[probe])

@@ -322,3 +322,105 @@ def test_byol_style_online_target_pair_is_found_by_structure():
             self.target = copy.deepcopy(self.online).requires_grad_(False)
 
     assert find_ema_pairs(BYOL()) == [EMAPair("target", "online")]
+
+
+# -- during fit no user hook is called to inspect: optimizers come from Lightning's own call ----------------------
+class CountsItsCalls(OneOptimizer):
+    """Like stable-pretraining's probe wrappers: configure_optimizers may run once, no more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def configure_optimizers(self):
+        self.calls += 1
+        assert self.calls == 1
+        return super().configure_optimizers()
+
+
+def test_call_hooks_false_never_calls_configure_optimizers():
+    module = CountsItsCalls()
+    needs = inspect_needs(module, callbacks=[DeclaredProbe()], call_hooks=False)
+    assert module.calls == 0
+    assert needs.optimizer_sources == (("callback DeclaredProbe", 1),)
+
+
+def test_optimizers_from_lightnings_call_are_counted_without_a_call():
+    module = CountsItsCalls()
+    returned = module.configure_optimizers()  # Lightning's one call
+    needs = inspect_needs(module, callbacks=[], optimizers=[returned], call_hooks=False)
+    assert module.calls == 1 and needs.optimizer_sources == (("configure_optimizers", 1),)
+
+
+def test_an_optimizer_both_returned_and_held_by_a_callback_counts_once_as_the_callbacks():
+    module = ProbeModule()
+    probe = OnlineProbe(module.probe)
+    mine = torch.optim.SGD(module.backbone.parameters(), lr=0.1)
+    needs = inspect_needs(module, callbacks=[probe], optimizers=[mine, probe.optimizer])
+    assert needs.optimizer_sources == (("configure_optimizers", 1), ("callback OnlineProbe", 1))
+    assert needs.callback_modules == ("probe",)
+
+
+def test_lightnings_stand_in_for_none_and_its_wrappers_are_read_right():
+    from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+
+    module = OneOptimizer()
+    assert inspect_needs(module, callbacks=[], optimizers=[_MockOptimizer()]).num_optimizers == 0
+    wrapped = LightningOptimizer(torch.optim.SGD(module.parameters(), lr=0.1))
+    assert inspect_needs(module, callbacks=[], optimizers=[wrapped]).num_optimizers == 1
+
+
+def test_a_configure_optimizers_wrapped_on_the_instance_says_so():
+    module = OneOptimizer()
+    original = module.configure_optimizers
+    module.configure_optimizers = lambda: [original(), torch.optim.SGD(module.head.parameters(), lr=0.1)]
+    needs = inspect_needs(module, callbacks=[], optimizers=module.configure_optimizers())
+    assert needs.describe_optimizers() == "2 from configure_optimizers (wrapped on the instance, as probe callbacks do)"
+
+
+def test_recount_keeps_what_shaped_the_sharding_and_respects_declarations():
+    from autoshard.needs import recount_optimizers
+
+    module = EMAModule()
+    before = inspect_needs(module, callbacks=[DeclaredProbe()], call_hooks=False)
+    assert before.optimizer_sources == (("callback DeclaredProbe", 1),)
+    opts = [torch.optim.SGD(module.student.parameters(), lr=0.1), torch.optim.SGD(module.predictor.parameters(), lr=0.1)]
+    after = recount_optimizers(before, module, opts, callbacks=[DeclaredProbe()])
+    assert after.optimizer_sources == (("configure_optimizers", 2), ("callback DeclaredProbe", 1))
+    assert after.ema_pairs == before.ema_pairs == (EMAPair("momentum_encoder", "student"),)
+    module.autoshard_needs = {"optimizers": 1}
+    declared = recount_optimizers(before, module, opts, callbacks=[])
+    assert declared.optimizer_sources == (("declared", 1),)
+
+
+class WrappedProbes(pl.Callback):
+    """Probe optimizers held as a LightningOptimizer, in a dict, and the same one twice."""
+
+    def __init__(self, module: OneOptimizer) -> None:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        first = torch.optim.SGD(module.head.parameters(), lr=0.1)
+        self.wrapped = LightningOptimizer(first)
+        self.by_name = {"second": torch.optim.Adam(module.backbone.parameters())}
+        self.again = [first, first]
+
+
+def test_needs_memory_and_checkpoints_find_the_same_optimizers():
+    """One rule set (autoshard.needs) for every consumer: counted, estimated and checkpointed alike."""
+    from types import SimpleNamespace
+
+    from autoshard.lightning.checkpoint import CheckpointMixin
+    from autoshard.memory import collect_optimizers
+
+    module = OneOptimizer()
+    probe = WrappedProbes(module)
+    expected = [probe.wrapped._optimizer, probe.by_name["second"]]
+    needs = inspect_needs(module, callbacks=[probe])
+    assert needs.optimizer_sources == (("configure_optimizers", 1), ("callback WrappedProbes", 2))
+    assert [o for source, o in collect_optimizers(module, [probe]) if source.startswith("callback")] == expected
+    module._trainer = SimpleNamespace(callbacks=[probe], optimizers=[])  # what _callback_optimizers reads
+    strategy = SimpleNamespace(lightning_module=module)
+    try:
+        assert [o for _, _, o in CheckpointMixin._callback_optimizers(strategy)] == expected
+    finally:
+        module._trainer = None

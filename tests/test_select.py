@@ -37,7 +37,8 @@ ONE_FEATURE: dict[Feature, tuple[MethodNeeds, dict, str | None]] = {
     Feature.MANUAL_OPTIMIZATION: (MethodNeeds(manual_optimization=True), {}, None),
     Feature.ROOT_PARAMETERS: (MethodNeeds(root_parameters=("cls_token",)), {}, None),
     Feature.PER_BLOCK_SHARDING: (MethodNeeds(), {"shard": ["backbone"]}, None),
-    Feature.BF16: (MethodNeeds(), {"precision": "bf16-true"}, None),
+    Feature.BF16: (MethodNeeds(), {"precision": "bf16-mixed"}, None),
+    Feature.BF16_TRUE: (MethodNeeds(), {"precision": "bf16-true"}, None),
     Feature.FP16_MIXED: (MethodNeeds(), {"precision": "16-mixed"}, None),
     Feature.FP16_TRUE: (MethodNeeds(), {"precision": "16-true"}, None),
     Feature.FP32: (MethodNeeds(), {"precision": "32-true"}, None),
@@ -49,6 +50,7 @@ ONE_FEATURE: dict[Feature, tuple[MethodNeeds, dict, str | None]] = {
     Feature.FULL_CHECKPOINT: (MethodNeeds(), {"checkpoint": "full"}, None),
     Feature.TENSOR_PARALLEL: (MethodNeeds(), {"tensor_parallel_size": 2}, None),
     Feature.CPU_ACCELERATOR: (MethodNeeds(), {}, "cpu"),
+    Feature.INIT_FROM: (MethodNeeds(), {"init_from": "weights.safetensors"}, None),
 }
 CELLS = [(backend, feature) for backend, row in matrix().items() for feature in row]
 
@@ -62,7 +64,7 @@ def test_builder_needs_exactly_that_feature(feature):
     needs, fields, accelerator = ONE_FEATURE[feature]
     needed = set(features_needed(needs, ShardingIntent(**fields), accelerator))
     assert feature in needed and needed - {feature} <= BASELINE
-    if feature in (Feature.FP16_MIXED, Feature.FP16_TRUE, Feature.FP32):
+    if feature in (Feature.BF16_TRUE, Feature.FP16_MIXED, Feature.FP16_TRUE, Feature.FP32):
         assert Feature.BF16 not in needed
     if feature is Feature.FULL_CHECKPOINT:
         assert Feature.DISTRIBUTED_CHECKPOINT not in needed
@@ -111,13 +113,13 @@ def test_auto_picks_fsdp2_for_an_ema_and_probe_method():
         " distributed (sharded) checkpoint [checkpoint='distributed']"
     )
     assert decision.reasons[2] == "installed: installed (test)"
-    assert [c.feature for c in decision.rejected["deepspeed_zero3"]] == [Feature.MULTIPLE_OPTIMIZERS, Feature.EMA_TEACHER_STUDENT]
-    assert [c.detail for c in decision.rejected["fsdp1"]] == ["refused"]
+    assert [c.feature for c in decision.ruled_out["deepspeed_zero3"]] == [Feature.MULTIPLE_OPTIMIZERS, Feature.EMA_TEACHER_STUDENT]
+    assert [c.detail for c in decision.ruled_out["fsdp1"]] == ["rejected"]
 
 
 def test_auto_picks_fsdp2_for_a_plain_method():
     decision = select_backend(MethodNeeds(), available=ALL_INSTALLED)
-    assert decision.backend == "fsdp2" and set(decision.rejected) == {"fsdp1"}
+    assert decision.backend == "fsdp2" and set(decision.ruled_out) == {"fsdp1"}
 
 
 def test_auto_keeps_fsdp2_when_only_the_method_is_partial():
@@ -196,7 +198,7 @@ def test_fsdp1_request_is_refused_with_the_redirect():
         select_backend(MethodNeeds(), prefer="fsdp", available=ALL_INSTALLED)
     assert str(info.value) == (
         "autoshard cannot run this on fsdp1 (strategy='fsdp'):\n"
-        "  - refused: FSDP1's flat-parameter training state machine breaks methods that run several forwards per step"
+        "  - rejected: FSDP1's flat-parameter training state machine breaks methods that run several forwards per step"
         " (DINO, I-JEPA, BYOL multi-crop), and FSDP2 covers everything it does, so autoshard does not drive it\n"
         "Backend that works: fsdp2 (strategy='fsdp2').\n"
         "Fix: use strategy='fsdp2' (same memory savings, per-parameter sharding)"
@@ -216,12 +218,11 @@ def test_describe_and_to_dict():
     assert lines[1] == "  requested: fsdp2"
     assert lines[4].startswith("  caveat: parameters on the module root [on the root: cls_token]: parameters that live")
     assert lines[4].endswith(". Fix: move them into a child module, or pass parallelize_fn to shard them yourself")
-    assert lines[5:7] == ["  ruled out fsdp1:", "    - refused: FSDP1's flat-parameter training state machine breaks methods"
-                          " that run several forwards per step (DINO, I-JEPA, BYOL multi-crop), and FSDP2 covers everything"
-                          " it does, so autoshard does not drive it"]
+    assert len(lines) == 5  # no "ruled out fsdp1": FSDP1 is never a candidate, so saying so on every run is noise
+    assert str(decision) == decision.describe()
     data = decision.to_dict()
     assert data["backend"] == "fsdp2" and data["caveats"][0]["feature"] == "parameters on the module root"
-    assert data["rejected"]["fsdp1"][0]["feature"] is None
+    assert data["ruled_out"]["fsdp1"][0]["feature"] is None
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
@@ -230,7 +231,9 @@ def test_describe_and_to_dict():
 def test_unknown_backend_names_the_choices():
     with pytest.raises(IntentError) as info:
         select_backend(MethodNeeds(), prefer="fsdp3")
-    assert str(info.value) == "unknown backend 'fsdp3' (did you mean 'fsdp2'?): choose one of 'auto', 'fsdp2', 'deepspeed_zero3'"
+    assert str(info.value) == (
+        "unknown backend 'fsdp3' (did you mean 'fsdp2'?): choose one of 'auto', 'fsdp2', 'deepspeed_zero3'. Fix: 'fsdp2'"
+    )
     with pytest.raises(IntentError, match="unknown backend 'megatron': choose one of 'auto', 'fsdp2', 'deepspeed_zero3'"):
         select_backend(MethodNeeds(), available={"megatron": INSTALLED})
     with pytest.raises(IntentError, match="unknown backend None"):
@@ -260,7 +263,7 @@ def test_requested_deepspeed_not_installed():
 def test_auto_without_deepspeed_still_picks_fsdp2():
     decision = select_backend(MethodNeeds(), available=DS_MISSING)
     assert decision.backend == "fsdp2"
-    assert decision.rejected["deepspeed_zero3"][0].line() == "deepspeed is not installed: the deepspeed_zero3 backend needs it"
+    assert decision.ruled_out["deepspeed_zero3"][0].line() == "deepspeed is not installed: the deepspeed_zero3 backend needs it"
 
 
 def test_auto_needing_deepspeed_that_is_missing_says_install_it():
@@ -369,5 +372,5 @@ def test_fsdp1_request_when_fsdp2_cannot_run_it_either():
         select_backend(EMA_AND_PROBE, ShardingIntent(**NVME), prefer="fsdp", available=ALL_INSTALLED)
     lines = str(info.value).splitlines()
     assert lines[0] == "autoshard cannot run this on fsdp1, nor on any other backend:"
-    assert lines[1].startswith("  - fsdp1: refused: FSDP1's flat-parameter training state machine")
+    assert lines[1].startswith("  - fsdp1: rejected: FSDP1's flat-parameter training state machine")
     assert lines[2].startswith("  - fsdp2: NVMe offload") and lines[-2] == "Closest: fsdp2 (strategy='fsdp2')."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ class Feature(str, Enum):
     ROOT_PARAMETERS = "parameters on the module root"
     PER_BLOCK_SHARDING = "per-block sharding"
     BF16 = "bf16 precision"
+    BF16_TRUE = "bf16 weights (bf16-true)"
     FP16_MIXED = "fp16 mixed precision (16-mixed)"
     FP16_TRUE = "fp16 weights (16-true)"
     FP32 = "fp32 precision"
@@ -29,17 +31,16 @@ class Feature(str, Enum):
     FULL_CHECKPOINT = "full single-file checkpoint"
     TENSOR_PARALLEL = "tensor parallel"
     CPU_ACCELERATOR = "CPU accelerator (gloo)"
+    INIT_FROM = "pretrained weights into shards (init_from)"
 
 
 # What the user's intent asks for. "auto" leaves fsdp2 only for a backend that fully provides one of these
 # where fsdp2 does it partly: a method's needs run either way, and the accelerator is not known at construction.
+# Precision is not among them: auto-shard picks its backend when the strategy is built, before the Trainer's
+# precision exists, so a precision never steers it; one fsdp2 cannot run is refused once it is known.
 INTENT_FEATURES = frozenset(
     {
         Feature.PER_BLOCK_SHARDING,
-        Feature.BF16,
-        Feature.FP16_MIXED,
-        Feature.FP16_TRUE,
-        Feature.FP32,
         Feature.CPU_OFFLOAD_PARAMS,
         Feature.CPU_OFFLOAD_OPTIMIZER,
         Feature.NVME_OFFLOAD,
@@ -52,7 +53,12 @@ INTENT_FEATURES = frozenset(
 
 
 class Support(str, Enum):
-    """How far a backend provides a feature; "rejected" marks a backend autoshard refuses outright."""
+    """How far a backend provides a feature.
+
+    Three words, one meaning each (docs/architecture.md): "rejected" is this value, every cell of a backend
+    autoshard never drives (FSDP1); "refused" is an error raised to the user (asking for a rejected backend, or a
+    "no" the run needs); "ruled out" is a backend the selector did not choose for one run (``Decision.ruled_out``).
+    """
 
     YES = "yes"
     PARTIAL = "partial"
@@ -107,7 +113,7 @@ def cell(backend: str, feature: Feature) -> Cell:
     return get_backend(backend).row[feature]
 
 
-FORMATS = ("text", "markdown")
+FORMATS = ("text", "markdown", "json")
 
 
 def _sentence(text: str) -> str:
@@ -134,10 +140,28 @@ def _notes(rows: Mapping[str, Row], fmt: str) -> list[str]:
     return lines
 
 
+def matrix_data() -> dict[str, dict[str, object]]:
+    """The matrix for scripts: per backend, its strategy string and every cell with its reason and remedy."""
+    from autoshard.backends import BACKENDS
+
+    return {
+        name: {
+            "strategy": b.strategy,
+            "cells": {f.value: {"support": b.row[f].support.value, "reason": b.row[f].reason, "remedy": b.row[f].remedy} for f in Feature},
+        }
+        for name, b in BACKENDS.items()
+    }
+
+
 def render_matrix(fmt: str = "text", details: bool = False) -> str:
-    """The matrix as a plain-text or Markdown table (the docs embed the Markdown one); ``details`` adds the notes."""
+    """The matrix as a plain-text or Markdown table (the docs embed the Markdown one); ``details`` adds the notes.
+
+    "json" is ``matrix_data()``, details always included: a script has no use for a table without its reasons.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(map(repr, FORMATS))}")
+    if fmt == "json":
+        return json.dumps(matrix_data(), indent=1)
     rows = matrix()
     header = ["feature", *rows]
     body = [[feature.value, *(row[feature].support.value for row in rows.values())] for feature in Feature]

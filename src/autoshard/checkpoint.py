@@ -7,12 +7,13 @@ Everything here works in one process, without a GPU and without the world size t
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import shutil
-import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -29,6 +30,9 @@ STAGING_SUFFIX = ".autoshard-tmp"  # a save in progress (or interrupted): never 
 ASIDE_SUFFIX = ".autoshard-old"  # the previous checkpoint, moved aside for the instant of the swap
 LIGHTNING_DEEPSPEED_PREFIX = "_forward_module."  # Lightning's DeepSpeed wrapper around the LightningModule
 CONSOLIDATE = "autoshard consolidate {path} weights.pt"
+MANIFEST = "autoshard-manifest.json"  # inside a DCP checkpoint directory: every file's size and sha256
+MANIFEST_SUFFIX = ".autoshard-manifest.json"  # beside a single-file checkpoint: a file cannot hold its own hash
+DIGEST = "sha256"  # ~1.5 GB/s here with SHA-NI (blake2b: 0.76 GB/s), and `sha256sum FILE` checks it by hand
 
 
 class CheckpointFormatError(AutoShardError, ValueError):
@@ -45,10 +49,6 @@ class Format(str, Enum):
     INCOMPLETE = "incomplete"  # shards (or meta.pt) without DCP's .metadata: a save that did not finish
     MISSING = "missing"
     UNKNOWN = "unknown"
-
-
-RESUMABLE_BY = {"fsdp2": (Format.DCP, Format.FULL), "deepspeed_zero3": (Format.DEEPSPEED, Format.FULL)}
-STRATEGY_FOR = {Format.DCP: "fsdp2", Format.DEEPSPEED: "autoshard-deepspeed"}
 
 
 @dataclass(frozen=True)
@@ -248,13 +248,16 @@ def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2") -> Pa
         raise CheckpointFormatError(
             f"cannot resume with {backend}: {_describe(info)}. {backend} cannot read DeepSpeed's partitioned files;"
             f" backend that reads it: DeepSpeed (strategy='autoshard-deepspeed', the strategy that wrote it). Fix: resume"
-            f" with that strategy, or {_consolidate_fix(p)}"
+            f" with that strategy; or convert it, optimizer state, step and schedulers included, with `autoshard convert"
+            f" {p} {p}-fsdp2 --to dcp` and resume from {str(p) + '-fsdp2'!r}; or {_consolidate_fix(p)}"
         )
     if info.format in (Format.DCP, Format.DCP_RAW) and backend == "deepspeed_zero3":
         raise CheckpointFormatError(
             f"cannot resume with DeepSpeed: {_describe(info)}, written by fsdp2 (torch.distributed.checkpoint)."
-            f" Backend that reads it: fsdp2 (strategy='fsdp2', at any world size). Fix: resume with strategy='fsdp2',"
-            f" or {_consolidate_fix(p)}"
+            f" Backend that reads it: fsdp2 (strategy='fsdp2', at any world size). Fix: resume with strategy='fsdp2';"
+            f" or convert it, optimizer state, step and schedulers included, with `autoshard convert {p} {p}-deepspeed"
+            f" --to deepspeed --world-size N --precision P` (devices x nodes, the Trainer's precision) and resume from"
+            f" {str(p) + '-deepspeed'!r}; or {_consolidate_fix(p)}"
         )
     if info.format is Format.DCP_RAW:
         raise CheckpointFormatError(
@@ -325,6 +328,10 @@ def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
     """Before a new save: if a crash between the two renames left ``path`` missing, put the newest complete
     sibling back under ``path`` (so the new save's staging can be cleared without losing it). Rank 0 only."""
     p = Path(path)
+    staged_sidecar = staging_path(sidecar_path(p))
+    if p.is_file() and staged_sidecar.is_file() and not staging_path(p).exists():
+        os.replace(staged_sidecar, sidecar_path(p))  # the file was swapped in, its sidecar not yet
+        fsync_dir(p.parent)
     if p.exists() or p.is_symlink():
         return None
     recovered = interrupted_save(p)
@@ -340,6 +347,7 @@ def prepare_staging(path: str | os.PathLike[str]) -> Path:
     finish_interrupted_commit(p)
     check_replaceable(p)
     staged = staging_path(p)
+    remove(staging_path(sidecar_path(p)))  # before the staged file: alone, a staged sidecar means "swap me in"
     remove(staged)
     if p.exists() or p.is_symlink():
         remove(aside_path(p))  # ``path`` is complete: whatever stayed aside is older
@@ -349,22 +357,212 @@ def prepare_staging(path: str | os.PathLike[str]) -> Path:
 def commit(staged: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
     """Swap a complete ``staged`` checkpoint in under ``path``. Rank 0 only, after every rank finished writing.
 
-    A file over a file is one ``os.replace``. A directory cannot be replaced in one step: the old one is renamed aside,
-    the new one renamed in, the old one removed. A crash at any instant leaves ``path``, or a complete sibling that
-    ``resolve_for_load`` finds; never a partial directory under ``path``.
+    A file over a file is one ``os.replace``, then its staged sidecar manifest (if any) is swapped in the same way
+    (``_manifest_of`` reads a crash between the two). A directory cannot be replaced in one step: the old one is
+    renamed aside, the new one renamed in, the old one removed. A crash at any instant leaves ``path``, or a complete
+    sibling that ``resolve_for_load`` finds; never a partial directory under ``path``.
     """
     staged, p = Path(staged), Path(path)
     fsync_dir(staged if staged.is_dir() else staged.parent)
+    staged_sidecar = staging_path(sidecar_path(p))
+    if not staged_sidecar.is_file():
+        remove(sidecar_path(p))  # the old file's checksum would call the new one corrupted
     if staged.is_file() and not p.is_dir() or not (p.exists() or p.is_symlink()):
         os.replace(staged, p)
+    else:
+        old = aside_path(p)
+        remove(old)
+        os.rename(p, old)
+        os.rename(staged, p)
         fsync_dir(p.parent)
-        return
-    old = aside_path(p)
-    remove(old)
-    os.rename(p, old)
-    os.rename(staged, p)
+        remove(old)
+    if staged_sidecar.is_file():
+        os.replace(staged_sidecar, sidecar_path(p))
     fsync_dir(p.parent)
-    remove(old)
+
+
+# -- manifest: the sha256 of every file a save wrote, checked before anything is read -------------------------------
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """Where a single-file checkpoint's manifest lives: next to it, visible, so it travels with the file.
+
+    A file cannot record its own hash, and torch.load / Lightning must keep reading the file unchanged.
+    """
+    p = Path(path)
+    return p.with_name(p.name + MANIFEST_SUFFIX)
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file in 1 MiB reads (hashlib.file_digest needs Python 3.11)."""
+    digest = hashlib.new(DIGEST)
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def describe_files(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` for files under ``root``: what a manifest records and a check recomputes."""
+    return {name: {"size": (root / name).stat().st_size, DIGEST: file_digest(root / name)} for name in sorted(names)}
+
+
+def write_manifest(target: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
+    """Written and fsynced inside a staging only: what makes a staging count (meta.pt's rename, the staged file's
+    rename) comes after, so a torn manifest is never read and needs no tmp + rename of its own."""
+    body = {"format": "autoshard-manifest", "version": 1, "algorithm": DIGEST, "files": dict(sorted(files.items()))}
+    target.write_text(json.dumps(body, indent=1) + "\n")
+    fsync_file(target)
+
+
+def stage_sidecar(path: str | os.PathLike[str]) -> None:
+    """The manifest of the file staged for ``path``, staged beside it; ``commit`` swaps in the file, then it."""
+    p, staged = Path(path), staging_path(path)
+    write_manifest(staging_path(sidecar_path(p)), {p.name: describe_files(staged.parent, [staged.name])[staged.name]})
+
+
+def _manifest_of(path: Path) -> Path | None:
+    """The manifest describing checkpoint ``path``, or None (Lightning's own saves, autoshard before manifests).
+
+    For a file, a save interrupted between its two renames (the file, then its sidecar) leaves the new file with
+    the old sidecar and the new sidecar still staged; a staged sidecar without a staged file is that new one.
+    """
+    if path.is_dir():
+        found = path / MANIFEST
+        return found if found.is_file() else None
+    target = path.resolve()  # save_last="link": the manifest sits beside the file the link points to
+    staged = staging_path(sidecar_path(target))
+    if staged.is_file() and not staging_path(target).exists():
+        return staged
+    found = sidecar_path(target)
+    return found if found.is_file() else None
+
+
+def integrity_problems(path: str | os.PathLike[str], share: slice = slice(None)) -> list[str] | None:
+    """One line per file the manifest lists (its ``share`` of them: one rank's part) that is missing or changed.
+
+    None when ``path`` has no manifest. Sizes are compared first (no read); only equal sizes are hashed.
+    """
+    p = Path(path)
+    where = _manifest_of(p)
+    if where is None:
+        return None
+    try:
+        manifest = json.loads(where.read_text())
+        files: dict[str, dict[str, Any]] = manifest["files"]
+        algorithm = manifest.get("algorithm", DIGEST)
+        order = sorted(files, key=lambda n: (-int(files[n]["size"]), n))  # largest first: the shares even out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [f"its manifest {str(where)!r} cannot be read ({type(exc).__name__}: {exc})"]
+    if algorithm != DIGEST:
+        return [f"its manifest {str(where)!r} records {algorithm!r} checksums; this autoshard checks {DIGEST!r}"]
+    root = p if p.is_dir() else p.resolve()
+    problems = []
+    for name in order[share]:
+        expected = files[name]
+        f = root / name if p.is_dir() else root  # a sidecar lists one file: this one, whatever it is called now
+        try:
+            size = f.stat().st_size
+            if size != expected["size"]:
+                problems.append(f"{str(f)!r} holds {size:,d} bytes where {where.name} records {expected['size']:,d}")
+                continue
+            found = file_digest(f)
+        except FileNotFoundError:
+            problems.append(f"{str(f)!r} is missing ({where.name} lists it)")
+            continue
+        except OSError as exc:
+            problems.append(f"{str(f)!r} cannot be read ({exc})")
+            continue
+        if found != expected[DIGEST]:
+            problems.append(
+                f"{str(f)!r} has {DIGEST} {found} where {where.name} records {expected[DIGEST]}"
+                f" (same size, {size:,d} bytes: its content changed after the save)"
+            )
+    return problems
+
+
+def corrupted(path: str | os.PathLike[str], problems: list[str]) -> CheckpointFormatError:
+    """The refusal for a checkpoint whose files differ from what the save recorded."""
+    return CheckpointFormatError(
+        f"{str(path)!r} is corrupted: {'; '.join(problems)}. autoshard recorded every file's {DIGEST} when it saved"
+        f" this checkpoint, so loading it would bring back different weights or state without an error."
+        f" Fix: restore the checkpoint from a backup, or use the previous checkpoint"
+    )
+
+
+def check_integrity(path: str | os.PathLike[str]) -> bool:
+    """Every file of ``path`` against its manifest, in this process: CheckpointFormatError naming the bad file.
+
+    False (nothing checked) when there is no manifest; the caller warns once.
+    """
+    problems = integrity_problems(path)
+    if problems:
+        raise corrupted(path, problems)
+    return problems is not None
+
+
+def unverified_warning(path: str | os.PathLike[str]) -> str:
+    p = Path(path)
+    expected = p / MANIFEST if p.is_dir() else sidecar_path(p)
+    return (
+        f"autoshard: {str(p)!r} has no manifest {expected.name!r} (written by Lightning itself or an older autoshard):"
+        f" its files cannot be checked against the checksums of the save, so a corrupted file would go unnoticed"
+    )
+
+
+def saved_shapes(path: Path, entry: str = "state_dict") -> dict[str, tuple[int, ...] | None]:
+    """Names and shapes under ``entry`` of a DCP checkpoint, from .metadata alone (None: not a tensor)."""
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for where, item in _dcp_entries(path):
+        if where[0] == entry and len(where) > 1:
+            size = getattr(item, "size", None)
+            shapes[".".join(where[1:])] = tuple(size) if size is not None else None
+    return shapes
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def model_mismatch(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[str, tuple[int, ...]]) -> str | None:
+    """How a model's state dict differs from a checkpoint's: missing and unexpected names, other shapes; None if equal."""
+    missing = sorted(set(model) - set(saved))
+    unexpected = sorted(set(saved) - set(model))
+    reshaped = sorted(k for k in set(model) & set(saved) if saved[k] is not None and tuple(saved[k] or ()) != tuple(model[k]))
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing from the checkpoint: {_names(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} in the checkpoint but not in the model: {_names(unexpected)}")
+    if reshaped:
+        shown = [f"{k} (checkpoint {tuple(saved[k] or ())}, model {tuple(model[k])})" for k in reshaped]
+        parts.append(f"{len(reshaped)} with another shape: {_names(shown, 3)}")
+    return "; ".join(parts) or None
+
+
+def load_failure(
+    path: Path, model_name: str, model: Mapping[str, tuple[int, ...]], failures: Mapping[int, Any]
+) -> CheckpointFormatError:
+    """torch's CheckpointException (a BaseException) as an autoshard error: which keys differ, or what failed where."""
+    try:
+        mismatch = model_mismatch(saved_shapes(path), model)
+    except Exception:  # .metadata unreadable: report torch's failure below
+        mismatch = None
+    if mismatch:
+        return CheckpointFormatError(
+            f"cannot resume from {str(path)!r}: its model weights do not match this {model_name}: {mismatch}."
+            f" Fix: resume from a checkpoint of this model, or to start from the weights that match, run"
+            f" `{CONSOLIDATE.format(path=path)}`, then model.load_state_dict(torch.load('weights.pt'), strict=False)"
+            f" before trainer.fit(model) without ckpt_path"
+        )
+    ranks = ", ".join(map(str, sorted(failures)))
+    first = next(iter(failures.values()), None)
+    error = first[0] if isinstance(first, tuple) else first
+    what = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}" if error else "no detail"
+    return CheckpointFormatError(
+        f"cannot resume from {str(path)!r}: torch.distributed.checkpoint failed on rank(s) {ranks}: {what}."
+        f" Fix: resume with the LightningModule and the optimizers (configure_optimizers) that wrote this checkpoint"
+    )
 
 
 # -- consolidation ---------------------------------------------------------------------------------------------------
@@ -389,31 +587,42 @@ class Consolidated:
         )
 
 
-def _dcp_keys(path: Path) -> set[str]:
-    """Top-level keys of a DCP checkpoint, from its .metadata alone."""
+def _dcp_entries(path: Path) -> list[tuple[tuple[str, ...], Any]]:
+    """(path in the saved state dict, storage metadata) of every entry of a DCP checkpoint, from .metadata alone.
+
+    The path is what the planner flattened (``("state_dict", "layer.weight")``), else the key split at its first dot.
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(path)).read_metadata()
-    tops = set()
-    for fqn in metadata.state_dict_metadata:
-        planner = (metadata.planner_data or {}).get(fqn)
-        tops.add(str(planner[0]) if planner else fqn.split(".", 1)[0])
-    return tops
+    planned = metadata.planner_data or {}
+    return [(tuple(map(str, planned.get(fqn) or fqn.split(".", 1))), item) for fqn, item in metadata.state_dict_metadata.items()]
 
 
-def _load_dcp(path: Path) -> tuple[dict[str, Any], str | None]:
-    """The model entry of a DCP checkpoint, read in this one process (no process group, any saved world size)."""
+def _dcp_keys(path: Path) -> set[str]:
+    """Top-level keys of a DCP checkpoint, from its .metadata alone."""
+    return {where[0] for where, _ in _dcp_entries(path)}
+
+
+def load_dcp_entries(path: Path, keys: Iterable[str] | None = None) -> dict[str, Any]:
+    """Top-level entries of a DCP checkpoint (all when ``keys`` is None) as full, nested tensors, read in this one
+    process: no process group, any saved world size. Entries not asked for stay on disk."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    sd: dict[str, Any] = {}
+    # Same reader and planner as torch's dcp_to_torch_save.
+    wanted = set(keys) if keys is not None else None
+    _load_state_dict(sd, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=wanted), no_dist=True)
+    return sd
+
+
+def _load_dcp(path: Path) -> tuple[dict[str, Any], str | None]:
+    """The model entry of a DCP checkpoint; optimizer state stays on disk."""
     keys = _dcp_keys(path)
     key = next((k for k in ("state_dict", "model") if k in keys), None)
-    sd: dict[str, Any] = {}
-    # Same reader and planner as torch's dcp_to_torch_save, restricted to the model entry: optimizer state stays on disk.
-    _load_state_dict(
-        sd, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys={key} if key else None), no_dist=True
-    )
+    sd = load_dcp_entries(path, {key} if key else None)
     return (sd[key] if key else sd), key
 
 
@@ -440,13 +649,19 @@ def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def consolidate(ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], *, tag: str | None = None) -> Consolidated:
+def consolidate(
+    ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], *, tag: str | None = None, force: bool = False
+) -> Consolidated:
     """Write one plain ``torch.save`` file of full, unsharded weights from a DCP, DeepSpeed or full checkpoint.
 
     Runs in one CPU process whatever world size wrote the checkpoint; ``model.load_state_dict(torch.load(out))``
-    on the unsharded module then passes with ``strict=True``. The output is written to a temporary file and renamed.
+    on the unsharded module then passes with ``strict=True``. The checkpoint's files are checked against its manifest
+    first. An existing output is never touched without ``force``; with it, the old file is replaced only by the
+    complete new one (temporary file in the same directory, fsync, rename).
     """
     start = time.perf_counter()
+    out = Path(out_path)
+    _check_output(out, force)
     info = detect_format(ckpt)
     source = info.path
     if not info.complete:
@@ -456,6 +671,12 @@ def consolidate(ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], 
         warnings.warn(f"{_describe(info)}; consolidating the complete checkpoint an interrupted save left: {str(recovered)!r}", stacklevel=2)
         info = detect_format(recovered)
         source = recovered
+    if (out.exists() or out.is_symlink()) and out.resolve() == source.resolve():
+        raise CheckpointFormatError(
+            f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path"
+        )
+    if not check_integrity(source):
+        warnings.warn(unverified_warning(source), stacklevel=2)
     key: str | None
     if info.format in (Format.DCP, Format.DCP_RAW):
         state, key = _load_dcp(source)
@@ -468,15 +689,7 @@ def consolidate(ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], 
     tensors = _tensors(state)
     if not tensors:
         raise CheckpointFormatError(f"cannot consolidate: {_describe(info)}, but it holds no tensors under {key or 'its top level'!r}")
-    out = Path(out_path)
-    if out.is_dir():
-        raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = staging_path(out)
-    torch.save(tensors, staged)
-    fsync_file(staged)
-    os.replace(staged, out)
-    fsync_dir(out.parent)
+    _write_new(tensors, out, force)
     return Consolidated(
         source=source,
         format=info.format,
@@ -489,9 +702,46 @@ def consolidate(ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], 
     )
 
 
+def _check_output(out: Path, force: bool) -> None:
+    """Refuse, before reading the checkpoint, to replace what is at ``out`` unless asked to."""
+    if out.is_dir():
+        raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise CheckpointFormatError(
+            f"refusing to overwrite {str(out)!r}: it already exists ({detect_format(out, verify=False).detail}), and"
+            f" consolidate would replace it with weights only. Fix: choose another output path, or pass --force"
+            f" (force=True) to replace it"
+        )
+
+
+def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool) -> None:
+    """Staged in the same directory and fsynced, then published in one step: ``os.replace`` with ``force``, else a
+    hard link that fails if ``out`` appeared meanwhile. A failure at any point leaves ``out`` as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = staging_path(out)
+    try:
+        remove(staged)
+        torch.save(tensors, staged)
+        fsync_file(staged)
+        if force:
+            os.replace(staged, out)
+        else:
+            try:
+                os.link(staged, out)
+            except FileExistsError:
+                _check_output(out, force)  # raises: something appeared at ``out`` while we wrote
+                raise
+            except OSError:  # a filesystem without hard links: the check just before is the best it allows
+                _check_output(out, force)
+                os.replace(staged, out)
+        fsync_dir(out.parent)
+    finally:
+        remove(staged)
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """``autoshard consolidate CKPT OUT.pt``: print what was written; refusals exit 1 through the CLI's handler."""
-    print(consolidate(args.ckpt, args.out, tag=args.tag).describe())
+    print(consolidate(args.ckpt, args.out, tag=args.tag, force=args.force).describe())
     return 0
 
 
@@ -510,22 +760,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("ckpt", metavar="CKPT_DIR", help="the checkpoint directory (or file), e.g. checkpoints/last.ckpt")
     parser.add_argument("out", metavar="OUT.pt", help="the file to write")
     parser.add_argument("--tag", default=None, help="DeepSpeed only: the tag directory (default: the one in 'latest')")
+    parser.add_argument(
+        "--force", action="store_true", help="replace OUT.pt if it exists (only once the new file is complete)"
+    )
     parser.set_defaults(func=cmd_consolidate)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m autoshard.checkpoint consolidate CKPT OUT.pt``, until the ``autoshard`` command wires it in."""
-    parser = argparse.ArgumentParser(prog="autoshard")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except AutoShardError as exc:
-        print(f"autoshard: error: {exc}", file=sys.stderr)
-        return 1
+if __name__ == "__main__":  # `python -m autoshard.checkpoint consolidate CKPT OUT.pt`: the `autoshard` command
+    from autoshard.cli import main
 
-
-if __name__ == "__main__":
     raise SystemExit(main())
 
 
@@ -534,6 +777,7 @@ __all__ = [
     "CheckpointInfo",
     "Consolidated",
     "Format",
+    "check_integrity",
     "commit",
     "consolidate",
     "detect_format",

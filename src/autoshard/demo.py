@@ -10,6 +10,7 @@ import argparse
 import copy
 import os
 import resource
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -157,25 +158,45 @@ def local_state_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer]
     return {"params": params, "grads": grads, "optimizer": states}
 
 
+class LossTrace(pl.Callback):
+    """The method's loss at its first and its last step, for the closing line: did it train?"""
+
+    def __init__(self) -> None:
+        self.first_loss = self.last_loss = float("nan")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.last_loss = float(outputs["loss"].detach())
+        if self.first_loss != self.first_loss:  # nan: first batch
+            self.first_loss = self.last_loss
+
+
 class MemoryReport(pl.Callback):
-    """One line per rank at the end of training: what this rank holds, against the unsharded total."""
+    """One line per rank at the end of training: what this rank holds, against the unsharded total.
+
+    Rank 0 prints every rank's line, in rank order: ranks printing for themselves interleave.
+    """
 
     def __init__(self, probe: OnlineProbe | None = None) -> None:
         self.probe = probe
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        optimizers = list(trainer.optimizers)  # torch optimizers: Lightning wraps them only in module.optimizers()
         if self.probe is not None and self.probe.optimizer is not None:
             optimizers.append(self.probe.optimizer)
         held = local_state_bytes(pl_module, optimizers)
         full = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(
+        line = (
             f"[rank {trainer.global_rank}] memory: params {held['params'] / 1024:.1f} KiB of {full / 1024:.1f} KiB"
             f" unsharded ({held['params'] / full:.0%}), grads {held['grads'] / 1024:.1f} KiB,"
-            f" optimizer state {held['optimizer'] / 1024:.1f} KiB, peak RSS {rss:.0f} MiB",
-            flush=True,
+            f" optimizer state {held['optimizer'] / 1024:.1f} KiB, peak RSS {rss:.0f} MiB"
         )
+        lines: list[Any] | None = [line]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            lines = [None] * trainer.world_size if trainer.global_rank == 0 else None
+            torch.distributed.gather_object(line, lines, dst=0)
+        if lines is not None and trainer.global_rank == 0:
+            print("\n".join(lines), flush=True)
 
 
 def dino_with_probe() -> tuple[DinoLike, list[pl.Callback]]:
@@ -190,19 +211,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="bf16-mixed")
     args = parser.parse_args(argv)
 
-
     import autoshard  # noqa: F401  registers strategy="auto-shard"
 
+    # Lightning 2.6's own use of a torch API deprecated in torch 2.10+, once per rank: not the user's to act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    probe = OnlineProbe()
+    probe, trace = OnlineProbe(), LossTrace()
     trainer = pl.Trainer(
         strategy="auto-shard",
         accelerator="cpu",
         devices=args.devices,
         precision=args.precision,
         max_steps=args.steps,
-        callbacks=[probe, MemoryReport(probe)],
+        callbacks=[probe, trace, MemoryReport(probe)],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -212,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(model, DataLoader(Blobs(), batch_size=32, shuffle=True))
     if trainer.global_rank == 0:
         print(
-            f"demo done: {args.steps} steps, method loss {float(trainer.callback_metrics['loss']):.3f},"
-            f" probe loss {probe.first_loss:.3f} -> {probe.last_loss:.3f}",
+            f"demo done: {args.steps} steps, method loss {trace.first_loss:.3f} -> {trace.last_loss:.3f},"
+            f" probe loss {probe.first_loss:.3f} -> {probe.last_loss:.3f} (rank 0)",
             flush=True,
         )
 

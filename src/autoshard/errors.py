@@ -22,7 +22,13 @@ class BackendUnavailableError(IncompatibleBackendError):
     """The backend would work but is not installed, or is too old."""
 
 
-def did_you_mean(value: object, choices: Iterable[str]) -> str:
-    """" (did you mean 'x'?)" for a near-miss, else "": a typo's fix is usually one character away."""
+def closest(value: object, choices: Iterable[str]) -> str | None:
+    """The choice a near-miss most likely meant, or None: a typo's fix is usually one character away."""
     close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
+
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for a near-miss, else ""."""
+    close = closest(value, choices)
+    return f" (did you mean {close!r}?)" if close else ""

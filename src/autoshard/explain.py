@@ -21,7 +21,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from autoshard.capability import Support, matrix, render_matrix
+from autoshard.backends import BACKENDS
+from autoshard.capability import matrix, render_matrix
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate, estimate_memory_many, fmt_bytes, memory_table
@@ -30,7 +31,7 @@ from autoshard.select import Decision, features_needed, select_backend
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
 BACKEND_CHOICES = ("auto", "fsdp2", "deepspeed")
-_LIST_FIELDS = ("shard", "exclude")
+_LIST_FIELDS = ("shard", "exclude", "blocks")
 MATRIX_BEGIN = "<!-- BEGIN GENERATED MATRIX: python -m autoshard.explain --write-matrix docs/matrix.md -->"
 MATRIX_END = "<!-- END GENERATED MATRIX -->"
 
@@ -41,14 +42,14 @@ def load_target(target: str) -> Callable[[], Any]:
     where, sep, attr = target.rpartition(":")
     if not sep or not where or not attr:
         raise AutoShardError(
-            f"TARGET {target!r} is not path/to/file.py:factory or package.module:factory. Example:"
-            f" autoshard explain autoshard.demo:DinoLike"
+            f"TARGET {target!r} is not path/to/file.py:factory or package.module:factory."
+            f" Fix: name the factory after a colon, e.g. autoshard explain autoshard.demo:DinoLike"
         )
     try:
         if where.endswith(".py") or os.sep in where or "/" in where:
             path = Path(where).resolve()
             if not path.is_file():
-                raise AutoShardError(f"TARGET file {where!r} does not exist")
+                raise AutoShardError(f"TARGET file {where!r} does not exist. Fix: give the path of your training script, e.g. train.py:build_model")
             name = f"_autoshard_explain_{abs(hash(str(path)))}"
             spec = importlib.util.spec_from_file_location(name, path)
             assert spec is not None and spec.loader is not None
@@ -60,16 +61,26 @@ def load_target(target: str) -> Callable[[], Any]:
             finally:
                 sys.path.remove(str(path.parent))
         else:
-            module = importlib.import_module(where)
+            sys.path.insert(0, os.getcwd())  # as `python -m` would: the console script's sys.path lacks the project
+            try:
+                module = importlib.import_module(where)
+            finally:
+                sys.path.remove(os.getcwd())
         obj: Any = module
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AutoShardError:
         raise
     except Exception as exc:
-        raise AutoShardError(f"could not load TARGET {target!r}: {type(exc).__name__}: {exc}") from exc
+        raise AutoShardError(
+            f"could not load TARGET {target!r}: {type(exc).__name__}: {exc}."
+            f" Fix: check that `python -c \"import {where.removesuffix('.py')}\"` works and that {attr!r} is defined there"
+        ) from exc
     if not callable(obj) and not isinstance(obj, nn.Module):
-        raise AutoShardError(f"TARGET {target!r} is a {type(obj).__name__}: it must be a class or a function returning a LightningModule")
+        raise AutoShardError(
+            f"TARGET {target!r} is a {type(obj).__name__}, not a class or a function returning a LightningModule."
+            f" Fix: point it at the LightningModule class or at a factory function"
+        )
     return obj
 
 
@@ -103,7 +114,10 @@ def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
         else:
             module, callbacks = made, []
         if not isinstance(module, nn.Module):
-            raise AutoShardError(f"the factory returned {type(module).__name__}, not a LightningModule (or (module, callbacks))")
+            raise AutoShardError(
+                f"the factory returned {type(module).__name__}, not a LightningModule."
+                f" Fix: return the module, or (module, [callbacks])"
+            )
         for callback in callbacks:
             setup = getattr(callback, "setup", None)
             if callable(setup):
@@ -117,13 +131,10 @@ def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
     real = [n for n, p in module.named_parameters() if not p.is_meta]
     if real:
         notes.append(f"{len(real)} parameter(s) are not on the meta device (the factory moved or loaded them), e.g. {real[0]}")
-    try:
-        import lightning.pytorch as pl
+    import lightning.pytorch as pl
 
-        if not isinstance(module, pl.LightningModule):
-            notes.append(f"{type(module).__name__} is a plain nn.Module, not a LightningModule: the Trainer needs one")
-    except ImportError:  # pragma: no cover - lightning is a dependency
-        pass
+    if not isinstance(module, pl.LightningModule):
+        notes.append(f"{type(module).__name__} is a plain nn.Module, not a LightningModule: the Trainer needs one")
     return Built(module, callbacks, notes)
 
 
@@ -145,19 +156,25 @@ def _value(key: str, text: str) -> Any:
 
 def read_intent_file(path: str) -> dict[str, Any]:
     """A YAML or JSON mapping of ShardingIntent fields, possibly under a top-level ``intent:`` key."""
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise AutoShardError(f"cannot read --intent-file {path}: {exc.strerror or exc}. Fix: give the path of a YAML or JSON file") from None
     if path.endswith(".json"):
         data = json.loads(text)
     else:
         try:
             import yaml
         except ImportError:
-            raise AutoShardError(f"--intent-file {path} needs PyYAML: pip install pyyaml (or give a .json file)") from None
+            raise AutoShardError(f"--intent-file {path} needs PyYAML. Fix: pip install pyyaml (or give a .json file)") from None
         data = yaml.safe_load(text)
     if isinstance(data, Mapping) and set(data) == {"intent"}:
         data = data["intent"]
     if data is not None and not isinstance(data, Mapping):
-        raise IntentError(f"--intent-file {path} must hold a mapping of ShardingIntent fields, got {type(data).__name__}")
+        raise IntentError(
+            f"--intent-file {path} must hold a mapping of ShardingIntent fields, got {type(data).__name__}."
+            f" Fix: write one field per line, e.g. `offload: params`"
+        )
     return dict(data or {})
 
 
@@ -167,7 +184,7 @@ def build_intent(pairs: Sequence[str] = (), intent_file: str | None = None, prec
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
-            raise IntentError(f"--intent takes key=value (for example --intent offload=params), got {pair!r}")
+            raise IntentError(f"--intent takes key=value, got {pair!r}. Fix: e.g. --intent offload=params")
         data[key.strip()] = _value(key.strip(), text)
     if precision is not None:
         data["precision"] = precision
@@ -186,6 +203,7 @@ class Report:
     features: dict[Any, str]
     decision: Decision | None = None
     error: str | None = None
+    error_type: str | None = None
     plan: Any = None
     deepspeed_config: dict[str, Any] | None = None
     deepspeed_config_world: int | None = None
@@ -215,7 +233,7 @@ class Report:
             "intent": self.intent.to_dict(),
             "needs": self.needs.to_dict(),
             "decision": self.decision.to_dict() if self.decision else None,
-            "error": self.error,
+            "error": {"type": self.error_type, "message": self.error} if self.error else None,
             "features": self._feature_rows(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "deepspeed_config": self.deepspeed_config,
@@ -276,13 +294,13 @@ class Report:
         widths = [min(48, max(len(x[i]) for x in [header, *body])) for i in range(len(header))]
         clip = lambda s, w: s if len(s) <= w else s[: w - 3] + "..."  # noqa: E731
         lines = ["  ".join(clip(c, w).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *body]]
-        refused = {n for n, row in matrix().items() if all(c.support is Support.REJECTED for c in row.values())}
+        rejected = {n for n in names if BACKENDS[n].rejected}
         for r in rows:
             for b in names:
                 cell = r["cells"][b]
-                if cell["support"] in ("partial", "no") and b not in refused:
+                if cell["support"] in ("partial", "no") and b not in rejected:
                     lines.append(f"  {b} / {r['feature']}: {cell['support']}: {cell['reason']}. Fix: {cell['remedy']}")
-        lines += [f"  {b}: rejected for every feature (see `autoshard matrix --details`)" for b in sorted(refused)]
+        lines += [f"  {b}: rejected for every feature (see `autoshard matrix --details`)" for b in sorted(rejected)]
         return lines
 
 
@@ -312,7 +330,7 @@ def explain(
     try:
         report.decision = select_backend(needs, intent, prefer=backend, accelerator=accelerator)
     except IncompatibleBackendError as exc:
-        report.error = str(exc)
+        report.error, report.error_type = str(exc), type(exc).__name__
         return report
     chosen = report.decision.backend
     if chosen == "fsdp2":
@@ -324,17 +342,14 @@ def explain(
         report.notes += [f"warning: {w.message}" for w in caught if issubclass(w.category, UserWarning)]
     elif chosen == "deepspeed_zero3":
         report.deepspeed_config_world = max(world_sizes)
+        from autoshard.adapters.deepspeed import deepspeed_config
+
         try:
-            from autoshard.adapters.deepspeed import deepspeed_config
-        except ImportError:
-            report.notes.append("autoshard.adapters.deepspeed.deepspeed_config is not available in this version")
-        else:
-            try:
-                report.deepspeed_config = deepspeed_config(
-                    intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size
-                )
-            except AutoShardError as exc:
-                report.notes.append(f"DeepSpeed config: {exc}")
+            report.deepspeed_config = deepspeed_config(
+                intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size
+            )
+        except AutoShardError as exc:
+            report.notes.append(f"DeepSpeed config: {exc}")
     if intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None:
         report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
     with warnings.catch_warnings():
@@ -390,23 +405,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
-    """Run explain for parsed arguments; 0 when a backend can run it, 1 when autoshard refuses it."""
+    """Run explain for parsed arguments; 0 when a backend can run it, 1 when autoshard refuses it.
+
+    With --json a failure is JSON too (``{"error": {"type", "message"}}`` and the parts computed before it), also
+    one before the model is built, so that a script reads one object on stdout whatever happened.
+    """
     stream = stream or sys.stdout
     if args.write_matrix:
         write_matrix(args.write_matrix)
         print(f"wrote the capability matrix to {args.write_matrix}", file=stream)
         return 0
-    if not args.target:
-        raise AutoShardError("explain needs a TARGET such as autoshard.demo:DinoLike (or --write-matrix PATH)")
-    intent = build_intent(args.intent, args.intent_file, args.precision)
-    report = explain(
-        args.target,
-        backend=args.backend,
-        intent=intent,
-        world_sizes=args.world_sizes,
-        accelerator=args.accelerator,
-        micro_batch_size=args.micro_batch_size,
-    )
+    done: dict[str, Any] = {"target": args.target}
+    try:
+        if not args.target:
+            raise AutoShardError("explain needs a TARGET. Fix: e.g. autoshard explain autoshard.demo:DinoLike (or --write-matrix PATH)")
+        intent = build_intent(args.intent, args.intent_file, args.precision)
+        done["intent"] = intent.to_dict()
+        report = explain(
+            args.target,
+            backend=args.backend,
+            intent=intent,
+            world_sizes=args.world_sizes,
+            accelerator=args.accelerator,
+            micro_batch_size=args.micro_batch_size,
+        )
+    except AutoShardError as exc:
+        if not args.json:
+            raise
+        done["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        print(json.dumps(done, indent=1), file=stream)
+        return 1
     if args.json:
         print(json.dumps(report.to_dict(), indent=1, default=str), file=stream)
     else:

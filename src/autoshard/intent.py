@@ -8,36 +8,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoshard.errors import IntentError, did_you_mean
+from autoshard.errors import IntentError, closest, did_you_mean
+from autoshard.precision import DEFAULT_PRECISION, PRECISIONS, Dtype, normalize_precision
 
-PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true", "bf16-true", "16-mixed", "16-true")
-DEFAULT_PRECISION = "bf16-mixed"
-# Lightning's short spellings, so a YAML written for Lightning reads the same here.
-_PRECISION_ALIASES: dict[str, str] = {"bf16": "bf16-mixed", "32": "32-true", "16": "16-mixed"}
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
 OFFLOAD_DEVICES: tuple[str, ...] = ("cpu", "nvme")
 CHECKPOINTS: tuple[str, ...] = ("distributed", "full")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-
-
-def normalize_precision(value: object) -> str:
-    """Accept Lightning's spellings (16, "bf16", "32-true") and return the canonical one."""
-    text = str(value).strip().lower()
-    text = _PRECISION_ALIASES.get(text, text)
-    if text not in PRECISIONS:
-        raise IntentError(
-            f"unknown precision {value!r}{did_you_mean(text, PRECISIONS)}: choose one of {', '.join(PRECISIONS)}"
-            f" (Lightning's short forms 'bf16', '16' and '32' work too; bf16-mixed is recommended for sharded training)"
-        )
-    return text
+DTYPES: tuple[str, ...] = tuple(d.value for d in Dtype)
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        hint = did_you_mean(value, choices)
+        hint, fix = did_you_mean(value, choices), f"{name}={closest(value, choices) or choices[0]!r}"
         if name == "offload" and value in OFFLOAD_DEVICES:  # offload='cpu' is the usual mix-up of the two fields
             hint = f" (offload says what to move: 'optimizer' or 'params'; offload_device={value!r} says where)"
-        raise IntentError(f"unknown {name} {value!r}{hint}: choose one of {', '.join(map(repr, choices))}")
+            fix = f"offload='params', offload_device={value!r}"
+        raise IntentError(f"unknown {name} {value!r}{hint}: choose one of {', '.join(map(repr, choices))}. Fix: {fix}")
     return str(value)
 
 
@@ -49,18 +35,67 @@ def _names(name: str, value: object) -> tuple[str, ...]:
     try:
         names = tuple(value)  # type: ignore[arg-type]
     except TypeError:
-        raise IntentError(f"{name} must be a list of module paths such as ['backbone'], got {value!r}") from None
+        raise IntentError(
+            f"{name} must be a list of module paths, got {value!r}. Fix: {name}=['backbone'] (dotted paths of modules)"
+        ) from None
     for item in names:
         if not isinstance(item, str) or not item or item.startswith(".") or item.endswith("."):
-            raise IntentError(f"{name} holds {item!r}: each entry must be a dotted module path such as 'backbone.blocks'")
+            raise IntentError(
+                f"{name} holds {item!r}: each entry must be a dotted module path."
+                f" Fix: write it as a path such as 'backbone.blocks' (no leading or trailing dot)"
+            )
     return names
+
+
+def _blocks(value: object) -> tuple[str, ...] | None:
+    """Block class names (``'GPT2Block'``) or module paths; None: found by the plan; (): none, a unit per subtree."""
+    if value is None:
+        return None
+    try:
+        return _names("blocks", value)
+    except IntentError:
+        raise IntentError(
+            f"blocks must list module class names or module paths, got {value!r}. Fix: blocks=['GPT2Block'] (a class"
+            f" as `print(model)` shows it) or blocks=['model.transformer.h.0', ...] (module paths)"
+        ) from None
+
+
+def _init_from(value: object) -> str | tuple[tuple[str, str], ...] | None:
+    """A path (the whole module) or {module path: path}; checked for shape here, opened at setup."""
+    if value is None:
+        return None
+    fix = "Fix: init_from='weights.safetensors' (the whole LightningModule) or init_from={'model': 'hf-model-dir/'}"
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if not path:
+            raise IntentError(f"init_from='' names no file. {fix}")
+        return str(path)
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple((k, v) for k, v in items)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise IntentError(f"init_from must be a path or a mapping of module path to path, got {value!r}. {fix}") from None
+    if not pairs:
+        raise IntentError(f"init_from={{}} loads nothing. Fix: leave init_from unset, or map a module path to a weights path")
+    out = []
+    for module, path in pairs:
+        if not isinstance(module, str) or module.startswith(".") or module.endswith("."):
+            raise IntentError(f"init_from key {module!r} must be a dotted module path ('' for the whole module). {fix}")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise IntentError(f"init_from[{module!r}] must be a path, got {path!r}. {fix}")
+        out.append((module, str(os.fspath(path))))
+    modules = [m for m, _ in out]
+    nested = sorted({a for a in modules for b in modules if a != b and (not b or a.startswith(b + "."))})
+    if len(set(modules)) != len(modules) or nested:
+        raise IntentError(f"init_from maps {', '.join(map(repr, nested or modules))} inside another mapped module: each tensor must come from one file. Fix: map disjoint submodules")
+    return tuple(out)
 
 
 def _size(name: str, value: object) -> int | None:
     if value is None or value == "auto":
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise IntentError(f"{name} must be a positive integer or 'auto', got {value!r}")
+        raise IntentError(f"{name} must be a positive integer or 'auto', got {value!r}. Fix: {name}='auto' (or a whole number >= 1)")
     return value
 
 
@@ -73,12 +108,22 @@ class ShardingIntent:
     """What to shard and how, independent of FSDP2 or DeepSpeed; adapters translate it.
 
     ``precision=None`` means "not stated": the Trainer's precision under Lightning, bf16-mixed elsewhere.
+    ``param_dtype`` / ``reduce_dtype`` replace the all-gather / gradient-reduce dtypes the precision implies
+    (``autoshard.precision.resolve_precision``); ``param_dtype='float32'`` opts out of the bf16 all-gather.
     ``shard=None`` means every trainable child subtree (plus EMA teachers); ``exclude`` removes paths.
+    ``blocks`` names the per-block units (class names or module paths) instead of the repeated blocks the plan
+    finds; ``blocks=[]`` makes one unit per subtree.
     ``strict=True`` turns autoshard's fallbacks (replicating what it cannot shard) into errors.
+    ``init_from`` loads pretrained weights into the shards once they exist, each rank reading only its own slices
+    (``autoshard.init_from``): a path (safetensors file, Hugging Face model directory, torch state dict file, DCP
+    directory) for the whole LightningModule, or ``{module path: path}`` for submodules (``{'model': 'gpt2/'}``);
+    stored as a tuple of (module path, path) pairs then, so the intent stays immutable. The path is opened at setup,
+    on the machines that train, not here; ``Trainer.fit(ckpt_path=...)`` is restored after it and wins. fsdp2 only.
     """
 
     shard: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()
+    blocks: tuple[str, ...] | None = None
     precision: str | None = None
     param_dtype: str | None = None
     reduce_dtype: str | None = None
@@ -91,50 +136,54 @@ class ShardingIntent:
     data_parallel_size: int | None = None
     tensor_parallel_size: int = 1
     strict: bool = False
+    init_from: str | Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        set_(self, "init_from", _init_from(self.init_from))
         if self.shard is not None:
             set_(self, "shard", _names("shard", self.shard))
             if not self.shard:
-                raise IntentError("shard=[] would shard nothing: leave shard unset to shard every trainable subtree")
+                raise IntentError("shard=[] would shard nothing. Fix: leave shard unset to shard every trainable subtree")
         set_(self, "exclude", _names("exclude", self.exclude))
+        set_(self, "blocks", _blocks(self.blocks))
         both = sorted(set(self.shard or ()) & set(self.exclude))
         if both:
-            raise IntentError(f"{', '.join(both)} is both in shard and in exclude: keep it in one of them")
+            raise IntentError(f"{', '.join(both)} is both in shard and in exclude. Fix: keep it in one of them")
         if self.precision is not None:
-            set_(self, "precision", normalize_precision(self.precision))
+            set_(self, "precision", normalize_precision(self.precision).value)
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _choice(name, str(value).replace("torch.", ""), DTYPES))
         for name in ("reshard_after_forward", "activation_checkpointing", "strict"):
             if not isinstance(getattr(self, name), bool):
-                raise IntentError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise IntentError(f"{name} must be true or false, got {getattr(self, name)!r}. Fix: {name}=True or {name}=False")
         _choice("offload", self.offload, OFFLOADS)
         _choice("offload_device", self.offload_device, OFFLOAD_DEVICES)
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, os.PathLike)):
-                raise IntentError(f"nvme_path must be a directory path, got {self.nvme_path!r}")
+                raise IntentError(f"nvme_path must be a directory path, got {self.nvme_path!r}. Fix: nvme_path='/local_nvme/offload'")
             set_(self, "nvme_path", os.fspath(self.nvme_path))
         if self.offload_device == "nvme" and self.offload == "none":
-            raise IntentError("offload_device='nvme' needs offload='optimizer' or offload='params'")
+            raise IntentError("offload_device='nvme' with offload='none' offloads nothing. Fix: add offload='optimizer' or offload='params'")
         if self.offload_device == "nvme" and not self.nvme_path:
-            raise IntentError("offload_device='nvme' needs nvme_path, a directory on a local NVMe drive")
+            raise IntentError("offload_device='nvme' needs a directory to offload to. Fix: add nvme_path=, a directory on a local NVMe drive")
+        if self.nvme_path is not None and self.offload_device != "nvme":
+            # Silently ignoring it would offload to CPU memory while the user believes NVMe takes the load.
+            raise IntentError(
+                f"nvme_path={self.nvme_path!r} is set but offload_device={self.offload_device!r}, so nothing would go to it."
+                f" Fix: set offload_device='nvme' (with offload='optimizer' or 'params'), or drop nvme_path"
+            )
         _choice("checkpoint", self.checkpoint, CHECKPOINTS)
         set_(self, "data_parallel_size", _size("data_parallel_size", self.data_parallel_size))
         tp = _size("tensor_parallel_size", self.tensor_parallel_size)
         set_(self, "tensor_parallel_size", 1 if tp is None else tp)
 
-    @property
-    def effective_precision(self) -> str:
-        """The precision to plan for when nobody stated one."""
-        return self.precision or DEFAULT_PRECISION
-
     def mesh_sizes(self, world_size: int) -> tuple[int, int]:
         """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise IntentError(f"world size must be a positive integer, got {world_size!r}")
+            raise IntentError(f"world size must be a positive integer, got {world_size!r}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
         tp = self.tensor_parallel_size
         dp = self.data_parallel_size if self.data_parallel_size is not None else world_size // tp
         if dp * tp == world_size:
@@ -142,11 +191,11 @@ class ShardingIntent:
         world = f"the world size {world_size} (nodes x devices)"
         if world_size % tp:
             raise IntentError(
-                f"tensor_parallel_size={tp} does not divide {world}: choose one of"
-                f" {', '.join(map(str, _divisors(world_size)))}"
+                f"tensor_parallel_size={tp} does not divide {world}."
+                f" Fix: tensor_parallel_size= one of {', '.join(map(str, _divisors(world_size)))}"
             )
         raise IntentError(
-            f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} does not match {world}: set"
+            f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} does not match {world}. Fix: set"
             f" data_parallel_size={world_size // tp}, or leave it unset to use every rank"
         )
 
@@ -158,43 +207,54 @@ class ShardingIntent:
     def from_dict(cls, data: Mapping[str, Any] | None) -> ShardingIntent:
         """Build from a plain mapping (YAML / LightningCLI); unknown keys are refused by name."""
         if data is not None and not isinstance(data, Mapping):
-            raise IntentError(f"a ShardingIntent is read from a mapping of its fields, got {type(data).__name__}")
+            raise IntentError(
+                f"a ShardingIntent is read from a mapping of its fields, got {type(data).__name__}."
+                f" Fix: write it as a mapping, e.g. {{'offload': 'params', 'exclude': ['probe']}}"
+            )
         data = dict(data or {})
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(known), key=str)
         if unknown:
             hints = "".join(f" {key!r}{did_you_mean(key, known)}" for key in unknown)
-            raise IntentError(f"unknown ShardingIntent field(s):{hints}. Valid fields are {', '.join(known)}")
+            raise IntentError(
+                f"unknown ShardingIntent field(s):{hints}. Valid fields are {', '.join(known)}."
+                f" Fix: {'; '.join(_rename_or_drop(key, known) for key in unknown)}"
+            )
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only, so the result round-trips through YAML and ``from_dict``."""
         out = dataclasses.asdict(self)
-        for key in ("shard", "exclude"):
+        if isinstance(out["init_from"], tuple):
+            out["init_from"] = dict(out["init_from"])
+        for key in ("shard", "exclude", "blocks"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
 
 
-def with_trainer_precision(intent: ShardingIntent, trainer_precision: object) -> ShardingIntent:
-    """The Trainer's precision is the one that runs; an intent may repeat it but not contradict it."""
-    precision = normalize_precision(trainer_precision)
-    if intent.precision is not None and intent.precision != precision:
-        raise IntentError(
-            f"precision is given twice and differs: ShardingIntent(precision='{intent.precision}') but"
-            f" Trainer(precision='{precision}'). Fix: set it once, in the Trainer"
-            f" (Trainer(precision='{intent.precision}')), and drop it from the intent"
-        )
-    return intent.replace(precision=precision)
+def _rename_or_drop(key: object, known: list[str]) -> str:
+    near = closest(key, known)
+    return f"rename {key!r} to {near!r}" if near else f"drop {key!r}"
 
 
-def as_intent(value: ShardingIntent | Mapping[str, Any] | None) -> ShardingIntent:
-    """Accept an intent, a dict of its fields, or nothing (all defaults)."""
+def as_intent(value: ShardingIntent | Mapping[str, Any] | None, **fields: Any) -> ShardingIntent:
+    """Accept an intent, a dict of its fields, or nothing (all defaults); ``fields`` given as keywords override it.
+
+    Strategies take intent fields as keywords too (``FSDP2Strategy(offload='params')``): a misspelt one is refused
+    by name here instead of surfacing as Python's bare TypeError.
+    """
+    if fields:
+        ShardingIntent.from_dict(fields)  # unknown or invalid keywords are refused by name, with the fix
+        return as_intent(value).replace(**fields)
     if isinstance(value, ShardingIntent):
         return value
     if value is None or isinstance(value, Mapping):
         return ShardingIntent.from_dict(value)
-    raise IntentError(f"expected a ShardingIntent or a dict of its fields, got {type(value).__name__}")
+    raise IntentError(
+        f"expected a ShardingIntent or a dict of its fields, got {type(value).__name__}."
+        f" Fix: pass intent=ShardingIntent(...) or intent={{'offload': 'params'}}"
+    )
 
 
 __all__ = ["ShardingIntent", "as_intent", "normalize_precision", "PRECISIONS", "DEFAULT_PRECISION"]

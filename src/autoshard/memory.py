@@ -18,7 +18,8 @@ from torch import nn
 
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.needs import MethodNeeds, inspect_needs
+from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
+from autoshard.precision import Dtype, PrecisionPlan, on_backend, resolve_precision
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "ema_teacher", "unsharded")
 _LABELS = {
@@ -28,8 +29,6 @@ _LABELS = {
     "ema_teacher": "EMA teacher (sharded)",
     "unsharded": "unsharded (whole on every rank)",
 }
-_HALF_PRECISIONS = {"bf16-true": 2, "16-true": 2}
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # DeepSpeed's estimator counts 18 bytes per parameter for ZeRO-3 model states (Adam in mixed precision).
 # Its formula gives only the total; the split into 16-bit params / 16-bit grads / the rest is autoshard's reading.
 ZERO3_BYTES_PER_PARAM = 18
@@ -113,32 +112,7 @@ def _describe_states(optimizer: torch.optim.Optimizer, fn: StateFn | None) -> st
     return f"{type(optimizer).__name__}: {tensors} state tensor{'s' if tensors != 1 else ''} per parameter{scalar}"
 
 
-# -- which optimizers ---------------------------------------------------------------------------------------------
-def _flatten(configured: Any) -> list[torch.optim.Optimizer]:
-    """Optimizers in any return shape Lightning accepts from ``configure_optimizers``."""
-    configured = getattr(configured, "_optimizer", configured)  # LightningOptimizer
-    if configured is None:
-        return []
-    if isinstance(configured, torch.optim.Optimizer):
-        return [configured]
-    if isinstance(configured, Mapping):
-        return _flatten(configured.get("optimizer"))
-    if isinstance(configured, (list, tuple)):
-        if len(configured) == 2 and all(isinstance(part, (list, tuple)) for part in configured):
-            return _flatten(configured[0])  # ([optimizers], [schedulers])
-        return [o for item in configured for o in _flatten(item)]
-    return []
-
-
-def _held_optimizers(obj: object) -> list[torch.optim.Optimizer]:
-    """Optimizers a callback holds as attributes, directly or one level down in a list/tuple/dict."""
-    found: list[torch.optim.Optimizer] = []
-    for value in getattr(obj, "__dict__", {}).values():
-        values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
-        found += [o for v in values for o in _flatten(v)]
-    return found
-
-
+# -- which optimizers (found by autoshard.needs' rules) ---------------------------------------------------------
 def _sharded_parameter(module: nn.Module) -> str | None:
     return next((n for n, p in module.named_parameters() if hasattr(p, "placements") or hasattr(p, "ds_id")), None)
 
@@ -164,12 +138,9 @@ def collect_optimizers(module: nn.Module, callbacks: Sequence[object] | None = N
                 f"estimate_memory could not build the optimizers: {type(module).__name__}.configure_optimizers()"
                 f" raised {type(exc).__name__}: {exc}. Fix: pass optimizers=[...] to estimate_memory"
             ) from exc
-        out += [("configure_optimizers", o) for o in _flatten(configured)]
-    if callbacks is None:
-        trainer = getattr(module, "_trainer", None)
-        callbacks = list(getattr(trainer, "callbacks", None) or [])
-    for callback in callbacks:
-        out += [(f"callback {type(callback).__name__}", o) for o in _held_optimizers(callback)]
+        out += [("configure_optimizers", o) for o in returned_optimizers(configured)]
+    for callback in callbacks_of(module, callbacks=callbacks):
+        out += [(f"callback {type(callback).__name__}", o) for o in held_optimizers(callback)]
     return out
 
 
@@ -179,7 +150,7 @@ class _Param:
     name: str
     shape: tuple[int, ...]
     elsize: int  # bytes per element while training
-    gather_elsize: int  # bytes per element of the all-gathered copy (mp_policy param_dtype)
+    gather_elsize: int  # bytes per element of the all-gathered copy (the precision's gather dtype)
     sharded: bool
     teacher: bool
     trainable: bool
@@ -202,19 +173,28 @@ class _Layout:
     whys: dict[str, str]
     notes: list[str]
     largest_layer_params: int  # DeepSpeed's notion: most parameters owned directly by one module
+    precision: PrecisionPlan  # as the backend runs it (autoshard.precision.on_backend)
 
 
-def _elsize(p: torch.Tensor, precision: str) -> int:
-    """Bytes per element in training: "-true" half precisions convert every floating parameter (Lightning)."""
-    if p.is_floating_point() and precision in _HALF_PRECISIONS:
-        return _HALF_PRECISIONS[precision]
+def _elsize(p: torch.Tensor, precision: PrecisionPlan) -> int:
+    """Bytes per element in training: "-true" low precisions convert every floating parameter (Lightning)."""
+    converted = not precision.autocast and precision.master is not Dtype.FLOAT32
+    if p.is_floating_point() and converted:
+        return precision.master.bytes
     return p.element_size()
 
 
-def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str) -> _Layout:
-    from autoshard.adapters.fsdp2 import plan_fsdp2
+def _gather_elsize(p: torch.Tensor, precision: PrecisionPlan, elsize: int) -> int:
+    """Bytes per element all-gathered: the gather dtype, where it differs from the weights' (as ``policies`` casts)."""
+    if p.is_floating_point() and precision.gather is not precision.master:
+        return precision.gather.bytes
+    return elsize
 
-    precision = intent.effective_precision
+
+def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str, precision: PrecisionPlan) -> _Layout:
+    from autoshard.adapters.fsdp2 import Unsharded, plan_fsdp2
+
+    precision = on_backend(precision, backend)
     notes: list[str] = []
     owner: dict[int, tuple[str, str]] = {}  # param id -> (unit name, role)
     units: list[tuple[str, int, bool]] = []
@@ -224,7 +204,7 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
     if backend == "fsdp2":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = plan_fsdp2(module, intent, needs)
+            plan = plan_fsdp2(module, intent, needs, precision)
         notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
         notes += plan.notes
         modules = dict(module.named_modules())
@@ -232,27 +212,26 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
             for p in modules[unit.name].parameters():
                 if p.dim() > 0 and id(p) not in owner:
                     owner[id(p)] = (unit.name, unit.role)
-        whys = {r.name: r.why for r in plan.replicated}
+        whys = {r.name: r.why.value for r in plan.replicated}
         replicated = sorted(whys, key=len, reverse=True)
         gathered = {u.name: 0 for u in plan.units}
-    gather_dtype = _DTYPE_BYTES.get(intent.param_dtype or "", 0)
     params: dict[int, _Param] = {}
     for name, p in module.named_parameters():
         elsize = _elsize(p, precision)
-        gather = gather_dtype if gather_dtype and p.is_floating_point() else elsize
+        gather = _gather_elsize(p, precision, elsize)
         unit = owner.get(id(p))
         if unit is not None:
             part, teacher = unit[0], unit[1] == "teacher"
             gathered[part] += p.numel() * gather
         else:
             part = next((r for r in replicated if name == r or name.startswith(r + ".")), name)
-            whys.setdefault(part, "not inside any sharded unit")
+            whys.setdefault(part, Unsharded.OUTSIDE.value)
             teacher = False
         params[id(p)] = _Param(name, tuple(p.shape), elsize, gather, unit is not None, teacher, p.requires_grad, part)
     if backend == "fsdp2":
         units = [(u.name, gathered[u.name], u.reshard_after_forward) for u in plan.units]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
-    return _Layout(params, units, whys, notes, largest)
+    return _Layout(params, units, whys, notes, largest, precision)
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> int:
@@ -289,6 +268,7 @@ class MemoryEstimate:
     gathered_unit: str
     full_model_states: int  # the same states with nothing sharded: ideal per rank is this / world_size
     offloaded: tuple[str, ...] = ()
+    gather_dtype: str = ""  # the dtype the gathered block is all-gathered in (bfloat16 under bf16-mixed)
     host: int = 0
     unsharded_parts: tuple[UnshardedPart, ...] = ()
     optimizers: tuple[str, ...] = ()
@@ -340,7 +320,7 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
         rows.append((_LABELS[c] + (" [CPU]" if c in first.offloaded else ""), [fmt_bytes(getattr(e, c)) for e in estimates]))
     rows.append(("= model states", [fmt_bytes(e.model_states) for e in estimates]))
     rows.append(("  vs ideal (unsharded / N)", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates]))
-    rows.append(("largest gathered block (transient)", [fmt_bytes(e.gathered_block) for e in estimates]))
+    rows.append((f"largest gathered block (transient, {first.gather_dtype})", [fmt_bytes(e.gathered_block) for e in estimates]))
     rows.append(("= peak per rank", [fmt_bytes(e.total) for e in estimates]))
     rows.append(("  on the accelerator", [fmt_bytes(e.device) for e in estimates]))
     if any(e.host for e in estimates):
@@ -352,7 +332,7 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     for label, values in rows:
         lines.append("  " + label.ljust(width) + "  " + "  ".join(v.rjust(w) for v, w in zip(values, cols)))
     if first.gathered_unit:
-        lines.append(f"  largest unit: '{first.gathered_unit}'")
+        lines.append(f"  largest unit: '{first.gathered_unit}', all-gathered in {first.gather_dtype}")
     lines += [f"  optimizer {o}" for o in first.optimizers]
     if first.unsharded_parts:
         lines.append("  whole on every rank (params + grads + optimizer states):")
@@ -361,12 +341,12 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     return "\n".join(lines)
 
 
-def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent) -> str:
+def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent, precision: PrecisionPlan) -> str:
     from autoshard.backends import get_backend
     from autoshard.select import AUTO, select_backend
 
     if isinstance(backend, str) and backend.strip().lower() in AUTO:
-        return select_backend(needs, intent).backend
+        return select_backend(needs, intent, precision=precision).backend
     name = get_backend(backend).name
     if name not in ("fsdp2", "deepspeed_zero3"):
         raise AutoShardError(f"estimate_memory covers fsdp2 and deepspeed_zero3, not {name}. Fix: use backend='fsdp2'")
@@ -386,16 +366,17 @@ def estimate_memory(
     state_tensors: Mapping[str, int] | None = None,
     num_nodes: int = 1,
     zero_init: bool = True,
+    precision: PrecisionPlan | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes of ``module`` trained on ``world_size`` ranks; rank 0 holds the largest FSDP2 shard.
 
     ``optimizers`` default to ``configure_optimizers()`` plus the callbacks' own (built here, on the unsharded
     module). ``state_tensors`` overrides the state count per optimizer class name. ``num_nodes`` and ``zero_init``
-    are DeepSpeed estimator inputs.
+    are DeepSpeed estimator inputs. ``precision``: the run's resolved plan; None plans for the intent's precision.
     """
     return estimate_memory_many(
         module, intent, needs, [world_size], backend, rank=rank, optimizers=optimizers, callbacks=callbacks,
-        state_tensors=state_tensors, num_nodes=num_nodes, zero_init=zero_init,
+        state_tensors=state_tensors, num_nodes=num_nodes, zero_init=zero_init, precision=precision,
     )[0]
 
 
@@ -412,23 +393,25 @@ def estimate_memory_many(
     state_tensors: Mapping[str, int] | None = None,
     num_nodes: int = 1,
     zero_init: bool = True,
+    precision: PrecisionPlan | None = None,
 ) -> list[MemoryEstimate]:
     """One estimate per world size; the plan and the optimizers are built once."""
     intent = as_intent(intent)
+    precision = precision or resolve_precision(None, intent)
     if needs is None:
         needs = inspect_needs(module, callbacks=callbacks)
-    backend = _canonical_backend(backend, needs, intent)
+    backend = _canonical_backend(backend, needs, intent, precision)
     if optimizers is None:
         sourced = collect_optimizers(module, callbacks)
     else:
-        sourced = [("given", o) for o in (_flatten(list(optimizers)) or list(optimizers))]
-    layout = _layout(module, intent, needs, backend)
+        sourced = [("given", o) for o in (returned_optimizers(list(optimizers)) or list(optimizers))]
+    layout = _layout(module, intent, needs, backend, precision)
     out = []
     for world_size in world_sizes:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise AutoShardError(f"world sizes must be positive integers, got {world_size!r}")
+            raise AutoShardError(f"world sizes must be positive integers, got {world_size!r}. Fix: e.g. world_sizes=(2, 8)")
         if not 0 <= rank < world_size:
-            raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks")
+            raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
         if backend == "fsdp2":
             out.append(_fsdp2(layout, sourced, intent, world_size, rank, dict(state_tensors or {})))
         else:
@@ -525,7 +508,8 @@ def _fsdp2(
         backend="fsdp2",
         world_size=world_size,
         rank=rank,
-        precision=intent.effective_precision,
+        precision=layout.precision.precision.value,
+        gather_dtype=layout.precision.gather.value,
         gathered_block=gathered,
         gathered_unit=max(layout.units, key=lambda u: u[1])[0] if layout.units else "",
         full_model_states=full,
@@ -589,7 +573,7 @@ def _zero3(
     rank: int,
 ) -> MemoryEstimate:
     if world_size % num_nodes:
-        raise AutoShardError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}")
+        raise AutoShardError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}. Fix: world size = num_nodes x devices per node")
     per_node = world_size // num_nodes
     total = sum(_n(p.shape) for p in layout.params.values())
     offload_opt = intent.offload in ("optimizer", "params")
@@ -616,7 +600,8 @@ def _zero3(
         backend="deepspeed_zero3",
         world_size=world_size,
         rank=rank,
-        precision=intent.effective_precision,
+        precision=layout.precision.precision.value,
+        gather_dtype=layout.precision.gather.value,
         parameters=params,
         gradients=grads,
         optimizer_states=states - params - grads,

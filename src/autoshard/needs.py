@@ -14,6 +14,7 @@ from autoshard.errors import AutoShardError, did_you_mean
 
 NEEDS_ATTRIBUTE = "autoshard_needs"
 CALLBACK_OPTIMIZERS_ATTRIBUTE = "autoshard_optimizers"
+CONFIGURE_OPTIMIZERS = "configure_optimizers"
 
 
 @dataclass(frozen=True)
@@ -81,28 +82,41 @@ def _ema_pair(value: object) -> EMAPair:
     )
 
 
-def count_optimizers(configured: Any) -> int:
-    """Count optimizers in any return shape Lightning accepts from ``configure_optimizers``."""
-    if configured is None:
-        return 0
+# The one place that knows where optimizers hide: needs, memory estimates and checkpoints all find them here.
+def returned_optimizers(configured: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers in any shape Lightning returns or accepts, in order.
+
+    ``configure_optimizers``'s shapes (one, a list, a dict with "optimizer", ``([optimizers], [schedulers])``), and
+    ``trainer.optimizers``: a LightningOptimizer is unwrapped, and Lightning's stand-in for ``None`` (its
+    ``_MockOptimizer``) is no optimizer.
+    """
+    configured = getattr(configured, "_optimizer", configured)  # LightningOptimizer
+    if configured is None or type(configured).__name__ == "_MockOptimizer":
+        return []
     if isinstance(configured, torch.optim.Optimizer):
-        return 1
+        return [configured]
     if isinstance(configured, Mapping):
-        return 1 if "optimizer" in configured else 0
+        return returned_optimizers(configured.get("optimizer"))
     if isinstance(configured, (list, tuple)):
         if len(configured) == 2 and all(isinstance(part, (list, tuple)) for part in configured):
-            return count_optimizers(configured[0])  # ([optimizers], [schedulers])
-        return sum(count_optimizers(item) for item in configured)
-    return 0
+            return returned_optimizers(configured[0])  # ([optimizers], [schedulers])
+        return [o for item in configured for o in returned_optimizers(item)]
+    return []
 
 
-def _optimizers_in(obj: object) -> list[torch.optim.Optimizer]:
-    """Optimizers a callback holds as attributes (directly, or in a list/tuple/dict one level down)."""
-    found: list[torch.optim.Optimizer] = []
+def held_optimizers(obj: object) -> list[torch.optim.Optimizer]:
+    """The optimizers an object (a callback) holds as attributes, directly or one level down in a list, tuple or
+    dict, each once: an online probe's ``self.optimizer``, or ``self.optimizers = [...]``."""
+    found: dict[int, torch.optim.Optimizer] = {}
     for value in getattr(obj, "__dict__", {}).values():
         values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
-        found.extend(v for v in values if isinstance(v, torch.optim.Optimizer))
-    return found
+        found.update((id(o), o) for v in values for o in returned_optimizers(v))
+    return list(found.values())
+
+
+def count_optimizers(configured: Any) -> int:
+    """Count optimizers in any return shape Lightning accepts from ``configure_optimizers``."""
+    return len(returned_optimizers(configured))
 
 
 def _modules_owning(root: nn.Module, param_ids: set[int]) -> list[str]:
@@ -117,14 +131,17 @@ def _modules_owning(root: nn.Module, param_ids: set[int]) -> list[str]:
     return owned
 
 
-def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[tuple[str, int]], list[str]]:
-    """Optimizers each callback owns (found, or declared as ``autoshard_optimizers = N``) and the modules they train."""
+def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[tuple[str, int]], list[str], set[int]]:
+    """Optimizers each callback owns (found, or declared as ``autoshard_optimizers = N``), the modules they train,
+    and the ids of the optimizers callbacks hold (one that Lightning also returns is counted once, as the callback's)."""
     sources: list[tuple[str, int]] = []
     param_ids: set[int] = set()
+    held: set[int] = set()
     module_ids = {id(m): n for n, m in root.named_modules() if n}
     attached: list[str] = []
     for callback in callbacks:
-        optimizers = _optimizers_in(callback)
+        optimizers = held_optimizers(callback)
+        held.update(id(o) for o in optimizers)
         declared = getattr(callback, CALLBACK_OPTIMIZERS_ATTRIBUTE, None)
         name = type(callback).__name__
         count = len(optimizers) if declared is None else _count(f"{name}.{CALLBACK_OPTIMIZERS_ATTRIBUTE}", declared)
@@ -136,7 +153,7 @@ def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[
             attached.extend(module_ids[id(v)] for v in getattr(callback, "__dict__", {}).values() if id(v) in module_ids)
     modules = _modules_owning(root, param_ids) if param_ids else []
     modules += [m for m in attached if m not in modules and not any(m.startswith(o + ".") for o in modules)]
-    return sources, modules
+    return sources, modules, held
 
 
 @dataclass
@@ -260,7 +277,7 @@ def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> Metho
     """Detected needs with the declared keys put over them; callback optimizers still count."""
     changes: dict[str, Any] = {}
     if "optimizers" in declared:
-        others = tuple(src for src in detected.optimizer_sources if src[0] != "configure_optimizers")
+        others = tuple(src for src in detected.optimizer_sources if not src[0].startswith(CONFIGURE_OPTIMIZERS))
         changes["optimizer_sources"] = (("declared", declared["optimizers"]), *others)
     for key in ("ema_pairs", "manual_optimization", "multi_forward", "callback_modules"):
         if key in declared:
@@ -269,7 +286,11 @@ def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> Metho
 
 
 def _configured_optimizers(module: nn.Module) -> int:
-    """Call the user's configure_optimizers once, only to count what it returns; the optimizers are dropped unused."""
+    """Call the user's configure_optimizers once, only to count what it returns; the optimizers are dropped unused.
+
+    Offline only (``autoshard explain``, ``estimate_memory``): during fit autoshard never calls a user hook to
+    inspect it, because hooks may count their calls (stable-pretraining's probes assert a single one).
+    """
     try:
         return count_optimizers(module.configure_optimizers())
     except Exception as exc:  # the user's hook may need state we do not have; say how to skip it
@@ -280,26 +301,80 @@ def _configured_optimizers(module: nn.Module) -> int:
         ) from exc
 
 
-def inspect_needs(module: nn.Module, trainer: Any = None, callbacks: Sequence[object] | None = None) -> MethodNeeds:
+def _configure_optimizers_source(module: nn.Module) -> str:
+    """"configure_optimizers", saying so when it was replaced on the instance: probe callbacks append theirs there."""
+    if CONFIGURE_OPTIMIZERS in vars(module):
+        return f"{CONFIGURE_OPTIMIZERS} (wrapped on the instance, as probe callbacks do)"
+    return CONFIGURE_OPTIMIZERS
+
+
+def callbacks_of(module: nn.Module, trainer: Any = None, callbacks: Sequence[object] | None = None) -> list[object]:
+    """``callbacks`` if given, else the Trainer's (``trainer``, else the one ``module`` is attached to), else none."""
+    if callbacks is not None:
+        return list(callbacks)
+    trainer = trainer if trainer is not None else getattr(module, "_trainer", None)
+    return list(getattr(trainer, "callbacks", None) or [])
+
+
+def _optimizer_sources(
+    module: nn.Module,
+    declared: Mapping[str, Any] | None,
+    callback_sources: list[tuple[str, int]],
+    held: set[int],
+    optimizers: Sequence[Any] | None,
+    call_hooks: bool,
+) -> list[tuple[str, int]]:
+    if declared and "optimizers" in declared:
+        return list(callback_sources)  # _apply_declared puts the declared count first
+    if optimizers is not None:
+        mine = [o for o in returned_optimizers(list(optimizers)) if id(o) not in held]
+        return [(_configure_optimizers_source(module), len(mine)), *callback_sources]
+    if call_hooks and callable(getattr(module, CONFIGURE_OPTIMIZERS, None)):
+        return [(_configure_optimizers_source(module), _configured_optimizers(module)), *callback_sources]
+    return list(callback_sources)
+
+
+def inspect_needs(
+    module: nn.Module,
+    trainer: Any = None,
+    callbacks: Sequence[object] | None = None,
+    *,
+    optimizers: Sequence[Any] | None = None,
+    call_hooks: bool = True,
+) -> MethodNeeds:
     """Find what ``module`` needs; the callbacks (``callbacks``, else ``trainer``'s, else the attached Trainer's) add theirs.
 
     A declared ``autoshard_needs`` wins: a MethodNeeds is returned as is, a dict overrides only the keys it names.
+    The optimizers of ``configure_optimizers`` are counted from ``optimizers`` when given (what Lightning's own,
+    single call returned); else by calling the hook once, unless ``call_hooks=False``: during fit no user hook is
+    ever called to inspect it, so before Lightning's call only declared and callback-held optimizers count.
     """
     declared = _declared(module)
     if isinstance(declared, MethodNeeds):
         return declared
-    sources: list[tuple[str, int]] = []
-    if not (declared and "optimizers" in declared) and callable(getattr(module, "configure_optimizers", None)):
-        sources.append(("configure_optimizers", _configured_optimizers(module)))
-    if callbacks is None:
-        trainer = trainer if trainer is not None else getattr(module, "_trainer", None)
-        callbacks = list(getattr(trainer, "callbacks", None) or [])
-    callback_sources, callback_modules = _callback_needs(module, callbacks)
+    callback_sources, callback_modules, held = _callback_needs(module, callbacks_of(module, trainer, callbacks))
     detected = MethodNeeds(
-        optimizer_sources=tuple(sources + callback_sources),
+        optimizer_sources=tuple(_optimizer_sources(module, declared, callback_sources, held, optimizers, call_hooks)),
         ema_pairs=tuple(find_ema_pairs(module)),
         manual_optimization=getattr(module, "automatic_optimization", True) is False,
         root_parameters=tuple(n for n, _ in module.named_parameters(recurse=False)),
         callback_modules=tuple(callback_modules),
     )
     return _apply_declared(detected, declared) if declared else detected
+
+
+def recount_optimizers(
+    needs: MethodNeeds, module: nn.Module, optimizers: Sequence[Any], trainer: Any = None, callbacks: Sequence[object] | None = None
+) -> MethodNeeds:
+    """``needs`` with its optimizers counted from what Lightning's own configure_optimizers call returned.
+
+    Only the count changes: the EMA pairs and callback modules that shaped the sharding stay as they were found.
+    """
+    declared = _declared(module)
+    if isinstance(declared, MethodNeeds):
+        return needs
+    callback_sources, _, held = _callback_needs(module, callbacks_of(module, trainer, callbacks))
+    sources = _optimizer_sources(module, declared, callback_sources, held, optimizers, call_hooks=False)
+    if declared and "optimizers" in declared:
+        sources.insert(0, ("declared", declared["optimizers"]))
+    return dataclasses.replace(needs, optimizer_sources=tuple(sources))

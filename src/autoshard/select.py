@@ -10,19 +10,18 @@ from autoshard.capability import INTENT_FEATURES, Feature, Support
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.needs import MethodNeeds
+from autoshard.precision import PrecisionPlan, resolve_precision
 
-_PRECISION_FEATURE = {
-    "bf16-mixed": Feature.BF16,
-    "bf16-true": Feature.BF16,
-    "16-mixed": Feature.FP16_MIXED,
-    "16-true": Feature.FP16_TRUE,
-    "32-true": Feature.FP32,
-}
 AUTO = ("auto", "auto-shard", "auto_shard")
 
 
-def features_needed(needs: MethodNeeds, intent: ShardingIntent, accelerator: str | None = None) -> dict[Feature, str]:
-    """Each feature this run needs, with the detail that shows where the need comes from."""
+def features_needed(
+    needs: MethodNeeds, intent: ShardingIntent, accelerator: str | None = None, precision: PrecisionPlan | None = None
+) -> dict[Feature, str]:
+    """Each feature this run needs, with the detail that shows where the need comes from.
+
+    ``precision``: the run's resolved plan (a strategy has the Trainer's); else the intent's, as ``explain`` plans.
+    """
     out: dict[Feature, str] = {}
     if needs.num_optimizers > 1:
         out[Feature.MULTIPLE_OPTIMIZERS] = f"{needs.num_optimizers} optimizers: {needs.describe_optimizers()}"
@@ -34,10 +33,11 @@ def features_needed(needs: MethodNeeds, intent: ShardingIntent, accelerator: str
         out[Feature.MANUAL_OPTIMIZATION] = "automatic_optimization = False"
     if needs.root_parameters:
         out[Feature.ROOT_PARAMETERS] = "on the root: " + ", ".join(needs.root_parameters)
-    if intent.shard is not None:
-        out[Feature.PER_BLOCK_SHARDING] = "shard=" + ", ".join(intent.shard)
-    precision = intent.effective_precision
-    out[_PRECISION_FEATURE[precision]] = f"precision='{precision}'"
+    named = [f"{key}=" + ", ".join(value) for key, value in (("shard", intent.shard), ("blocks", intent.blocks)) if value is not None]
+    if named:
+        out[Feature.PER_BLOCK_SHARDING] = "; ".join(named)
+    stated = (precision or resolve_precision(None, intent)).precision
+    out[stated.feature] = f"precision='{stated}'"
     if intent.offload_device == "nvme":
         out[Feature.NVME_OFFLOAD] = f"offload='{intent.offload}', offload_device='nvme'"
     elif intent.offload == "params":
@@ -54,12 +54,14 @@ def features_needed(needs: MethodNeeds, intent: ShardingIntent, accelerator: str
         out[Feature.TENSOR_PARALLEL] = f"tensor_parallel_size={intent.tensor_parallel_size}"
     if accelerator is not None and str(accelerator).lower() == "cpu":
         out[Feature.CPU_ACCELERATOR] = "accelerator='cpu'"
+    if intent.init_from is not None:
+        out[Feature.INIT_FROM] = f"init_from={intent.init_from if isinstance(intent.init_from, str) else dict(intent.init_from)!r}"
     return out
 
 
 @dataclass(frozen=True)
 class Conflict:
-    """One feature a backend cannot provide (or, with ``feature=None``, the backend itself is refused or missing)."""
+    """One feature a backend cannot provide (or, with ``feature=None``, the backend itself is rejected or missing)."""
 
     feature: Feature | None
     detail: str
@@ -80,16 +82,22 @@ class Decision:
     strategy: str
     reasons: tuple[str, ...]
     caveats: tuple[Conflict, ...] = ()
-    rejected: Mapping[str, tuple[Conflict, ...]] = field(default_factory=dict)
+    ruled_out: Mapping[str, tuple[Conflict, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
+        """The log lines. FSDP1 is never a candidate and a request for it is refused before any Decision exists, so
+        "ruled out fsdp1" would be noise on every decision; ``to_dict`` still lists it."""
         lines = [f"autoshard chose {self.backend} (strategy='{self.strategy}')"]
         lines += [f"  {r}" for r in self.reasons]
         lines += [f"  caveat: {c.line()}. Fix: {c.remedy}" for c in self.caveats]
-        for name, conflicts in self.rejected.items():
+        for name, conflicts in self.ruled_out.items():
+            if BACKENDS[name].rejected:
+                continue
             lines.append(f"  ruled out {name}:")
             lines += [f"    - {c.line()}" for c in conflicts]
         return "\n".join(lines)
+
+    __str__ = describe
 
     def to_dict(self) -> dict[str, object]:
         def conflict(c: Conflict) -> dict[str, str | None]:
@@ -100,7 +108,7 @@ class Decision:
             "strategy": self.strategy,
             "reasons": list(self.reasons),
             "caveats": [conflict(c) for c in self.caveats],
-            "rejected": {n: [conflict(c) for c in cs] for n, cs in self.rejected.items()},
+            "ruled_out": {n: [conflict(c) for c in cs] for n, cs in self.ruled_out.items()},
         }
 
 
@@ -115,7 +123,7 @@ class _Verdict:
 
     @property
     def missing(self) -> Conflict | None:
-        if self.installed.ok or self.backend.refused:
+        if self.installed.ok or self.backend.rejected:
             return None
         return Conflict(None, self.installed.detail, f"the {self.backend.name} backend needs it", self.installed.fix)
 
@@ -127,16 +135,22 @@ class _Verdict:
     def usable(self) -> bool:
         return not self.all_conflicts
 
-    @property
-    def fixes(self) -> list[str]:
-        """Feature fixes first: installing a backend that could not run the method anyway fixes nothing."""
-        return list(dict.fromkeys(c.remedy for c in (self.conflicts or self.all_conflicts)))
+    def fixes(self, applied: str | None = None) -> list[str]:
+        """Feature fixes first: installing a backend that could not run the method anyway fixes nothing.
+
+        A fix the user already applied is no fix: under ``applied`` (the strategy string in use) its alternative
+        "(or strategy='auto-shard')" is dropped, and so is a fix that is only "use strategy='<applied>'".
+        """
+        remedies = [c.remedy for c in (self.conflicts or self.all_conflicts)]
+        if applied:
+            remedies = [r.replace(f" (or strategy='{applied}')", "") for r in remedies if r != f"use strategy='{applied}'"]
+        return list(dict.fromkeys(remedies))
 
 
 def _evaluate(backend: Backend, needed: Mapping[Feature, str], installed: Availability) -> _Verdict:
-    if backend.refused:  # one refusal, not one line per feature
+    if backend.rejected:  # one line, not one per feature
         c = next(iter(backend.row.values()))
-        return _Verdict(backend, (Conflict(None, "refused", c.reason, c.remedy),), (), installed)
+        return _Verdict(backend, (Conflict(None, "rejected", c.reason, c.remedy),), (), installed)
     conflicts, caveats = [], []
     for feature, detail in needed.items():
         c = backend.row[feature]
@@ -152,28 +166,30 @@ def _rank(verdict: _Verdict) -> int:
     return sum(c.feature in INTENT_FEATURES for c in verdict.caveats)
 
 
-def _refusal(requested: _Verdict | None, verdicts: Mapping[str, _Verdict], works: Backend | None) -> IncompatibleBackendError:
+def _refusal(
+    requested: _Verdict | None, verdicts: Mapping[str, _Verdict], works: Backend | None, applied: str | None = None
+) -> IncompatibleBackendError:
     """The error for a refused request, or for a run nothing can take; it names the conflicts, what works, the fix."""
     if requested is not None and works is not None:
         b = requested.backend
         lines = [f"autoshard cannot run this on {b.name} (strategy='{b.strategy}'):"]
         lines += [f"  - {c.line()}" for c in requested.all_conflicts]
         lines.append(f"Backend that works: {works.name} (strategy='{works.strategy}').")
-        lines.append("Fix: " + "; ".join(requested.fixes))
+        lines.append("Fix: " + "; ".join(requested.fixes(applied)))
         return (IncompatibleBackendError if requested.conflicts else BackendUnavailableError)("\n".join(lines))
     # Nothing fits. Closest: a backend that only needs installing, else the one with the fewest conflicts.
-    candidates = [v for v in verdicts.values() if not v.backend.refused]
+    candidates = [v for v in verdicts.values() if not v.backend.rejected]
     closest = min(candidates, key=lambda v: (len(v.conflicts), v.missing is not None))
     if requested is None:
         lines = ["autoshard found no backend that can run this method with this intent:"]
     else:
         lines = [f"autoshard cannot run this on {requested.backend.name}, nor on any other backend:"]
-        if requested.backend.refused:
+        if requested.backend.rejected:
             candidates.insert(0, requested)
     for v in candidates:
         lines += [f"  - {v.backend.name}: {c.line()}" for c in v.all_conflicts]
     lines.append(f"Closest: {closest.backend.name} (strategy='{closest.backend.strategy}').")
-    lines.append("Fix: " + "; ".join(closest.fixes))
+    lines.append("Fix: " + "; ".join(closest.fixes(applied)))
     return (IncompatibleBackendError if closest.conflicts else BackendUnavailableError)("\n".join(lines))
 
 
@@ -184,16 +200,20 @@ def select_backend(
     *,
     accelerator: str | None = None,
     available: Mapping[str, Availability] | None = None,
+    applied: str | None = None,
+    precision: PrecisionPlan | None = None,
 ) -> Decision:
     """Return the backend to use, or raise IncompatibleBackendError naming the conflict, what works and the fix.
 
     ``available`` overrides the installed-package checks by backend name (for ``autoshard explain`` of another
     machine, and for tests). "auto" takes fsdp2 unless only another backend fully provides what the intent asks.
+    ``applied`` is the strategy string the user already runs, so that no refusal proposes it as the fix.
+    ``precision`` is the run's resolved precision (see ``features_needed``).
     """
     intent = as_intent(intent)
     wanted = None if isinstance(prefer, str) and prefer.strip().lower() in AUTO else get_backend(prefer)
     overrides = {get_backend(name).name: check for name, check in (available or {}).items()}
-    needed = features_needed(needs, intent, accelerator)
+    needed = features_needed(needs, intent, accelerator, precision)
     verdicts = {
         name: _evaluate(b, needed, overrides[name] if name in overrides else b.check()) for name, b in BACKENDS.items()
     }
@@ -203,17 +223,17 @@ def select_backend(
     if wanted is not None:
         chosen = verdicts[wanted.name]
         if not chosen.usable:
-            raise _refusal(chosen, verdicts, best.backend if best else None)
+            raise _refusal(chosen, verdicts, best.backend if best else None, applied)
         reasons = [f"requested: {wanted.name}"]
     elif best is None:
-        raise _refusal(None, verdicts, None)
+        raise _refusal(None, verdicts, None, applied)
     else:
         chosen = best
         reasons = [_why_auto(chosen, verdicts)]
     reasons.append("needs: " + ", ".join(f"{f.value} [{d}]" for f, d in needed.items()))
     reasons.append(f"installed: {chosen.installed.detail}")
-    rejected = {n: v.all_conflicts for n, v in verdicts.items() if n != chosen.backend.name and not v.usable}
-    return Decision(chosen.backend.name, chosen.backend.strategy, tuple(reasons), chosen.caveats, rejected)
+    ruled_out = {n: v.all_conflicts for n, v in verdicts.items() if n != chosen.backend.name and not v.usable}
+    return Decision(chosen.backend.name, chosen.backend.strategy, tuple(reasons), chosen.caveats, ruled_out)
 
 
 def _why_auto(chosen: _Verdict, verdicts: Mapping[str, _Verdict]) -> str:
@@ -222,7 +242,7 @@ def _why_auto(chosen: _Verdict, verdicts: Mapping[str, _Verdict]) -> str:
     for v in verdicts.values():
         if v is chosen:
             break
-        if v.backend.refused:
+        if v.backend.rejected:
             continue
         if v.conflicts:
             ahead.append(f"{v.backend.name} cannot run {', '.join(c.feature.value for c in v.conflicts if c.feature)}")

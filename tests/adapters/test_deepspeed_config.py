@@ -10,6 +10,7 @@ from autoshard.adapters.deepspeed import deepspeed_config, validate_deepspeed_co
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.needs import EMAPair, MethodNeeds
+from autoshard.precision import resolve_precision
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -21,16 +22,33 @@ def make(intent: ShardingIntent | None = None, **kwargs: object) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("precision", "bf16", "fp16"),
-    [("bf16-mixed", True, False), ("bf16-true", True, False), ("16-mixed", False, True), ("16-true", False, True), ("32-true", False, False)],
+    ("precision", "bf16", "fp16", "reduce"),
+    [
+        ("bf16-mixed", True, False, "fp32"),
+        ("bf16-true", True, False, "bf16"),
+        ("16-mixed", False, True, "fp32"),
+        ("16-true", False, True, "fp16"),
+        ("32-true", False, False, "fp32"),
+    ],
 )
-def test_precision_block_follows_the_intent(precision: str, bf16: bool, fp16: bool) -> None:
+def test_precision_block_follows_the_intent(precision: str, bf16: bool, fp16: bool, reduce: str) -> None:
     config = make(ShardingIntent(precision=precision))
     assert config.get("bf16", {}).get("enabled", False) is bf16
     assert config.get("fp16", {}).get("enabled", False) is fp16
     if fp16:
         assert config["fp16"]["loss_scale"] == 0  # 0 = dynamic loss scaling: fp16 without it underflows
+    # "-mixed" reduces in fp32 on every backend (DeepSpeed's own default would be the low dtype)
+    assert config["communication_data_type"] == reduce
     assert config["zero_optimization"]["stage"] == 3
+
+
+def test_the_runs_precision_plan_wins_over_the_intents_default() -> None:
+    """A strategy passes the plan resolved with the Trainer's precision: the config follows it, not bf16-mixed."""
+    intent = ShardingIntent(param_dtype="float32")
+    config = make(intent, precision=resolve_precision("32-true", intent))
+    assert "bf16" not in config and config["communication_data_type"] == "fp32"
+    with pytest.raises(IntentError, match=r"param_dtype='float32' contradicts precision='bf16-mixed'.*Fix:"):
+        make(intent)  # no Trainer: the intent's precision, bf16-mixed
 
 
 def test_unstated_precision_plans_for_bf16_mixed() -> None:
@@ -73,11 +91,11 @@ def test_nvme_offload_carries_the_path_and_aio() -> None:
 def test_checkpoint_activation_checkpointing_reduce_dtype() -> None:
     default = make()
     assert default["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
-    assert "activation_checkpointing" not in default and "communication_data_type" not in default
-    config = make(ShardingIntent(checkpoint="full", activation_checkpointing=True, reduce_dtype="float32"))
+    assert "activation_checkpointing" not in default and default["communication_data_type"] == "fp32"
+    config = make(ShardingIntent(checkpoint="full", activation_checkpointing=True, reduce_dtype="bfloat16"))
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert config["activation_checkpointing"]["partition_activations"] is False
-    assert config["communication_data_type"] == "fp32"
+    assert config["communication_data_type"] == "bf16"
 
 
 def test_zero_overrides_replace_single_keys_and_are_validated() -> None:
@@ -151,8 +169,9 @@ def test_deepspeed_itself_accepts_every_generated_config(intent: ShardingIntent)
     parsed = DeepSpeedConfig(make(intent, world_size=1, micro_batch_size=4, accumulate_grad_batches=2, gradient_clip_val=1.0))
     assert parsed.zero_optimization_stage == 3
     assert (parsed.train_batch_size, parsed.gradient_accumulation_steps, parsed.gradient_clipping) == (8, 2, 1.0)
-    assert parsed.bfloat16_config.enabled is intent.effective_precision.startswith("bf16")
-    assert parsed.float16_config.enabled is intent.effective_precision.startswith("16")
+    precision = resolve_precision(None, intent).precision
+    assert parsed.bfloat16_config.enabled is precision.startswith("bf16")
+    assert parsed.float16_config.enabled is precision.startswith("16")
     if intent.offload != "none":
         assert parsed.zero_config.offload_optimizer.device == intent.offload_device
     assert parsed.zero_config.gather_16bit_weights_on_model_save is (intent.checkpoint == "full")

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from autoshard import EMAPair, MethodNeeds, ShardingIntent, inspect_needs
-from autoshard.adapters.fsdp2 import plan_fsdp2
+from autoshard.adapters.fsdp2 import Reshard, plan_fsdp2
+from autoshard.capability import Feature
 from autoshard.errors import AutoShardError, IntentError
+from autoshard.select import features_needed
 
 
 class Block(nn.Module):
@@ -92,21 +94,23 @@ def test_teacher_inside_a_wrapper_gets_its_own_units() -> None:
     assert {"wrapper.student", "wrapper.teacher"} <= set(names(plan))
 
 
-def test_tied_weights_stay_in_the_enclosing_unit() -> None:
-    class Tied(nn.Module):
+def test_tied_weights_are_never_split_across_units() -> None:
+    class Shared(nn.Module):  # ALBERT-like: blocks 0 and 2 share a weight, so neither can be a unit of its own
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False))
-            self.layers[2].weight = self.layers[0].weight
+            self.embed = nn.Embedding(10, 8)
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.blocks[2].fc.weight = self.blocks[0].fc.weight
 
     class Root(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lm = Tied()
+            self.lm = Shared()
 
     plan = plan_fsdp2(Root())
-    assert names(plan) == ["lm.layers.1", "lm"]
-    assert any("tied weights" in n for n in plan.notes)
+    assert names(plan) == ["lm.blocks.1", "lm"]
+    assert any("'lm.blocks.0' shares parameters with modules outside it (tied weights)" in n for n in plan.notes)
+    assert "tied weights grouped in this unit: lm.blocks.0.fc.weight = lm.blocks.2.fc.weight" in plan.units[-1].why
 
 
 def test_callback_modules_and_exclusions_stay_replicated_with_averaged_gradients() -> None:
@@ -165,7 +169,163 @@ def test_plan_is_printable_and_works_on_the_meta_device() -> None:
     with torch.device("meta"):
         model = Method()
     plan = plan_fsdp2(model)
-    text = plan.describe({"world_size": 8})
+    text = plan.describe({"world_size": 8, "data_parallel_size": 8, "tensor_parallel_size": 1})
     assert text.splitlines()[0] == "==== autoshard: FSDP2 plan ===="
-    assert '"world_size": 8' in text and "backbone.blocks.0" in text and "frozen and not an EMA teacher" in text
+    assert text.splitlines()[1].startswith(
+        "fsdp2 over 8 ranks (data parallel 8, tensor parallel 1); precision bf16-mixed (all-gather in bfloat16, reduce in float32);"
+    )  # the settings in words, not JSON
+    assert "backbone.blocks.0" in text and "frozen and not an EMA teacher" in text
     assert plan.to_dict()["units"][0]["name"] == "backbone.blocks.0"
+
+
+# -- issue 12: units at an architecture's blocks, torchtitan's reshard policy, the reason for each unit -------------
+def zoo(arch: str) -> nn.Module:
+    from benchmarks.arch_models import ARCHS
+
+    with torch.device("meta"):
+        return ARCHS[arch]()
+
+
+def plan_of(arch: str, intent: ShardingIntent | None = None, needs: MethodNeeds | None = None) -> object:
+    model = zoo(arch)
+    return plan_fsdp2(model, intent or ShardingIntent(precision="32-true"), needs or inspect_needs(model))
+
+
+def blocks(path: str, n: int) -> list[tuple[str, bool]]:
+    return [(f"{path}.{i}", True) for i in range(n)]
+
+
+PLANS = {  # (unit, reshard_after_forward), deepest first: blocks reshard, the units that end the forward stay gathered
+    "gpt2": [*blocks("model.transformer.h", 4), ("model", False)],
+    "llama": [*blocks("model.model.layers", 4), ("model", False)],
+    "t5": [*blocks("model.encoder.block", 4), *blocks("model.decoder.block", 4), ("model", False)],
+    "bert": [*blocks("model.bert.encoder.layer", 4), ("model", False)],
+    "vit": [*blocks("model.layers", 4), ("model", False), ("head", False)],
+    "convnext": [*(u for s in range(4) for u in blocks(f"model.stages.{s}.blocks", 2)), ("model", False), ("head", False)],
+    "resnet": [*(u for s in range(1, 5) for u in blocks(f"model.layer{s}", 2)), ("model", False), ("head", False)],
+}
+
+
+@pytest.mark.parametrize("arch", list(PLANS))
+def test_real_architectures_are_sharded_at_their_blocks(arch: str) -> None:
+    """T5Block not its sub-layers, ConvNeXt blocks not the stem or downsample layers, whole ResNet Bottlenecks."""
+    plan = plan_of(arch)
+    assert [(u.name, u.reshard_after_forward) for u in plan.units] == PLANS[arch]
+    block_class = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "t5": "T5Block", "bert": "BertLayer", "vit": "ViTLayer"}
+    for u in plan.units:
+        if u.kind == "block":
+            assert u.why.startswith(block_class.get(arch, "ConvNeXtBlock" if arch == "convnext" else "Bottleneck") + " "), u.why
+        else:
+            assert "holds what no block took" in u.why, u.why
+    assert plan.sharded_numel == sum(p.numel() for p in zoo(arch).parameters())
+
+
+def test_stems_downsamples_and_norms_stay_in_their_parents_unit() -> None:
+    plan = plan_of("convnext")
+    model = zoo("convnext")
+    small = [model.model.stem, model.model.norm, *(s.downsample for s in model.model.stages)]
+    assert next(u for u in plan.units if u.name == "model").numel == sum(p.numel() for m in small for p in m.parameters())
+    assert "the elements of model.stages are stages" in plan.units[0].why
+
+
+def test_repeated_modules_below_the_minimum_unit_size_and_experts_inside_layers_are_not_units() -> None:
+    class Expert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(16)
+            self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(3))  # identical layers: experts run on some ranks only
+            self.scales = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in range(4))  # 1 parameter each
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+    assert names(plan_fsdp2(Root())) == ["net.layers.0", "net.layers.1", "net.layers.2", "net"]
+
+
+def test_tied_embedding_and_head_are_one_unit_kept_gathered() -> None:
+    for arch, tied in (
+        ("gpt2", "model.transformer.wte.weight = model.lm_head.weight"),
+        ("t5", "model.shared.weight = model.encoder.embed_tokens.weight = model.decoder.embed_tokens.weight = model.lm_head.weight"),
+        ("bert", "model.bert.embeddings.word_embeddings.weight = model.cls.predictions.decoder.weight"),
+    ):
+        unit = plan_of(arch).units[-1]
+        assert (unit.name, unit.reshard_after_forward) == ("model", False)
+        assert f"tied weights grouped in this unit: {tied}" in unit.why
+
+
+def test_last_unit_stays_gathered_unless_a_teacher_or_several_forwards_rule_it_out() -> None:
+    plan = plan_of("vit")
+    reasons = {u.name: u.reshard for u in plan.units}
+    assert reasons["head"] is Reshard.KEPT_LAST and reasons["model"] is Reshard.KEPT_BEFORE_LAST
+    assert {reasons[f"model.layers.{i}"] for i in range(4)} == {Reshard.AFTER_FORWARD}
+    several = plan_of("vit", needs=MethodNeeds(multi_forward=True))
+    assert [u.reshard for u in several.units if u.kind == "subtree"] == [Reshard.MULTI_FORWARD] * 2
+    assert all(u.reshard_after_forward for u in several.units)
+
+    class EMA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = Backbone()
+            self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+
+    ema = plan_fsdp2(EMA(), needs=inspect_needs(EMA()))
+    assert all(u.reshard_after_forward for u in ema.units)
+    assert {u.name: u.reshard for u in ema.units if u.kind == "subtree"} == {"student": Reshard.EMA_FORWARD, "teacher": Reshard.TEACHER}
+    frozen = Method()
+    frozen.heads.requires_grad_(False)
+    kept = plan_fsdp2(frozen, ShardingIntent(shard=("backbone", "heads")))
+    assert {u.name: u.reshard for u in kept.units if u.kind == "subtree"} == {
+        "heads": Reshard.FROZEN,  # registered last, but no backward needs a frozen unit: the trainable one is kept
+        "backbone": Reshard.KEPT_LAST,
+    }
+
+
+def test_intent_blocks_name_classes_or_paths_and_are_validated() -> None:
+    by_class = plan_of("gpt2", ShardingIntent(blocks=["GPT2MLP"]))
+    assert names(by_class) == [f"model.transformer.h.{i}.mlp" for i in range(4)] + ["model"]
+    assert by_class.units[0].why == "named in ShardingIntent(blocks=...) as GPT2MLP"
+    by_path = plan_of("gpt2", ShardingIntent.from_dict({"blocks": "model.transformer.h.3"}))
+    assert names(by_path) == ["model.transformer.h.3", "model"]
+    assert names(plan_of("t5", ShardingIntent(blocks=[]))) == ["model"]
+    with pytest.raises(IntentError, match=r"blocks names 'GPT2Blok': neither a module path nor a module class of HFCausal \(repeated blocks found: GPT2Block\)\. Fix: .*blocks=\['GPT2Block'\]"):
+        plan_of("gpt2", ShardingIntent(blocks=["GPT2Blok"]))
+    with pytest.raises(IntentError, match=r"blocks must list module class names or module paths, got \[3\]\. Fix: blocks=\['GPT2Block'\]"):
+        ShardingIntent(blocks=[3])
+    assert ShardingIntent(blocks=("Block",)).to_dict()["blocks"] == ["Block"]
+    # DeepSpeed has no per-block plan to follow: naming blocks is a per-block request, as shard= is
+    assert features_needed(MethodNeeds(), ShardingIntent(blocks=["GPT2Block"]))[Feature.PER_BLOCK_SHARDING] == "blocks=GPT2Block"
+
+
+def test_plan_prints_why_each_unit_is_one_and_each_reshard_choice() -> None:
+    plan = plan_of("gpt2")
+    text = plan.describe()
+    assert "model.transformer.h.0                    block          49,984 params  0.19 MiB  reshard GPT2Block 1 of 4 in model.transformer.h" in text
+    assert "  'model': kept gathered after forward: the last unit in forward order, which backward needs first" in text
+    assert "  4 units: resharded after forward, gathered again in backward" in text
+    assert "prefetch: FSDP2's implicit prefetch" in text
+    unit = plan.to_dict()["units"][-1]
+    assert (unit["name"], unit["kind"], unit["reshard_after_forward"]) == ("model", "subtree", False)
+    assert unit["reshard"] == Reshard.KEPT_LAST.value and unit["why"].startswith("top-level child: holds what no block took")
+
+
+def test_explain_json_keeps_unit_names_and_adds_why(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from autoshard.explain import main
+
+    assert main(["benchmarks.arch_models:resnet", "--json", "--world-sizes", "2"]) == 0
+    units = json.loads(capsys.readouterr().out)["plan"]["units"]
+    assert [u["name"] for u in units] == [name for name, _ in PLANS["resnet"]]
+    assert units[0]["why"] == "Bottleneck 1 of 2 in model.layer1" and units[-1]["reshard"] == Reshard.KEPT_LAST.value

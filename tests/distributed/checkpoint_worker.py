@@ -1,4 +1,5 @@
-"""One rank of the checkpoint checks: resume exactness, resharding, full-file format, a save killed midway.
+"""One rank of the checkpoint checks: resume exactness, resharding, full-file format, a save killed midway, resuming
+from another model's checkpoint or from a corrupted one.
 
 Launched by tests/distributed/test_checkpoints.py through the harness; several Trainers run in a row per process
 group. Scenarios share a work directory across invocations (a checkpoint saved at 1 rank is loaded at 2, and back).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import time
 import warnings
@@ -20,12 +22,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import autoshard  # noqa: F401  registers strategy="fsdp2"
 from autoshard.demo import Blobs, DinoLike, OnlineProbe
+from autoshard.errors import AutoShardError
 from autoshard.lightning import FSDP2Strategy
 from tests.distributed.harness import quiet_trainer, write_result
 
@@ -308,11 +312,85 @@ def scenario_load_2rank(work: Path) -> dict[str, Any]:
     }
 
 
+def attempt(fn: Any) -> dict[str, Any]:
+    """Run ``fn`` and report what it raised, BaseException included: torch's CheckpointException is one."""
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001  what escapes `except Exception` is the point of the check
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc)[:4000],
+            "is_exception": isinstance(exc, Exception),
+            "autoshard": isinstance(exc, AutoShardError),
+        }
+    return {"type": None}
+
+
+def fresh_copy(source: Path, dest: Path) -> None:
+    shutil.rmtree(dest, ignore_errors=True)  # the harness may rerun an invocation
+    shutil.copytree(source, dest)
+
+
+def flip_one_byte(ckpt: Path, shard: str) -> dict[str, Any]:
+    """Change one byte in the middle of the largest tensor ``shard`` holds: same size, as bit rot or a bad copy
+    leaves it. .metadata (offsets and lengths) is read to hit tensor bytes, not a header."""
+    metadata = FileSystemReader(str(ckpt)).read_metadata()
+    offset, length = max(
+        ((int(s.offset), int(s.length)) for s in metadata.storage_data.values() if s.relative_path == shard), key=lambda x: x[1]
+    )
+    at = offset + length // 2
+    with open(ckpt / shard, "r+b") as f:
+        f.seek(at)
+        before = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([before ^ 0x40]))
+    return {"shard": shard, "offset": at, "size": (ckpt / shard).stat().st_size}
+
+
+def scenario_corrupt(work: Path) -> dict[str, Any]:
+    """A copy of the 2-rank checkpoint with one byte changed in rank 1's shard: every rank refuses to resume from it,
+    naming the file. The same checkpoint without its manifest (as Lightning or an older autoshard wrote it) resumes,
+    with one warning."""
+    source = work / "w2" / "epoch=0-step=4.ckpt"
+    bad, unverified = work / "corrupt" / source.name, work / "no_manifest" / source.name
+    flipped: dict[str, Any] = {}
+    if RANK == 0:
+        fresh_copy(source, bad)
+        flipped = flip_one_byte(bad, "__1_0.distcp")
+        fresh_copy(source, unverified)
+        (unverified / "autoshard-manifest.json").unlink(missing_ok=True)
+    dist.barrier()
+    refused = attempt(lambda: run(ckpt_path=str(bad)))
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer("fsdp2", [StatefulProbe()], max_epochs=1)  # epoch 0 is done: it loads, then stops
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(DinoLike(), loader(), ckpt_path=str(unverified))
+    return {"flipped": flipped, "refused": refused, "unverified_warnings": [str(w.message) for w in caught if "autoshard" in str(w.message)]}
+
+
+class AnotherModel(DinoLike):
+    """Not the model that wrote w2: one more module, and no probe (w2 holds the probe's weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(32, 4)
+
+
+def scenario_mismatch(work: Path) -> dict[str, Any]:
+    """Another model resumed from the 2-rank checkpoint: each rank raises autoshard's error, an Exception."""
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer("fsdp2", [])
+    return attempt(lambda: trainer.fit(AnotherModel(), loader(), ckpt_path=str(work / "w2" / "epoch=0-step=4.ckpt")))
+
+
 SCENARIOS = {
     "save_1rank": scenario_save_1rank,
     "resume": scenario_resume,
     "load_1rank": scenario_load_1rank,
     "full_format": scenario_full_format,
+    "mismatch": scenario_mismatch,
+    "corrupt": scenario_corrupt,
     "crash": scenario_crash,
     "after_crash": scenario_after_crash,
     "load_2rank": scenario_load_2rank,

@@ -20,7 +20,7 @@ import autoshard
 from autoshard.adapters.fsdp2 import plan_fsdp2
 from autoshard.demo import Blobs, DinoLike, OnlineProbe, ema_update
 from autoshard.lightning import FSDP2Strategy
-from tests.distributed.harness import quiet_trainer, run_scenarios
+from tests.distributed.harness import count_collectives, quiet_trainer, run_scenarios
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -234,7 +234,7 @@ def scenario_intent_knobs() -> dict[str, Any]:
     before = snapshot(model)
     t = trainer(FSDP2Strategy(intent=intent), steps=2)
     t.fit(model, DataLoader(stack_data(), batch_size=8))
-    block, head = model.blocks[0][0], model.head
+    block, head = model.blocks[0], model.head
     state = _get_module_state(block)
     group = state._fsdp_param_group
     return {
@@ -270,7 +270,187 @@ def scenario_meta_init() -> dict[str, Any]:
     return seen
 
 
+def max_diff(sharded: nn.Module, reference: nn.Module) -> float:
+    got = snapshot(sharded)
+    return max(float((got[n] - p.detach()).abs().max()) for n, p in reference.named_parameters())
+
+
+def scenario_bf16_mixed() -> dict[str, Any]:
+    """bf16-mixed under fsdp2: what is all-gathered and reduced, and 2 ranks vs 1 process under the same autocast."""
+    pl.seed_everything(1, verbose=False)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    log, steps, data = LossLog(), 6, stack_data()
+    x_all, y_all = data.tensors
+    with torch.no_grad():
+        loss_before = float(F.cross_entropy(model(x_all), y_all))
+    forward_dtypes: set[str] = set()  # fully_shard prepends its all-gather: this hook sees the gathered weight
+    model.blocks[0][0].register_forward_pre_hook(lambda m, args: forward_dtypes.add(str(m.weight.dtype)))
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=False)
+    with count_collectives() as collectives:
+        trainer("fsdp2", steps=steps, precision="bf16-mixed", callbacks=[log]).fit(model, DataLoader(data, batch_size=8, sampler=sampler))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    for k in range(steps):  # the global batch of step k, as in scenario_equivalence; Lightning's bf16 autocast
+        x, y = data[16 * k : 16 * (k + 1)]
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(reference(x), y)
+        loss.backward()
+        opt.step()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_after = float(F.cross_entropy(model(x_all), y_all))  # a collective forward: every rank runs it
+    weight = model.blocks[0][0].weight
+    return {
+        "full_loss": [loss_before, loss_after],
+        "forward_weight_dtypes": sorted(forward_dtypes),
+        "collectives": {kind: sorted(by_dtype) for kind, by_dtype in collectives.items()},
+        "sharded_weight": [type(weight).__name__, str(weight.dtype), str(weight.grad.dtype)],
+        "losses": log.losses,
+        "max_diff_vs_single_process": max_diff(model, reference),
+    }
+
+
+class SteadyViews(DinoLike):
+    """DinoLike with deterministic views (no per-rank noise), so that one process can replay the same steps."""
+
+    def __init__(self) -> None:
+        super().__init__(momentum=0.5)  # a teacher that moves visibly in a few steps
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        return {"loss": steady_views_loss(self, batch[0])}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.5)  # no Adam: its sign-like steps amplify bf16 noise
+
+
+def steady_views_loss(model: DinoLike, x: torch.Tensor) -> torch.Tensor:
+    from autoshard.demo import dino_loss
+
+    _, s1 = model.student(x)
+    _, s2 = model.student(x.flip(-1))
+    with torch.no_grad():
+        _, t1 = model.teacher(x)
+        _, t2 = model.teacher(x.flip(-1))
+    return 0.5 * (dino_loss(s1, t2) + dino_loss(s2, t1))
+
+
+class EMAWatch(pl.Callback):
+    """Each step's EMA update, checked on the full fp32 tensors: teacher' == teacher * m + student * (1 - m).
+
+    Callbacks' on_train_batch_end runs before the module's (where the update happens); the next batch's start
+    (or the end of fit) sees the updated teacher."""
+
+    def __init__(self) -> None:
+        self.before: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self.diffs: list[float] = []
+        self.teacher_dtypes: set[str] = set()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.before = (snapshot(pl_module.teacher), snapshot(pl_module.student))
+
+    def _check(self, pl_module: Any) -> None:
+        if self.before is None:
+            return
+        teacher, student = self.before
+        after = snapshot(pl_module.teacher)
+        m = pl_module.momentum
+        self.diffs.append(max(float((after[n] - teacher[n].clone().mul_(m).add_(student[n], alpha=1 - m)).abs().max()) for n in after))
+        self.teacher_dtypes |= {f"{type(p).__name__}:{p.dtype}" for p in pl_module.teacher.parameters()}
+        self.before = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._check(pl_module)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._check(pl_module)
+
+
+def scenario_ema_bf16() -> dict[str, Any]:
+    """An EMA teacher under bf16 all-gathers: the update runs on the fp32 shards (exact), and the method's weights
+    match one process under the same autocast within bf16's precision."""
+    pl.seed_everything(7, verbose=False)
+    model = SteadyViews()
+    reference = copy.deepcopy(model)
+    initial = snapshot(model.teacher)
+    watch, steps, data = EMAWatch(), 4, Blobs(n=64)
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=False)
+    trainer("fsdp2", steps=steps, precision="bf16-mixed", callbacks=[watch]).fit(model, DataLoader(data, batch_size=8, sampler=sampler))
+    opt = reference.configure_optimizers()
+    for k in range(steps):
+        x = torch.stack([data[i][0] for i in range(16 * k, 16 * (k + 1))])
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = steady_views_loss(reference, x)
+        loss.backward()
+        opt.step()
+        ema_update(reference.teacher, reference.student, reference.momentum)
+    return {
+        "ema_step_diffs": watch.diffs,
+        "teacher_dtypes": sorted(watch.teacher_dtypes),
+        "teacher_diff_vs_single_process": max_diff(model.teacher, reference.teacher),
+        "student_diff_vs_single_process": max_diff(model.student, reference.student),
+        "teacher_moved": max(float((t - initial[n]).abs().max()) for n, t in snapshot(model.teacher).items()),
+    }
+
+
+class GatheredBeforeBackward(pl.Callback):
+    """The FSDP units still gathered when the first backward starts (the plan's kept units, and nothing else)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] | None = None
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        from autoshard.lightning.guarantees import fsdp_units
+
+        if self.names is None:
+            self.names = sorted(n for n, u in fsdp_units(pl_module) if u._get_fsdp_state()._fsdp_param_group.is_unsharded)
+
+
+def view_outputs(model: nn.Module, units: list[str]) -> list[str]:
+    """The units whose own forward returns a view tensor in plain PyTorch, unsharded: the warning FSDP2 gives them."""
+    found: set[str] = set()
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else (output,)
+        if any(torch.is_tensor(t) and t.requires_grad and t._base is not None for t in values):
+            found.add(type(module).__name__)
+
+    handles = [model.get_submodule(name).register_forward_hook(hook) for name in units]
+    model.training_step(model.batch(2), 0)
+    for handle in handles:
+        handle.remove()
+    return sorted(found)
+
+
+def scenario_zoo() -> dict[str, Any]:
+    """Seven small real architectures under strategy="fsdp2": 2 steps each, with FSDP2's warnings captured."""
+    import warnings
+
+    from benchmarks.arch_models import ARCHS
+
+    out: dict[str, Any] = {}
+    for arch, make in ARCHS.items():
+        pl.seed_everything(8, verbose=False)
+        model = make()
+        plain = copy.deepcopy(model)
+        before = snapshot(model)
+        gathered = GatheredBeforeBackward()
+        t = trainer("fsdp2", steps=2, callbacks=[gathered])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.fit(model, DataLoader(TensorDataset(*model.batch(16)), batch_size=4))
+        units = [u.name for u in t.strategy.plan.units]
+        out[arch] = {
+            "gathered_before_backward": gathered.names,
+            "views": sorted({str(w.message).split("(")[1].split(")")[0] for w in caught if "returned a view tensor" in str(w.message)}),
+            "views_unsharded": view_outputs(plain, units),
+            "weights": changed_and_finite(before, model),
+        }
+    return out
+
+
 SCENARIOS = {
+    "zoo": scenario_zoo,
     "meta_init": scenario_meta_init,
     "intent_knobs": scenario_intent_knobs,
     "dino": scenario_dino,
@@ -278,6 +458,8 @@ SCENARIOS = {
     "ema_exact": scenario_ema_exact,
     "hf": scenario_hf,
     "parallelize_fn": scenario_parallelize_fn,
+    "bf16_mixed": scenario_bf16_mixed,
+    "ema_bf16": scenario_ema_bf16,
 }
 
 

@@ -1,98 +1,23 @@
-"""Run a worker script on N local processes the way torchrun does, and collect one JSON result per rank.
-
-Workers are launched externally (RANK/LOCAL_RANK/WORLD_SIZE set), so one process pair can run several
-Trainers in a row; every run has a hard timeout because a collective missing on one rank hangs gloo forever.
+"""The tests' side of the multi-process harness: the launch helpers live in autoshard._harness (the benchmarks use
+them too, without importing the tests) and are re-exported here; ``run_scenarios`` is a test worker's main.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from autoshard._harness import (  # noqa: F401  (re-exported: the workers and tests import them from here)
+    JOB_WORLD_SIZE,
+    QUIET,
+    count_collectives,
+    free_port,
+    quiet_trainer,
+    run_workers,
+    write_result,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int = 2, timeout: float = 240) -> list[dict[str, Any]]:
-    """Start ``nprocs`` ranks of ``script``; each must write ``out_dir/rank{R}.json``. Returns them in rank order.
-
-    A free port can be taken by another job between our pick and rank 0's bind: that one failure is retried once.
-    """
-    try:
-        return _run_workers(script, args, out_dir, nprocs, timeout)
-    except AssertionError as exc:
-        if "EADDRINUSE" not in str(exc):
-            raise
-        return _run_workers(script, args, out_dir, nprocs, timeout)
-
-
-def _run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int, timeout: float) -> list[dict[str, Any]]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(nprocs):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "GROUP_RANK": "0",
-            "WORLD_SIZE": str(nprocs),
-            "LOCAL_WORLD_SIZE": str(nprocs),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        }
-        log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(script), *args, "--out", str(out_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir), log))
-    deadline = time.monotonic() + timeout
-    failed = None
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            failed = f"rank {rank} still running after {timeout:.0f} s (a collective missing on one rank?)"
-        if proc.returncode not in (0, None) and failed is None:
-            failed = f"rank {rank} exited with {proc.returncode}"
-        if failed:
-            break
-    for proc, log in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    if failed:
-        tails = "\n".join(f"--- rank {r} log tail ---\n" + (out_dir / f"rank{r}.log").read_text()[-4000:] for r in range(nprocs))
-        raise AssertionError(f"{failed}\n{tails}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
-
-
-def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
-
-
-# Read once at start: Lightning's LightningEnvironment.teardown() deletes WORLD_SIZE when a Trainer finishes,
-# so the second Trainer of a process pair would otherwise see a world of 1.
-JOB_WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
-QUIET = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
-
-
-def quiet_trainer(**kwargs: Any) -> Any:
-    """A CPU Trainer with devices = this job's world size and no loggers, bars or summaries; kwargs win."""
-    import lightning.pytorch as pl
-
-    return pl.Trainer(**{**QUIET, "devices": JOB_WORLD_SIZE, **kwargs})
 
 
 def run_scenarios(scenarios: dict[str, Any]) -> None:

@@ -1,13 +1,15 @@
 """Checkpoints on real gloo processes: exact resume, resharding 2 <-> 1 ranks, the full-file format, a save killed
-midway, and consolidation of what those runs wrote into one file for the unsharded model.
+midway, the manifest of every file and what it catches, another model's checkpoint, and consolidation of what those
+runs wrote into one file for the unsharded model.
 
 Four worker invocations share one work directory, in the order the files need: 1 rank saves; 2 ranks resume, load
-the 1-rank checkpoint and use checkpoint='full'; 2 ranks get killed mid-save; 1 rank loads the 2-rank checkpoint and
-resumes after the crash.
+the 1-rank checkpoint, use checkpoint='full', resume another model and a corrupted copy; 2 ranks get killed mid-save;
+1 rank loads the 2-rank checkpoint and resumes after the crash.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -16,13 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from autoshard.checkpoint import Format, consolidate, detect_format, main
+from autoshard.checkpoint import Format, consolidate, detect_format
+from autoshard.cli import main
 from autoshard.demo import DinoLike
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
-TIMEOUT = 100  # per invocation (each takes 8-25 s here); a test may trigger all four, so its own limit is 450
+TIMEOUT = 150  # per invocation (each takes 8-45 s here); a test may trigger all four, so its own limit is 450
+MANIFEST = "autoshard-manifest.json"  # the on-disk names are a contract: spelled out, not imported
+CORRUPTED_FIX = "Fix: restore the checkpoint from a backup, or use the previous checkpoint"
 
 
 def invoke(work: Path, scenarios: str, nprocs: int) -> list[dict[str, Any]]:
@@ -41,7 +46,7 @@ def one_rank_saved(work: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_ranks(work: Path, one_rank_saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return invoke(work, "resume,load_1rank,full_format", 2)
+    return invoke(work, "resume,load_1rank,full_format,mismatch,corrupt", 2)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +81,7 @@ def test_resume_continues_bit_for_bit(two_ranks: list[dict[str, Any]]) -> None:
         for weights in resume["weights"]:
             assert_trained(weights)
         assert resume["warnings"] == []
-        assert resume["layout"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+        assert resume["layout"] == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST, "meta.pt"]
 
 
 @pytest.mark.timeout(450)
@@ -109,7 +114,8 @@ def test_saved_at_2_ranks_resumes_at_1(one_rank_after: list[dict[str, Any]]) -> 
 @pytest.mark.timeout(450)
 def test_full_single_file_format_resumes_exactly(two_ranks: list[dict[str, Any]]) -> None:
     full = two_ranks[0]["full_format"]
-    assert full["is_file"] and full["siblings"] == ["epoch=0-step=4.ckpt"]  # no staging file left behind
+    # No staging file left behind; the manifest sits beside the file.
+    assert full["is_file"] and full["siblings"] == ["epoch=0-step=4.ckpt", "epoch=0-step=4.ckpt.autoshard-manifest.json"]
     assert full["loaded_equals_saved"]["equal"], full["loaded_equals_saved"]
     assert full["same_as_distributed_format"]["equal"], full["same_as_distributed_format"]
     for weights in full["weights"]:
@@ -147,6 +153,76 @@ def test_resume_from_last_after_the_crash(one_rank_after: list[dict[str, Any]]) 
     assert not [name for name in after["after"] if name.startswith(".")], after["after"]
 
 
+def recorded(manifest: Path) -> dict[str, Any]:
+    return json.loads(manifest.read_text())["files"]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.timeout(450)
+def test_manifest_covers_every_file_both_ranks_wrote(two_ranks: list[dict[str, Any]], work: Path) -> None:
+    """Each rank hashed its own shard; rank 0 added .metadata and meta.pt; the full file has its own beside it."""
+    ckpt = work / "w2" / "epoch=0-step=4.ckpt"
+    files = recorded(ckpt / MANIFEST)
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    for name, entry in files.items():
+        assert entry == {"size": (ckpt / name).stat().st_size, "sha256": sha256(ckpt / name)}, name
+    full = work / "wf" / "epoch=0-step=4.ckpt"
+    assert recorded(full.with_name(full.name + ".autoshard-manifest.json")) == {full.name: {"size": full.stat().st_size, "sha256": sha256(full)}}
+
+
+@pytest.mark.timeout(450)
+def test_resume_refuses_a_same_size_corruption_on_every_rank(two_ranks: list[dict[str, Any]], work: Path) -> None:
+    bad = work / "corrupt" / "epoch=0-step=4.ckpt"
+    shard = bad / "__1_0.distcp"
+    assert two_ranks[0]["corrupt"]["flipped"]["size"] == (work / "w2" / "epoch=0-step=4.ckpt" / shard.name).stat().st_size
+    for rank in two_ranks:  # before: both ranks resumed from it silently
+        refused = rank["corrupt"]["refused"]
+        assert refused["type"] == "CheckpointFormatError" and refused["autoshard"], refused
+        text = refused["message"]
+        expected = recorded(bad / MANIFEST)[shard.name]["sha256"]
+        assert f"{str(bad)!r} is corrupted: {str(shard)!r} has sha256 {sha256(shard)} where {MANIFEST} records {expected}" in text
+        assert text.endswith(CORRUPTED_FIX), text
+
+
+@pytest.mark.timeout(450)
+def test_resume_without_a_manifest_loads_with_one_warning(two_ranks: list[dict[str, Any]], work: Path) -> None:
+    """Lightning's own checkpoints and older autoshard ones have no manifest: they load, unverified, and say so once."""
+    unverified = work / "no_manifest" / "epoch=0-step=4.ckpt"
+    assert two_ranks[0]["corrupt"]["unverified_warnings"] == [
+        f"autoshard: {str(unverified)!r} has no manifest {MANIFEST!r} (written by Lightning itself or an older autoshard):"
+        f" its files cannot be checked against the checksums of the save, so a corrupted file would go unnoticed"
+    ]
+    assert two_ranks[1]["corrupt"]["unverified_warnings"] == []  # rank 0 warns
+
+
+@pytest.mark.timeout(450)
+def test_consolidate_refuses_a_same_size_corruption(two_ranks: list[dict[str, Any]], work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: exit 0, and one weight of the output silently changed."""
+    bad = work / "corrupt" / "epoch=0-step=4.ckpt"
+    out = work / "from-corrupt.pt"
+    assert main(["consolidate", str(bad), str(out)]) == 1
+    text = capsys.readouterr().err
+    assert f"{str(bad / '__1_0.distcp')!r} has sha256 {sha256(bad / '__1_0.distcp')} where {MANIFEST} records" in text
+    assert text.rstrip().endswith(CORRUPTED_FIX) and not out.exists()
+
+
+@pytest.mark.timeout(450)
+def test_resume_from_another_models_checkpoint_names_the_keys_on_every_rank(two_ranks: list[dict[str, Any]], work: Path) -> None:
+    """Before: torch's CheckpointException, a BaseException that escapes `except Exception`."""
+    ckpt = work / "w2" / "epoch=0-step=4.ckpt"
+    for rank in two_ranks:
+        failed = rank["mismatch"]
+        assert failed["type"] == "CheckpointFormatError" and failed["is_exception"] and failed["autoshard"], failed
+        assert failed["message"].startswith(
+            f"cannot resume from {str(ckpt)!r}: its model weights do not match this AnotherModel:"
+            " 2 missing from the checkpoint: head.bias, head.weight;"
+            " 2 in the checkpoint but not in the model: probe.bias, probe.weight. Fix: resume from a checkpoint of this model"
+        ), failed["message"]
+
+
 def unsharded_model() -> DinoLike:
     model = DinoLike()
     model.probe = torch.nn.Linear(32, 4)  # the probe the callback attached before sharding
@@ -176,3 +252,11 @@ def test_consolidate_command_line(two_ranks: list[dict[str, Any]], work: Path, c
     assert main(["consolidate", str(work / "w2"), str(work / "cli" / "nope.pt")]) == 1
     text = capsys.readouterr().err
     assert "is not a checkpoint" in text and "pass one of them, e.g." in text and "epoch=1-step=8.ckpt" in text
+    # Before: exit 0, and the full Lightning checkpoint (trainer state, optimizer) was replaced by weights only.
+    lightning_file = work / "wf" / "epoch=0-step=4.ckpt"
+    before = lightning_file.read_bytes()
+    assert main(["consolidate", str(work / "w2" / "epoch=0-step=4.ckpt"), str(lightning_file)]) == 1
+    text = capsys.readouterr().err
+    assert f"refusing to overwrite {str(lightning_file)!r}: it already exists (a single torch.save file)" in text
+    assert text.rstrip().endswith("Fix: choose another output path, or pass --force (force=True) to replace it")
+    assert lightning_file.read_bytes() == before

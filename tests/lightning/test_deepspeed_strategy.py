@@ -1,8 +1,9 @@
 """DeepSpeed strategies in one process: registration, and every refusal reached through Trainer.fit on CPU.
 
-The refusals happen in the strategy's setup_environment, before any process group or engine exists, so a
-devices=1 Trainer reaches them without spawning. Refusals seen only at setup (a probe that builds its optimizer
-in its own setup hook) are exercised on 2 real processes in tests/distributed/test_deepspeed_engine.py.
+The refusals happen when fitting right after Lightning's own (single) configure_optimizers call, before the engine
+is built, so a devices=1 Trainer reaches them without spawning. 2 real processes: a probe that builds its optimizer
+in its own setup hook in tests/distributed/test_deepspeed_engine.py, stable-pretraining's probe and EMA patterns in
+tests/distributed/test_hooks.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import copy
 import importlib.util
 import subprocess
 import sys
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,7 +34,6 @@ from autoshard.lightning.deepspeed import (  # noqa: E402
     LIGHTNING_DEEPSPEED_NAMES,
     AutoShardDeepSpeedStrategy,
     GuardedDeepSpeedStrategy,
-    check_lightning,
     register_deepspeed_strategies,
 )
 
@@ -114,7 +113,6 @@ REFUSALS = {
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refused_at_setup_with_the_feature_the_backend_that_works_and_the_fix(case: str, strategy: str) -> None:
     module_class, callbacks, feature, detail = REFUSALS[case]
-    distributed_before = torch.distributed.is_initialized()
     trainer = make_trainer(strategy, callbacks=[c() for c in callbacks])
     assert isinstance(trainer.strategy, GuardedDeepSpeedStrategy)
     with pytest.raises(IncompatibleBackendError) as info:
@@ -124,8 +122,7 @@ def test_refused_at_setup_with_the_feature_the_backend_that_works_and_the_fix(ca
     assert feature in text and detail in text, text
     assert "Backend that works: fsdp2 (strategy='fsdp2')" in text, text
     assert "Fix: use strategy='fsdp2'" in text, text
-    # Refused before any process group or engine existed.
-    assert torch.distributed.is_initialized() == distributed_before
+    # Refused before the engine existed (autoshard called no hook: Lightning's call is the one counted).
     assert type(trainer.strategy.model).__name__ != "DeepSpeedEngine"
 
 
@@ -171,9 +168,25 @@ def test_precision_stated_twice_and_differing_is_refused() -> None:
 
 def test_trainer_precision_fills_an_unstated_intent_precision() -> None:
     strategy = AutoShardDeepSpeedStrategy()
-    with pytest.raises(IncompatibleBackendError):  # refused at the preflight, after the precision was resolved
-        make_trainer(strategy, precision="32-true").fit(TwoOptimizers(), loader())
-    assert strategy.intent.precision == "32-true"
+    assert "bf16" not in strategy.config  # no precision is guessed before the Trainer's is known
+    trainer = make_trainer(strategy, precision="32-true")
+    assert strategy.intent.precision is None and strategy.precision_plan.precision == "32-true"
+    with pytest.raises(IncompatibleBackendError):  # refused at setup, after the precision was resolved
+        trainer.fit(TwoOptimizers(), loader())
+
+
+def test_param_dtype_is_judged_against_the_trainers_precision_not_a_default() -> None:
+    """ZeRO-3 gathers in the precision's dtype: param_dtype='float32' is fine under 32-true, refused under bf16-mixed,
+    and the refusal comes when the Trainer is built, not from a provisional bf16-mixed config."""
+    strategy = AutoShardDeepSpeedStrategy(param_dtype="float32")
+    make_trainer(strategy, precision="32-true")
+    assert strategy.precision_plan.gather == "float32"
+    with pytest.raises(IntentError, match=r"param_dtype='float32' contradicts precision='bf16-mixed'.*Fix:"):
+        make_trainer(AutoShardDeepSpeedStrategy(param_dtype="float32"), precision="bf16-mixed")
+
+
+def test_guarded_lightning_names_resolve_the_trainers_precision() -> None:
+    assert make_trainer("deepspeed_stage_3", precision="16-mixed").strategy.precision_plan.precision == "16-mixed"
 
 
 def test_intent_only_refusals_happen_at_construction() -> None:
@@ -209,13 +222,10 @@ def test_deepspeed_accelerator_other_than_cpu_is_refused_on_cpu(monkeypatch: pyt
         make_trainer(AutoShardDeepSpeedStrategy()).fit(Net(), loader())
 
 
-def test_lightning_version_outside_the_tested_range_warns() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        check_lightning()  # the installed version is the tested one
-    for version in ("2.5.3", "2.7.0"):
-        with pytest.warns(UserWarning, match=r"verified on lightning <2.7,>=2.6|verified on lightning >=2.6,<2.7"):
-            check_lightning(version)
+def test_a_lightning_without_the_hooked_members_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ds_lightning, "missing", lambda owner: ["DeepSpeedStrategy._format_config"])
+    with pytest.raises(BackendUnavailableError, match=r'lacks DeepSpeedStrategy._format_config.*Fix: pip install "lightning'):
+        AutoShardDeepSpeedStrategy()
 
 
 def test_import_autoshard_does_not_import_deepspeed_and_installs_the_guard() -> None:

@@ -64,14 +64,79 @@ def test_16_mixed_is_refused_in_trainer_terms(strategy: str) -> None:
         trainer(strategy=FSDP2Strategy() if strategy == "instance" else strategy, precision="16-mixed")
     text = str(info.value)
     assert "precision='16-mixed') is not supported" in text and "Fabric" not in text
-    assert "'32-true', 'bf16-mixed', 'bf16-true', '16-true'" in text
+    assert "'bf16-mixed', '32-true', 'bf16-true', '16-true'" in text
     assert "Fix: use Trainer(precision='bf16-mixed') (recommended)" in text
+
+
+@pytest.mark.parametrize(
+    ("stated", "intent", "gather", "reduce"),
+    [
+        ("bf16-mixed", {}, "bfloat16", "float32"),  # autocast, bf16 all-gather, fp32 reduce: the FSDP2 standard
+        ("bf16-mixed", {"param_dtype": "float32"}, "float32", "float32"),  # the opt-out
+        ("32-true", {}, "float32", "float32"),
+        ("bf16-true", {}, "bfloat16", "bfloat16"),
+    ],
+)
+def test_the_trainers_precision_is_resolved_once_with_the_intent(stated: str, intent: dict, gather: str, reduce: str) -> None:
+    for where in ("trainer", "both"):
+        strategy = FSDP2Strategy(intent={**intent, **({"precision": stated} if where == "both" else {})})
+        trainer(strategy=strategy, precision=stated)
+        plan = strategy.precision_plan
+        assert (plan.precision, plan.gather, plan.reduce) == (stated, gather, reduce)
+        assert plan.autocast is stated.endswith("-mixed")
+
+
+class GatherDtypes(Net):
+    """Records the dtype of the weight each forward of ``body[0]`` (an FSDP unit) sees: the all-gathered copy.
+
+    fully_shard prepends its all-gather hook, so this hook runs after it, whenever it was registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+        self.body[0].register_forward_pre_hook(lambda module, args: self.seen.add(str(module.weight.dtype)))
+
+
+def test_bf16_mixed_all_gathers_in_bf16_and_keeps_fp32_weights() -> None:
+    """One rank, real fully_shard: the forward sees bf16 weights; the sharded weights, grads and steps stay fp32."""
+    from torch.distributed.tensor import DTensor
+
+    model = GatherDtypes()
+    t = trainer(strategy="fsdp2", precision="bf16-mixed", max_steps=2)
+    t.fit(model, loader())
+    weight = model.body[0].weight
+    assert model.seen == {"torch.bfloat16"}
+    assert isinstance(weight, DTensor) and weight.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    opted_out = GatherDtypes()
+    trainer(strategy=FSDP2Strategy(param_dtype="float32"), precision="bf16-mixed", max_steps=1).fit(opted_out, loader())
+    assert opted_out.seen == {"torch.float32"}
+
+
+@pytest.mark.parametrize("strategy", ["auto-shard", "instance"])
+def test_auto_shard_treats_precision_in_the_intent_and_in_the_trainer_alike(strategy: str) -> None:
+    """auto-shard picks its backend before the Trainer's precision exists: the intent's precision does not steer
+    it either, and a precision only DeepSpeed runs is refused wherever it was stated, with the same fix."""
+    messages = []
+    for intent in ({}, {"precision": "16-mixed"}):
+        chosen = AutoShardStrategy(intent=intent) if strategy == "instance" or intent else "auto-shard"
+        assert chosen == "auto-shard" or type(chosen) is AutoShardStrategy
+        with pytest.raises(IncompatibleBackendError) as info:
+            trainer(strategy=chosen, precision="16-mixed")
+        messages.append(str(info.value))
+    for text in messages:
+        assert "Trainer(strategy='auto-shard', precision='16-mixed')" in text and "no sharded gradient scaler" in text
+        assert "picks its backend when the strategy is built" in text
+        assert text.endswith("Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a single-optimizer method that needs fp16")
+    assert "ShardingIntent(precision='16-mixed') states it too" in messages[1]
+    assert messages[0] == messages[1].replace(" ShardingIntent(precision='16-mixed') states it too.", "")
 
 
 def test_precision_given_twice_must_agree() -> None:
     with pytest.raises(IntentError, match=r"ShardingIntent\(precision='bf16-true'\) but Trainer\(precision='32-true'\)"):
         trainer(strategy=FSDP2Strategy(intent={"precision": "bf16-true"}), precision="32-true")
-    assert trainer(strategy=FSDP2Strategy(intent={"precision": "bf16-mixed"}), precision="bf16-mixed")
+    agreed = FSDP2Strategy(intent={"precision": "bf16-mixed"})
+    trainer(strategy=agreed, precision="bf16-mixed")
+    assert agreed.precision_plan.precision == "bf16-mixed"
 
 
 def test_mesh_that_cannot_match_the_world_is_refused_at_construction() -> None:
@@ -152,16 +217,30 @@ def test_teacher_student_structure_mismatch_fails_fast() -> None:
 
 
 class UserSharded(Net):
+    """Shards only body[0]: the generic plan would shard body[2] too (every parameter-owning child)."""
+
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(self.body, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.body[0], mesh=self.device_mesh["data_parallel"])
 
 
-def test_user_configure_model_sharding_is_respected() -> None:
-    t = trainer(strategy="fsdp2", max_steps=1)
-    t.fit(UserSharded(), loader())
+def test_user_configure_model_sharding_is_respected(caplog: pytest.LogCaptureFixture) -> None:
+    """The user's fully_shard stands as written (Shard(0) on the strategy's mesh), and the plan is skipped for it."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    planned = trainer(strategy="fsdp2", max_steps=1)
+    planned.fit(Net(), loader())
+    assert planned.strategy.plan is not None  # the control: without configure_model, autoshard plans
+    model, t = UserSharded(), trainer(strategy="fsdp2", max_steps=1)
+    with caplog.at_level("INFO"):
+        t.fit(model, loader())
+    weight = model.body[0].weight
+    assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
+    assert weight.device_mesh == t.strategy.device_mesh["data_parallel"]
+    assert not isinstance(model.body[2].weight, DTensor)  # the plan would have sharded it
     assert t.strategy.plan is None
+    assert "modules already sharded (your configure_model); the generic plan is skipped" in caplog.text
 
 
 def test_auto_shard_picks_deepspeed_when_the_intent_needs_it() -> None:
@@ -184,7 +263,7 @@ def test_lightning_cli_yaml(tmp_path: Any) -> None:
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AutoShardStrategy)
     assert strategy.intent.reshard_after_forward is False and strategy.intent.checkpoint == "full"
-    assert strategy.intent.precision == "bf16-mixed"
+    assert strategy.intent.precision is None and strategy.precision_plan.precision == "bf16-mixed"
     cli = LightningCLI(Net, run=False, args=["--trainer.strategy=auto-shard", "--trainer.accelerator=cpu", "--trainer.devices=1"], save_config_callback=None)
     assert isinstance(cli.trainer.strategy, AutoShardStrategy)
 

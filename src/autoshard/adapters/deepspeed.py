@@ -14,6 +14,7 @@ from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.needs import MethodNeeds
+from autoshard.precision import Dtype, PrecisionPlan, on_backend, resolve_precision
 from autoshard.select import select_backend
 
 # ZeRO-3 knobs, in elements. DeepSpeed's own defaults for the stage-3 ones; Lightning's 2e8 for the buckets
@@ -55,20 +56,40 @@ AIO_DEFAULTS: dict[str, Any] = {
     "overlap_events": True,
     "thread_count": 1,
 }
-_COMM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-_PARAM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", None: "float32"}
+_COMM_DTYPE = {Dtype.FLOAT32: "fp32", Dtype.BFLOAT16: "bf16", Dtype.FLOAT16: "fp16"}
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 # A pure config generator must not depend on what this machine has installed: the strategy checks that.
 _ASSUME_INSTALLED = Availability(True, "not checked when generating a config")
 
 
-def precision_block(precision: str) -> dict[str, Any]:
-    """DeepSpeed's precision keys for a canonical Lightning precision; 32-true gets neither block."""
-    if precision.startswith("bf16"):
-        return {"bf16": {"enabled": True}}
-    if precision.startswith("16"):
-        return {"fp16": dict(FP16_DEFAULTS)}
-    return {}
+def precision_config(precision: PrecisionPlan) -> dict[str, Any]:
+    """DeepSpeed's keys for the run's precision: the bf16 / fp16 block (32-true gets neither) and the reduce dtype.
+
+    ``communication_data_type`` is always written: DeepSpeed's own default reduces in the low dtype, so without it
+    bf16-mixed would reduce in bf16 here and in fp32 under FSDP2 (see ``autoshard.precision.on_backend``).
+    """
+    run = on_backend(precision, DEEPSPEED_BACKEND.name)  # refuses a param_dtype ZeRO-3 cannot gather in
+    block: dict[str, Any] = {}
+    if run.compute is Dtype.BFLOAT16:
+        block["bf16"] = {"enabled": True}
+    elif run.compute is Dtype.FLOAT16:
+        block["fp16"] = dict(FP16_DEFAULTS)
+    block["communication_data_type"] = _COMM_DTYPE[run.reduce]
+    return block
+
+
+def zero_config(intent: ShardingIntent, zero_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``zero_optimization`` block for the intent; ``zero_overrides`` replaces single keys."""
+    zero: dict[str, Any] = copy.deepcopy(ZERO3_DEFAULTS)
+    if intent.offload in ("optimizer", "params"):
+        zero["offload_optimizer"] = _offload_block("optimizer", intent)
+    if intent.offload == "params":  # like Lightning's deepspeed_stage_3_offload: parameters and optimizer state
+        zero["offload_param"] = _offload_block("params", intent)
+    if intent.checkpoint == "full":
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if zero_overrides:
+        zero.update(copy.deepcopy(dict(zero_overrides)))
+    return zero
 
 
 def _offload_block(kind: str, intent: ShardingIntent) -> dict[str, Any]:
@@ -82,7 +103,9 @@ def _offload_block(kind: str, intent: ShardingIntent) -> dict[str, Any]:
     return block
 
 
-def check_intent(intent: ShardingIntent, needs: MethodNeeds | None = None, world_size: int | None = None) -> None:
+def check_intent(
+    intent: ShardingIntent, needs: MethodNeeds | None = None, world_size: int | None = None, precision: PrecisionPlan | None = None
+) -> None:
     """Refuse what ZeRO-3 cannot do (tensor parallel, several optimizers, EMA, ...) with the matrix's texts."""
     # Raises IncompatibleBackendError naming the feature, the backend that works (fsdp2) and the fix.
     select_backend(
@@ -90,15 +113,35 @@ def check_intent(intent: ShardingIntent, needs: MethodNeeds | None = None, world
         intent,
         prefer=DEEPSPEED_BACKEND.name,
         available={name: _ASSUME_INSTALLED for name in ("fsdp2", DEEPSPEED_BACKEND.name, "fsdp1")},
+        precision=precision,
     )
     if world_size is not None:
         intent.mesh_sizes(world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
+
+
+def provisional_config(intent: ShardingIntent, *, micro_batch_size: int | None, zero_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a strategy holds before the Trainer exists: the ZeRO-3 block (Lightning reads the stage and offload
+    early) and the micro batch. Precision and the batch arithmetic are not known yet: ``deepspeed_config`` replaces
+    it once they are. Intent-only refusals (tensor parallel, bad overrides) happen here, at construction."""
+    micro = 1 if micro_batch_size is None else micro_batch_size
+    _positive(micro_batch_size=micro)
+    check_intent(intent)
+    config = {"zero_optimization": zero_config(intent, zero_overrides), "train_micro_batch_size_per_gpu": micro}
+    validate_deepspeed_config(config)
+    return config
+
+
+def _positive(**values: object) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise IntentError(f"{name} must be a positive integer, got {value!r}. Fix: {name}=1 or more")
 
 
 def deepspeed_config(
     intent: ShardingIntent,
     needs: MethodNeeds | None = None,
     *,
+    precision: PrecisionPlan | None = None,
     world_size: int,
     micro_batch_size: int,
     accumulate_grad_batches: int = 1,
@@ -108,32 +151,13 @@ def deepspeed_config(
     """The complete ZeRO-3 config for ``intent`` on ``world_size`` ranks; validated before it is returned.
 
     ``needs`` (from ``inspect_needs``) lets the method be refused here too; ``zero_overrides`` replaces
-    individual ``zero_optimization`` keys (bucket sizes, thresholds) for tuning.
+    individual ``zero_optimization`` keys (bucket sizes, thresholds) for tuning. ``precision`` is the run's
+    resolved plan (a strategy passes the Trainer's); None plans for the intent's precision.
     """
-    for name, value in (("world_size", world_size), ("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise IntentError(f"{name} must be a positive integer, got {value!r}")
-    check_intent(intent, needs, world_size)
-    precision = intent.effective_precision
-    half = precision_block(precision)
-    param_dtype = _PARAM_DTYPE[next(iter(half), None)]
-    if intent.param_dtype is not None and intent.param_dtype != param_dtype:
-        raise IntentError(
-            f"param_dtype='{intent.param_dtype}' contradicts precision='{precision}': under DeepSpeed the compute"
-            f" dtype of the parameters follows the precision ({param_dtype} here). Backend that can cast"
-            f" separately: fsdp2. Fix: drop param_dtype, or set the Trainer precision that computes in"
-            f" {intent.param_dtype}"
-        )
-
-    zero: dict[str, Any] = copy.deepcopy(ZERO3_DEFAULTS)
-    if intent.offload in ("optimizer", "params"):
-        zero["offload_optimizer"] = _offload_block("optimizer", intent)
-    if intent.offload == "params":  # like Lightning's deepspeed_stage_3_offload: parameters and optimizer state
-        zero["offload_param"] = _offload_block("params", intent)
-    if intent.checkpoint == "full":
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if zero_overrides:
-        zero.update(copy.deepcopy(dict(zero_overrides)))
+    _positive(world_size=world_size, micro_batch_size=micro_batch_size, accumulate_grad_batches=accumulate_grad_batches)
+    precision = precision or resolve_precision(None, intent)
+    check_intent(intent, needs, world_size, precision)
+    zero = zero_config(intent, zero_overrides)
 
     config: dict[str, Any] = {
         "train_batch_size": micro_batch_size * accumulate_grad_batches * world_size,
@@ -142,7 +166,7 @@ def deepspeed_config(
         "zero_optimization": zero,
         # Lightning passes the user's torch optimizer: DeepSpeed calls every non-DeepSpeed optimizer "untested".
         "zero_allow_untested_optimizer": True,
-        **half,
+        **precision_config(precision),
         "steps_per_print": 1_000_000,  # DeepSpeed's own progress print would interleave with Lightning's logs
         "wall_clock_breakdown": False,
     }
@@ -151,8 +175,6 @@ def deepspeed_config(
         config["zero_force_ds_cpu_optimizer"] = False
     if intent.offload_device == "nvme":
         config["aio"] = dict(AIO_DEFAULTS)
-    if intent.reduce_dtype is not None:
-        config["communication_data_type"] = _COMM_DTYPE[intent.reduce_dtype]
     if intent.activation_checkpointing:
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING_DEFAULTS)
     # Always written: DeepSpeed (0.19) clips at norm 1.0 when the key is absent, silently, unlike the Trainer.
@@ -237,4 +259,12 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
         _refuse("communication_data_type", f"is {comm!r}", f"choose one of {', '.join(map(repr, _COMM_DTYPE.values()))}")
 
 
-__all__ = ["deepspeed_config", "validate_deepspeed_config", "check_intent", "precision_block", "ZERO3_DEFAULTS"]
+__all__ = [
+    "ZERO3_DEFAULTS",
+    "check_intent",
+    "deepspeed_config",
+    "precision_config",
+    "provisional_config",
+    "validate_deepspeed_config",
+    "zero_config",
+]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,14 +16,26 @@ from torch import nn
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.needs import EMAPair, MethodNeeds
+from autoshard.precision import PrecisionPlan, resolve_precision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 ParallelizeFn = Callable[[nn.Module, "DeviceMesh"], None]
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-_BLOCK_PARENTS = (nn.ModuleList, nn.Sequential)
+_STACKS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# A unit costs an all-gather and a reduce-scatter per step whatever its size: repeated modules smaller than this
+# share of the model (an expert of a large mixture-of-experts layer, a per-head projection) cost more in collective
+# latency than they save in memory, and stay in their parent's unit.
+MIN_BLOCK_FRACTION = 2**-12
+# A stack whose elements differ and one of which holds more than this share of it is a hierarchy of stages (ConvNeXt,
+# Swin, a U-Net level), not a list of layers: the blocks inside each stage are the units.
+STAGE_FRACTION = 0.25
 PARALLELIZE_FN_HINT = "pass parallelize_fn=(module, device_mesh) -> None to shard them yourself"
+BUFFER_RULE = (
+    "rank 0's copy is broadcast to every data-parallel rank at setup, before every training batch, at the start of"
+    " validation, before every checkpoint save and at the end of fit (DDP's broadcast_buffers rule)"
+)
 
 
 def fsdp2_api() -> tuple[Any, Any, Any, Any, Any]:
@@ -46,17 +59,75 @@ def is_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, fsdp_module) for m in module.modules())
 
 
+class UnitKind(str, Enum):
+    """What a unit is; activation checkpointing wraps blocks only."""
+
+    BLOCK = "block"  # one of the architecture's repeated blocks, or a module named in ShardingIntent(blocks=...)
+    SUBTREE = "subtree"  # a top-level child, a ShardingIntent(shard=...) path or an EMA side: what no block took
+
+
+class Role(str, Enum):
+    TRAINABLE = "trainable"
+    TEACHER = "teacher"
+
+
+class Reshard(str, Enum):
+    """A unit's ``reshard_after_forward`` and why (torchtitan's policy: reshard, except what backward needs first)."""
+
+    AFTER_FORWARD = "resharded after forward, gathered again in backward"
+    KEPT_LAST = "kept gathered after forward: the last unit in forward order, which backward needs first"
+    KEPT_BEFORE_LAST = "kept gathered after forward: holds the blocks and ends its forward just before the last unit"
+    KEPT_BY_INTENT = "kept gathered after forward: ShardingIntent(reshard_after_forward=False)"
+    TEACHER = "resharded after forward: an EMA teacher, no backward follows its forward"
+    FROZEN = "resharded after forward: no trainable parameters, no backward needs them"
+    MULTI_FORWARD = "resharded after forward although last: kept, it would stay gathered through the step's next forward"
+    EMA_FORWARD = "resharded after forward although last: kept, it would stay gathered through the EMA teacher's forward"
+
+    @property
+    def keeps(self) -> bool:
+        return self in (Reshard.KEPT_LAST, Reshard.KEPT_BEFORE_LAST, Reshard.KEPT_BY_INTENT)
+
+
 @dataclass(frozen=True)
 class ShardUnit:
-    """One ``fully_shard`` call: the module path and the parameters it owns (not those of deeper units)."""
+    """One ``fully_shard`` call: the module path, the parameters it owns (not those of deeper units), and why."""
 
     name: str
-    kind: str  # "block" (element of a ModuleList/Sequential) or "subtree"
-    role: str  # "trainable" or "teacher"
+    kind: UnitKind
+    role: Role
     numel: int
     bytes: int
-    reshard_after_forward: bool
+    reshard: Reshard
     checkpointed: bool
+    why: str  # why this module is a unit
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return not self.reshard.keeps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind.value,
+            "role": self.role.value,
+            "numel": self.numel,
+            "bytes": self.bytes,
+            "reshard_after_forward": self.reshard_after_forward,
+            "reshard": self.reshard.value,
+            "checkpointed": self.checkpointed,
+            "why": self.why,
+        }
+
+
+class Unsharded(str, Enum):
+    """Why the plan leaves parameters whole on every rank (``Replicated.why``); the plan's checks compare these."""
+
+    FROZEN = "frozen and not an EMA teacher"
+    SCALAR = "0-dim parameter (fully_shard cannot shard scalars)"
+    CALLBACK = "trained by a callback's optimizer"
+    EXCLUDED = "excluded"
+    ROOT = "parameter on the LightningModule root"
+    OUTSIDE = "not inside any sharded unit"
 
 
 @dataclass(frozen=True)
@@ -66,7 +137,7 @@ class Replicated:
     name: str
     numel: int
     bytes: int
-    why: str
+    why: Unsharded
     trainable: bool
 
 
@@ -79,16 +150,29 @@ class FSDP2Plan:
     ema_pairs: tuple[EMAPair, ...]
     intent: ShardingIntent
     notes: list[str] = field(default_factory=list)
+    buffers: dict[str, int] = field(default_factory=dict)  # name -> bytes; never sharded, kept equal by BUFFER_RULE
+    sync_batchnorm: bool = False  # set by the strategy for Trainer(sync_batchnorm=True)
+    precision: PrecisionPlan | None = None  # the run's resolved precision; None: the intent's (see plan_fsdp2)
+
+    @property
+    def precision_plan(self) -> PrecisionPlan:
+        return self.precision or resolve_precision(None, self.intent)
 
     @property
     def sharded_numel(self) -> int:
         return sum(u.numel for u in self.units)
 
+    @property
+    def buffer_rule(self) -> str:
+        if not self.sync_batchnorm:
+            return BUFFER_RULE
+        return BUFFER_RULE + "; BatchNorm layers normalize with the statistics of the global batch (sync_batchnorm=True)"
+
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Shard ``module`` in place on the data-parallel slice of ``mesh``; replicated grads get averaged."""
         fully_shard, _, _, _, _ = fsdp2_api()
         dp_mesh = data_parallel_mesh(mesh)
-        mp_policy, offload_policy = policies(self.intent)
+        mp_policy, offload_policy = policies(self.precision_plan, self.intent)
         scalars = {id(p) for p in module.parameters() if p.dim() == 0}
         for unit in self.units:
             sub = module.get_submodule(unit.name)
@@ -111,17 +195,27 @@ class FSDP2Plan:
 
     def describe(self, mesh_info: dict[str, Any] | None = None) -> str:
         """The rank-0 summary: a header, one line of settings, then every unit and every replicated part."""
-        settings = {"backend": "fsdp2", **(mesh_info or {}), **plan_settings(self.intent)}
-        lines = ["==== autoshard: FSDP2 plan ====", json.dumps(settings), f"sharded units ({len(self.units)}, deepest first):"]
+        lines = [
+            "==== autoshard: FSDP2 plan ====",
+            settings_in_words(mesh_info or {}, plan_settings(self.intent, self.precision_plan)),
+            f"sharded units ({len(self.units)}, deepest first):",
+        ]
         for u in self.units:
-            extra = " [teacher: reshard after forward]" if u.role == "teacher" else ""
+            extra = " [teacher: reshard after forward]" if u.role is Role.TEACHER else ""
             extra += " [activation checkpointing]" if u.checkpointed else ""
-            lines.append(f"  {u.name:<40} {u.kind:<8} {u.numel:>12,d} params {_mib(u.bytes):>9}{extra}")
+            gathered = "kept" if u.reshard.keeps else "reshard"
+            lines.append(f"  {u.name:<40} {u.kind.value:<8} {u.numel:>12,d} params {_mib(u.bytes):>9}  {gathered:<7} {u.why}{extra}")
+        lines += _reshard_lines(self.units)
         if self.replicated:
             lines.append(f"not sharded ({len(self.replicated)}):")
             for r in self.replicated:
                 sync = "gradients averaged across ranks" if r.trainable else "frozen"
-                lines.append(f"  {r.name:<40} {r.numel:>12,d} params {_mib(r.bytes):>9}  {r.why}; {sync}")
+                lines.append(f"  {r.name:<40} {r.numel:>12,d} params {_mib(r.bytes):>9}  {r.why.value}; {sync}")
+        if self.buffers:
+            names = list(self.buffers)
+            shown = ", ".join(names[:8]) + (f", ... ({len(names) - 8} more)" if len(names) > 8 else "")
+            lines.append(f"buffers ({len(names)}, {_mib(sum(self.buffers.values()))}, not sharded): {self.buffer_rule}")
+            lines.append(f"  {shown}")
         for pair in self.ema_pairs:
             lines.append(f"EMA pair: teacher '{pair.teacher}' sharded exactly like student '{pair.student}'")
         lines += [f"note: {n}" for n in self.notes]
@@ -129,10 +223,17 @@ class FSDP2Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "units": [vars(u) for u in self.units],
+            "units": [u.to_dict() for u in self.units],
+            "prefetch": PREFETCH,
             "replicated": [vars(r) for r in self.replicated],
             "ema_pairs": [vars(p) for p in self.ema_pairs],
-            "settings": plan_settings(self.intent),
+            "buffers": {
+                "names": list(self.buffers),
+                "count": len(self.buffers),
+                "bytes": sum(self.buffers.values()),
+                "rule": self.buffer_rule,
+            },
+            "settings": plan_settings(self.intent, self.precision_plan),
             "notes": list(self.notes),
         }
 
@@ -141,10 +242,30 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def plan_settings(intent: ShardingIntent) -> dict[str, Any]:
+PREFETCH = (
+    "FSDP2's implicit prefetch (in backward, the next unit's all-gather is issued before this one's gradients);"
+    " no explicit set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: no gain measured on CPU"
+    " (docs/benchmarks.md), and torchtitan sets them only for expert parallelism"
+)
+
+
+def _reshard_lines(units: list[ShardUnit]) -> list[str]:
+    """Each reshard_after_forward choice once, with the units it applies to (a count where there are many)."""
+    by_choice: dict[Reshard, list[str]] = {}
+    for u in units:
+        by_choice.setdefault(u.reshard, []).append(u.name)
+    lines = ["reshard_after_forward:"]
+    for choice, names in by_choice.items():
+        shown = ", ".join(f"'{n}'" for n in names) if len(names) <= 3 else f"{len(names)} units"
+        lines.append(f"  {shown}: {choice.value}")
+    return [*lines, f"prefetch: {PREFETCH}"] if units else []
+
+
+def plan_settings(intent: ShardingIntent, precision: PrecisionPlan) -> dict[str, Any]:
+    """The plan's one-line settings; ``mp_policy`` holds the dtypes parameters are all-gathered and reduced in."""
     return {
-        "mp_policy": {"param_dtype": intent.param_dtype, "reduce_dtype": intent.reduce_dtype},
-        "precision": intent.effective_precision,
+        "mp_policy": {"param_dtype": precision.gather.value, "reduce_dtype": precision.reduce.value},
+        "precision": precision.precision.value,
         "reshard_after_forward": intent.reshard_after_forward,
         "offload": intent.offload,
         "activation_checkpointing": intent.activation_checkpointing,
@@ -152,15 +273,35 @@ def plan_settings(intent: ShardingIntent) -> dict[str, Any]:
     }
 
 
-def policies(intent: ShardingIntent) -> tuple[Any, Any]:
-    """FSDP2 MixedPrecisionPolicy and offload policy for the intent (offload 'optimizer' offloads params too)."""
+def settings_in_words(mesh: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The plan's settings as one sentence a person reads at a glance (``to_dict()["settings"]`` keeps the fields)."""
+    where = f" over {mesh['world_size']} ranks" if "world_size" in mesh else ""
+    sizes = [f"{kind} parallel {mesh[f'{kind}_parallel_size']}" for kind in ("data", "tensor") if f"{kind}_parallel_size" in mesh]
+    where += f" ({', '.join(sizes)})" if sizes else ""
+    mp = settings["mp_policy"]
+    yes_no = {True: "yes", False: "no"}
+    return (
+        f"fsdp2{where}; precision {settings['precision']} (all-gather in {mp['param_dtype']}, reduce in"
+        f" {mp['reduce_dtype']}); reshard after forward: {yes_no[settings['reshard_after_forward']]}; offload:"
+        f" {settings['offload']}; activation checkpointing: {yes_no[settings['activation_checkpointing']]};"
+        f" checkpoint: {settings['checkpoint']}"
+    )
+
+
+def policies(precision: PrecisionPlan, intent: ShardingIntent) -> tuple[Any, Any]:
+    """FSDP2 MixedPrecisionPolicy for the precision and offload policy for the intent (offload 'optimizer' offloads params too).
+
+    fully_shard keeps the weights in ``precision.master`` (Lightning converts the module for "-true"); a dtype
+    that needs no cast is passed as None, so that FSDP2 does not cast every unit's inputs to the dtype they have.
+    """
     _, _, mixed_precision_policy, cpu_offload_policy, offload_policy = fsdp2_api()
-    dtype = lambda name: getattr(torch, name) if name else None  # noqa: E731
-    mp = mixed_precision_policy(param_dtype=dtype(intent.param_dtype), reduce_dtype=dtype(intent.reduce_dtype))
+    gather = None if precision.gather is precision.master else precision.gather
+    reduce = None if precision.reduce is (gather or precision.master) else precision.reduce
+    mp = mixed_precision_policy(param_dtype=gather and gather.torch, reduce_dtype=reduce and reduce.torch)
     if intent.offload == "none":
         return mp, offload_policy()
     if intent.offload_device != "cpu":
-        raise IntentError("fsdp2 can offload to CPU only: use offload_device='cpu', or strategy='autoshard-deepspeed' for NVMe")
+        raise IntentError("fsdp2 can offload to CPU memory only. Fix: use offload_device='cpu', or strategy='autoshard-deepspeed' for NVMe")
     return mp, cpu_offload_policy(pin_memory=torch.cuda.is_available())
 
 
@@ -197,6 +338,160 @@ def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh) -> int:
     return count
 
 
+_BUCKET_BYTES = 250 * 2**20  # DDP's bucket size for module states
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], group: Any) -> None:
+    """Overwrite ``tensors`` in place with the group's first rank's copy, coalesced in buckets (what DDP uses)."""
+    import torch.distributed as dist
+
+    if tensors and dist.get_world_size(group) > 1:
+        dist._broadcast_coalesced(group, tensors, _BUCKET_BYTES, 0)
+
+
+def broadcast_unsharded(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank starts from rank 0's copy of whatever is not sharded, as DDP does at construction.
+
+    Without a common seed each rank initialized its own random values, and nothing reconciles them later: what the
+    plan keeps whole (root, tied, excluded, 0-dim parameters) only gets averaged gradients, buffers get nothing.
+    Plain tensors go from the data-parallel group's first rank; a DTensor along each mesh dimension it is replicated
+    on (HSDP or tensor-parallel replicas). Shard placements need nothing: fully_shard keeps chunk r of rank r's own
+    init, so without a seed the whole parameter is rank 0's rows, then rank 1's, ...: independent draws from the
+    same distribution, hence still a valid init of the whole parameter (and an EMA teacher's chunk r is cut from
+    the same rank's copy of its student, so the pair still agrees).
+    """
+    from torch.distributed.tensor import DTensor
+
+    dp_group = data_parallel_mesh(mesh).get_group()
+    by_group: dict[Any, list[torch.Tensor]] = {dp_group: []}
+    for t in (*module.parameters(), *module.buffers()):
+        if not isinstance(t, DTensor):
+            by_group[dp_group].append(t.detach())
+            continue
+        for dim, placement in enumerate(t.placements):
+            if placement.is_replicate():
+                by_group.setdefault(t.device_mesh.get_group(dim), []).append(t.to_local().detach())
+    for group, tensors in by_group.items():
+        _broadcast_from_first(tensors, group)
+
+
+def sync_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Rank 0's buffers on every data-parallel rank: BUFFER_RULE, DDP's ``broadcast_buffers=True``.
+
+    Buffers updated in forward (BatchNorm running statistics, a centering buffer) drift apart per rank, and a
+    checkpoint would keep whichever rank's copy it happened to write. One coalesced broadcast: buffers are small.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plain = [b.detach() for b in module.buffers() if not isinstance(b, DTensor)]
+    _broadcast_from_first(plain, data_parallel_mesh(mesh).get_group())
+
+
+def _differentiable_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-reduce (sum) with autograd. torch.distributed.nn's has it on every torch >= 2.4; 2.13 deprecates it for
+    functional collectives, whose autograd is recent, so its FutureWarning is silenced here only."""
+    from torch.distributed.nn.functional import all_reduce
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return all_reduce(t, group=group)
+
+
+class SyncBatchNorm(nn.SyncBatchNorm):
+    """torch's SyncBatchNorm, plus a CPU path: torch refuses CPU input (its kernels are CUDA-only).
+
+    On CPU the batch mean and (biased) variance come from sums all-reduced over the group, through
+    torch.distributed.nn's differentiable all_reduce, so that gradients flow through the global statistics as in
+    torch's CUDA path; running statistics get the unbiased variance of the global batch, as torch's do.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group = self.process_group or dist.group.WORLD
+        if input.device.type != "cpu" or not self.training or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        dims, shape = [0, *range(2, input.dim())], [1, -1] + [1] * (input.dim() - 2)
+        x = input.float()
+        sums = _differentiable_sum(torch.cat([x.sum(dims), x.new_tensor([x.numel() / x.size(1)])]), group)
+        count, mean = sums[-1], sums[:-1] / sums[-1]
+        centered = x - mean.view(shape)
+        var = _differentiable_sum(centered.square().sum(dims), group) / count
+        out = centered * (var + self.eps).rsqrt().view(shape)
+        if self.weight is not None:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        if self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+                self.running_var.lerp_((var * count / (count - 1)).to(self.running_var.dtype), momentum)
+        return out.to(input.dtype)
+
+
+def convert_sync_batchnorm(module: nn.Module, group: Any) -> int:
+    """``Trainer(sync_batchnorm=True)``: every BatchNorm layer normalizes with the statistics of the global batch.
+
+    Lightning's ModelParallelStrategy never applies the flag (its setup ignores the Trainer's layer sync). Converted
+    in place, by class, not with torch's convert_sync_batchnorm, which builds new modules: fully_shard's state and
+    class, hooks and optimizer references survive, so it also works after sharding. Returns how many layers.
+    """
+    fsdp_module = fsdp2_api()[1]
+    count = 0
+    for m in module.modules():
+        if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+            continue
+        if not isinstance(m, SyncBatchNorm):
+            sharded = isinstance(m, fsdp_module)  # keep fully_shard's FSDP<class> on top, as fully_shard builds it
+            m.__class__ = type(f"FSDP{SyncBatchNorm.__name__}", (fsdp_module, SyncBatchNorm), {}) if sharded else SyncBatchNorm
+        m.process_group = group
+        count += 1
+    return count
+
+
+class _PerShardCPURandom:
+    """DTensor's RNG tracker for CPU meshes (see ``per_shard_random_init``); implements what DTensor dispatch calls."""
+
+    distribute_region_enabled = True
+
+    @contextmanager
+    def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+        seed = int(torch.randint(2**62, (), generator=generator))  # the same draw on ranks that share a seed
+        coordinate, shard = spec.mesh.get_coordinate(), 0
+        for dim, placement in enumerate(spec.placements):
+            if placement.is_shard():
+                shard = shard * spec.mesh.size(dim) + coordinate[dim]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + shard)
+            yield
+
+
+@contextmanager
+def per_shard_random_init(mesh: DeviceMesh) -> Iterator[None]:
+    """While meta shards are materialized on CPU, give each shard its own random values, as the whole parameter has.
+
+    DTensor offsets its random stream per shard only on CUDA-like devices: torch's OffsetBasedRNGTracker refuses
+    CPU, whose Mersenne-Twister generator has no Philox offset to advance. So on CPU ``reset_parameters()`` runs on
+    each local shard with the rank's own generator, and ranks that share a seed (seed_everything) get identical
+    shards: rows 0-15 of a weight equal rows 16-31. Here each DTensor random op draws one seed from the generator
+    and runs on a generator seeded with it plus the shard's index: distinct shards differ, replicas of one shard
+    agree, and every rank's generator advances alike. The values are not a single-process init's, but each shard
+    is an independent draw from the same distribution. Installed only for CPU meshes and removed after; CUDA keeps
+    torch's own tracker.
+    """
+    from torch.distributed.tensor import _random
+
+    if mesh.device_type != "cpu" or _random._rng_tracker is not None:
+        yield
+        return
+    _random._rng_tracker = _PerShardCPURandom()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _random._rng_tracker = None
+
+
 def _param_names(module: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -229,7 +524,10 @@ def _subtree_roots(root: nn.Module, shard: tuple[str, ...] | None) -> list[str]:
         missing = [p for p in shard if p not in modules]
         if missing:
             top = ", ".join(n for n, _ in root.named_children())
-            raise IntentError(f"shard names {', '.join(map(repr, missing))}, not a module of {type(root).__name__}: top-level modules are {top}")
+            raise IntentError(
+                f"shard names {', '.join(map(repr, missing))}, not a module of {type(root).__name__}: top-level modules"
+                f" are {top}. Fix: name module paths as printed by `print(model)`, e.g. shard=['{next(iter(top.split(', ')), 'backbone')}']"
+            )
         return list(shard)
     out: list[str] = []
 
@@ -245,8 +543,13 @@ def _subtree_roots(root: nn.Module, shard: tuple[str, ...] | None) -> list[str]:
     return out
 
 
-def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: MethodNeeds | None = None) -> FSDP2Plan:
-    """Decide what to ``fully_shard``: every parameter-owning block, then every trainable subtree; never the root."""
+def plan_fsdp2(
+    module: nn.Module, intent: ShardingIntent | None = None, needs: MethodNeeds | None = None, precision: PrecisionPlan | None = None
+) -> FSDP2Plan:
+    """Decide what to ``fully_shard``: every parameter-owning block, then every trainable subtree; never the root.
+
+    ``precision``: the run's resolved plan (the strategy's, from the Trainer); None plans for the intent's.
+    """
     intent = intent or ShardingIntent()
     needs = needs or MethodNeeds()
     modules = dict(module.named_modules())
@@ -255,7 +558,11 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
     excluded |= {n for n, m in modules.items() if n and _is_metric(m)}
     unknown = [p for p in intent.exclude if p not in modules]
     if unknown:
-        raise IntentError(f"exclude names {', '.join(map(repr, unknown))}, not a module of {type(module).__name__}")
+        top = ", ".join(n for n, _ in module.named_children())
+        raise IntentError(
+            f"exclude names {', '.join(map(repr, unknown))}, not a module of {type(module).__name__}: top-level modules"
+            f" are {top}. Fix: name module paths as printed by `print(model)`, or drop them from exclude"
+        )
     teachers = {p.teacher for p in needs.ema_pairs}
     for pair in needs.ema_pairs:
         check_ema_structure(module, pair)
@@ -268,8 +575,9 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
     roots = [r for r in _subtree_roots(module, intent.shard) if not _within(r, excluded)]
     roots += [m for p in needs.ema_pairs for m in (p.teacher, p.student) if m not in roots and not _within(m, excluded)]
     notes: list[str] = []
-    candidates: dict[str, str] = {}
+    candidates: dict[str, tuple[UnitKind, str]] = {}
     replicated: list[Replicated] = []
+    planned: list[str] = []
     for root_path in roots:
         sub = modules[root_path]
         if not any(True for _ in sub.parameters()):
@@ -277,19 +585,22 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
         is_teacher = _within(root_path, teachers)
         if not is_teacher and not any(p.requires_grad for p in sub.parameters()):
             if intent.shard is None:
-                replicated.append(_replicated(root_path, sub.parameters(), "frozen and not an EMA teacher"))
+                replicated.append(_replicated(root_path, sub.parameters(), Unsharded.FROZEN))
                 continue
-        for name, child in sub.named_modules(prefix=root_path):
-            parent = modules.get(name.rpartition(".")[0])
-            if isinstance(parent, _BLOCK_PARENTS) and not isinstance(child, _CONTAINERS) and not _within(name, excluded):
-                if any(True for _ in child.parameters()):
-                    candidates.setdefault(name, "block")
-        candidates.setdefault(root_path, "subtree")
+        planned.append(root_path)
+    inside = set(planned)
+    for name, why in _blocks(module, intent.blocks, modules).items():
+        if _within(name, inside) and not _within(name, excluded):
+            candidates[name] = (UnitKind.BLOCK, why)
+    sides = {p.student: f"EMA student of '{p.teacher}'" for p in needs.ema_pairs} | {p.teacher: f"EMA teacher of '{p.student}'" for p in needs.ema_pairs}
+    for root_path in planned:
+        why = "named in ShardingIntent(shard=...)" if intent.shard else sides.get(root_path, "top-level child")
+        candidates.setdefault(root_path, (UnitKind.SUBTREE, f"{why}: holds what no block took"))
     for path in list(candidates):
         if not exclusive(path):
             notes.append(f"'{path}' shares parameters with modules outside it (tied weights): sharded with its parent instead")
             del candidates[path]
-    units = _units(modules, candidates, teachers, intent)
+    units = _units(modules, candidates, teachers, intent, needs, names_of)
     covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
     unit_names = {u.name for u in units}
     replicated_names = {r.name for r in replicated}
@@ -297,17 +608,17 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
         if id(p) in covered or _within(name, replicated_names):
             continue
         if p.dim() == 0 and _within(name, unit_names):
-            replicated.append(_replicated(name, [p], "0-dim parameter (fully_shard cannot shard scalars)"))
+            replicated.append(_replicated(name, [p], Unsharded.SCALAR))
             replicated_names.add(name)
             continue
         owner = _outermost(name, excluded)
         if owner is not None:
             if owner not in replicated_names:
                 replicated_names.add(owner)
-                why = "trained by a callback's optimizer" if owner in needs.callback_modules else "excluded"
+                why = Unsharded.CALLBACK if owner in needs.callback_modules else Unsharded.EXCLUDED
                 replicated.append(_replicated(owner, modules[owner].parameters(), why))
         else:
-            why = "parameter on the LightningModule root" if "." not in name else "not inside any sharded unit"
+            why = Unsharded.ROOT if "." not in name else Unsharded.OUTSIDE
             replicated.append(_replicated(name, [p], why))
             replicated_names.add(name)
     if not units:
@@ -318,7 +629,7 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
         if intent.strict:
             raise AutoShardError(message)
         notes.append(message)
-    root_params = [r.name for r in replicated if r.why.startswith("parameter on the")]
+    root_params = [r.name for r in replicated if r.why is Unsharded.ROOT]
     if root_params:
         message = (
             f"parameters live directly on {type(module).__name__}: {', '.join(root_params)}. The generic FSDP2 plan"
@@ -328,10 +639,11 @@ def plan_fsdp2(module: nn.Module, intent: ShardingIntent | None = None, needs: M
         if intent.strict:
             raise AutoShardError(message.replace("they stay replicated with averaged gradients", "strict=True refuses to replicate them"))
         warnings.warn(message, stacklevel=2)
-    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes)
+    buffers = {name: b.numel() * b.element_size() for name, b in module.named_buffers()}
+    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, precision=precision)
 
 
-def _replicated(name: str, params: Iterable[nn.Parameter], why: str) -> Replicated:
+def _replicated(name: str, params: Iterable[nn.Parameter], why: Unsharded) -> Replicated:
     params = list(params)
     return Replicated(
         name,
@@ -342,31 +654,170 @@ def _replicated(name: str, params: Iterable[nn.Parameter], why: str) -> Replicat
     )
 
 
-def _units(modules: dict[str, nn.Module], candidates: dict[str, str], teachers: set[str], intent: ShardingIntent) -> list[ShardUnit]:
-    """Order candidates deepest first and give each the parameters no deeper unit already owns."""
+def _units(
+    modules: dict[str, nn.Module],
+    candidates: dict[str, tuple[UnitKind, str]],
+    teachers: set[str],
+    intent: ShardingIntent,
+    needs: MethodNeeds,
+    names_of: dict[int, list[str]],
+) -> list[ShardUnit]:
+    """Order candidates deepest first, give each the parameters no deeper unit already owns, choose its resharding."""
     order = {name: i for i, name in enumerate(modules)}
-    ordered = sorted(candidates, key=lambda n: (-n.count("."), order[n]))
     owned: set[int] = set()
-    units: list[ShardUnit] = []
-    for name in ordered:
+    found: list[tuple[str, list[nn.Parameter]]] = []
+    for name in sorted(candidates, key=lambda n: (-n.count("."), order[n])):
         own = [p for p in modules[name].parameters() if id(p) not in owned and p.dim() > 0]
         owned.update(id(p) for p in own)
-        if not own:
-            continue
+        if own:
+            found.append((name, own))
+    kept = _ending_forward(found, candidates, teachers, order)
+    units: list[ShardUnit] = []
+    for name, own in found:
+        kind, why = candidates[name]
         teacher = _within(name, teachers)
         trainable = any(p.requires_grad for p in own)
         units.append(
             ShardUnit(
                 name=name,
-                kind=candidates[name],
-                role="teacher" if teacher else "trainable",
+                kind=kind,
+                role=Role.TEACHER if teacher else Role.TRAINABLE,
                 numel=sum(p.numel() for p in own),
                 bytes=sum(p.numel() * p.element_size() for p in own),
-                reshard_after_forward=True if teacher or not trainable else intent.reshard_after_forward,
-                checkpointed=intent.activation_checkpointing and candidates[name] == "block" and trainable and not teacher,
+                reshard=_reshard(kept.get(name), teacher, trainable, intent, needs),
+                checkpointed=intent.activation_checkpointing and kind is UnitKind.BLOCK and trainable and not teacher,
+                why=why + _tied(own, names_of),
             )
         )
     return units
+
+
+def _ending_forward(
+    found: list[tuple[str, list[nn.Parameter]]], candidates: dict[str, tuple[UnitKind, str]], teachers: set[str], order: dict[str, int]
+) -> dict[str, Reshard]:
+    """The trainable units that end the forward, which backward needs first: the outermost unit registered last, and
+    the one before it when it holds blocks (a ``model`` + ``head`` split: the final norm runs just before the head).
+
+    Units nested in another end their forward before it; among the outermost ones, registration order is the
+    forward order of every model we know (HF, timm, torchvision, Lightning examples). A wrong guess costs the
+    memory of a unit kept gathered, never correctness.
+    """
+    names = {name for name, _ in found}
+    outermost = sorted(
+        (name for name, own in found if _outermost(name, names) == name and not _within(name, teachers) and any(p.requires_grad for p in own)),
+        key=order.__getitem__,
+    )
+    if not outermost:
+        return {}
+    kept = {outermost[-1]: Reshard.KEPT_LAST}
+    holders = {_outermost(n, names) for n in names if candidates[n][0] is UnitKind.BLOCK and _outermost(n, names) != n}
+    if len(outermost) > 1 and outermost[-2] in holders:
+        kept[outermost[-2]] = Reshard.KEPT_BEFORE_LAST
+    return kept
+
+
+def _reshard(kept: Reshard | None, teacher: bool, trainable: bool, intent: ShardingIntent, needs: MethodNeeds) -> Reshard:
+    """torchtitan's policy: every unit reshards after forward, except those that end it (final norm, head), which
+    backward gathers at once: keeping them saves those all-gathers and raises no peak (backward would bring them
+    back before freeing anything). Not when a second forward, or an EMA teacher's, runs before backward."""
+    if teacher:
+        return Reshard.TEACHER
+    if not trainable:
+        return Reshard.FROZEN
+    if not intent.reshard_after_forward:
+        return Reshard.KEPT_BY_INTENT
+    if kept is None:
+        return Reshard.AFTER_FORWARD
+    if needs.multi_forward:
+        return Reshard.MULTI_FORWARD
+    if needs.ema_pairs:
+        return Reshard.EMA_FORWARD
+    return kept
+
+
+def _tied(own: list[nn.Parameter], names_of: dict[int, list[str]]) -> str:
+    """Parameters of this unit shared by several modules (tied embedding and head): all in this one unit."""
+    ties = [" = ".join(names_of[id(p)]) for p in own if len(names_of[id(p)]) > 1]
+    return f"; tied weights grouped in this unit: {'; '.join(ties)}" if ties else ""
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _repeat_key(module: nn.Module) -> object:
+    """Siblings with equal keys repeat: modules with children by class (ResNet's first Bottleneck, with its
+    downsample, is still a Bottleneck), leaves by class and parameter shapes (an MLP's two Linears differ)."""
+    if next(module.children(), None) is not None:
+        return type(module)
+    return type(module), tuple(tuple(p.shape) for p in module.parameters())
+
+
+def _structure(module: nn.Module) -> tuple[object, ...]:
+    return type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+
+
+def _repeated(module: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """The parameter-owning elements of a ModuleList / Sequential / ModuleDict that repeat a sibling, in order, with
+    their parameter counts."""
+    if not isinstance(module, _STACKS):
+        return []
+    sizes = {name: (child, _numel(child)) for name, child in module.named_children()}
+    keys = {name: _repeat_key(child) for name, (child, numel) in sizes.items() if numel}
+    counts: dict[object, int] = {}
+    for key in keys.values():
+        counts[key] = counts.get(key, 0) + 1
+    return [(name, *sizes[name]) for name, key in keys.items() if counts[key] > 1]
+
+
+def _find_blocks(module: nn.Module, path: str, min_numel: float) -> dict[str, str]:
+    """Block paths under ``module`` (at ``path``) and why each is one: the elements of the outermost stacks of
+    repeated modules, without looking inside them (T5's sub-layers, an MLP's Linears stay in their block)."""
+    elements = _repeated(module)
+    found = _stack_blocks(path, elements, min_numel) if elements else {}
+    taken = {name for name, _, _ in elements}
+    for name, child in module.named_children():
+        if name not in taken:
+            found.update(_find_blocks(child, f"{path}.{name}" if path else name, min_numel))
+    return found
+
+
+def _stack_blocks(path: str, elements: list[tuple[str, nn.Module, int]], min_numel: float) -> dict[str, str]:
+    """The blocks of one stack: its elements, or, for a hierarchy of stages, the blocks inside each stage."""
+    sizes = [numel for _, _, numel in elements]
+    if min(sizes) < min_numel:
+        return {}
+    paths = [f"{path}.{name}" if path else name for name, _, _ in elements]
+    found = {p: f"{type(m).__name__} {i} of {len(elements)} in {path}" for i, (p, (_, m, _)) in enumerate(zip(paths, elements), 1)}
+    if max(sizes) > STAGE_FRACTION * sum(sizes) and len({_structure(m) for _, m, _ in elements}) > 1:
+        stages = f"; the elements of {path} are stages (the largest holds {max(sizes) / sum(sizes):.0%} of it)"
+        for p, (_, m, _) in zip(paths, elements):
+            inner = _find_blocks(m, p, min_numel)
+            if inner:
+                del found[p]
+                found.update({name: why + stages for name, why in inner.items()})
+    return found
+
+
+def _blocks(module: nn.Module, named: tuple[str, ...] | None, modules: dict[str, nn.Module]) -> dict[str, str]:
+    """The block units: the modules ``ShardingIntent(blocks=...)`` names (class names or paths), else those found."""
+    if named is None:
+        return _find_blocks(module, "", _numel(module) * MIN_BLOCK_FRACTION)
+    classes = {type(m).__name__ for m in modules.values()}
+    unknown = [b for b in named if b not in modules and b not in classes]
+    if unknown:
+        found = sorted({type(modules[p]).__name__ for p in _blocks(module, None, modules)})
+        raise IntentError(
+            f"blocks names {', '.join(map(repr, unknown))}: neither a module path nor a module class of"
+            f" {type(module).__name__} (repeated blocks found: {', '.join(found) or 'none'}). Fix: name block classes"
+            f" or module paths as printed by `print(model)`, e.g. blocks=[{(found or ['Block'])[0]!r}]"
+        )
+    wanted = set(named)
+    return {
+        name: f"named in ShardingIntent(blocks=...) as {name if name in wanted else type(m).__name__}"
+        for name, m in modules.items()
+        if name and (name in wanted or type(m).__name__ in wanted) and _numel(m)
+    }
 
 
 def _describe_param(p: torch.Tensor) -> dict[str, Any]:

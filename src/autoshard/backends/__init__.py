@@ -9,7 +9,7 @@ from importlib import metadata
 from packaging.version import InvalidVersion, Version
 
 from autoshard.capability import Feature, Row, Support
-from autoshard.errors import IntentError, did_you_mean
+from autoshard.errors import IntentError, closest, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ class Backend:
     strategy: str
     row: Row
     check: Callable[[], Availability]
-    summary: str
 
     def __post_init__(self) -> None:
         missing = [f.value for f in Feature if f not in self.row]
@@ -63,8 +62,8 @@ class Backend:
             raise ValueError(f"backend {self.name} has no matrix cell for: {', '.join(missing)}")
 
     @property
-    def refused(self) -> bool:
-        """A backend autoshard lists only to refuse it (FSDP1)."""
+    def rejected(self) -> bool:
+        """Every cell is Support.REJECTED: autoshard lists the backend only to refuse requests for it (FSDP1)."""
         return all(c.support is Support.REJECTED for c in self.row.values())
 
 
@@ -94,8 +93,9 @@ def get_backend(name: str) -> Backend:
     key = _key(name) if isinstance(name, str) else ""
     key = ALIASES.get(key, key)
     if key not in BACKENDS:
-        choices = ["auto", *(n for n, b in BACKENDS.items() if not b.refused)]
+        choices = ["auto", *(n for n, b in BACKENDS.items() if not b.rejected)]
         raise IntentError(
-            f"unknown backend {name!r}{did_you_mean(name, choices)}: choose one of {', '.join(map(repr, choices))}"
+            f"unknown backend {name!r}{did_you_mean(name, choices)}: choose one of {', '.join(map(repr, choices))}."
+            f" Fix: {closest(name, choices) or 'auto'!r}"
         )
     return BACKENDS[key]

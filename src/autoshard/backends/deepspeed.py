@@ -31,9 +31,10 @@ ROW = {
         "ZeRO-3 partitions each parameter and gathers per module through hooks; there is no per-block plan to inspect",
         "use strategy='fsdp2' to control the sharded units",
     ),
-    Feature.BF16: yes(),
-    Feature.FP16_MIXED: yes("dynamic loss scaling"),
-    Feature.FP16_TRUE: yes(),
+    Feature.BF16: yes("no autocast: the engine converts the model, every op computes in bf16; fp32 master copy"),
+    Feature.BF16_TRUE: yes("fp32 master copy in the optimizer"),
+    Feature.FP16_MIXED: yes("every op in fp16, fp32 master copy, dynamic loss scaling"),
+    Feature.FP16_TRUE: yes("fp32 master copy, dynamic loss scaling"),
     Feature.FP32: yes(),
     Feature.CPU_OFFLOAD_PARAMS: yes("offload_param.device='cpu'"),
     Feature.CPU_OFFLOAD_OPTIMIZER: yes("offload_optimizer.device='cpu'"),
@@ -53,17 +54,20 @@ ROW = {
         "Lightning's DeepSpeedStrategy accepts only CUDA; autoshard's subclass runs ZeRO-3 on CPU (gloo) for tests, slowly",
         "use accelerator='gpu' for real runs",
     ),
+    Feature.INIT_FROM: no(
+        "autoshard loads init_from into FSDP2 shards only: under ZeRO-3 the weights would have to enter each parameter"
+        " partition inside Lightning's setup, before deepspeed.initialize copies them into the fp32 master partitions,"
+        " and there is no hook between the two",
+        TO_FSDP2 + ", or load the weights into the module before trainer.fit (every rank then holds the whole model"
+        " until ZeRO-3 partitions it)",
+    ),
 }
 
 
 def check() -> Availability:
-    from autoshard.backends.fsdp2 import INSTALL as TORCH_INSTALL
+    from autoshard.backends import fsdp2
 
-    return require_all(
-        require("torch", "2.4", TORCH_INSTALL),
-        require("lightning", "2.4", TORCH_INSTALL),
-        require("deepspeed", MIN_DEEPSPEED, INSTALL),
-    )
+    return require_all(fsdp2.check(), require("deepspeed", MIN_DEEPSPEED, INSTALL))
 
 
 BACKEND = Backend(
@@ -71,5 +75,4 @@ BACKEND = Backend(
     strategy="autoshard-deepspeed",
     row=ROW,
     check=check,
-    summary="DeepSpeed ZeRO-3 via Lightning DeepSpeedStrategy",
 )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from autoshard.backends import Availability, Backend, require, require_all
+from autoshard.backends import Availability, Backend, require
 from autoshard.capability import Feature, no, partial, yes
 
 MIN_TORCH = "2.4"
-MIN_LIGHTNING = "2.4"
-INSTALL = 'pip install "torch>=2.4" "lightning>=2.4"'
+INSTALL = f'pip install "torch>={MIN_TORCH}"'  # Lightning's range: autoshard.lightning.compat
 DEEPSPEED_IF_ALLOWED = "strategy='autoshard-deepspeed' if the method has one optimizer, no EMA teacher and one forward per step"
 
 ROW = {
@@ -22,13 +21,22 @@ ROW = {
         "move them into a child module, or pass parallelize_fn to shard them yourself",
     ),
     Feature.PER_BLOCK_SHARDING: yes("blocks are the parameter-owning elements of every ModuleList / Sequential"),
-    Feature.BF16: yes(),
+    Feature.BF16: yes("autocast; parameters all-gathered in bf16, gradients reduced in fp32, fp32 weights updated"),
+    Feature.BF16_TRUE: partial(
+        "the module is converted to bf16 (Lightning's meaning of bf16-true): no fp32 master copy, so updates smaller"
+        " than bf16's resolution (about 1/256 of a weight) are lost; ZeRO-3 keeps an fp32 master copy",
+        "use precision='bf16-mixed' (fp32 weights, bf16 compute and all-gather), or " + DEEPSPEED_IF_ALLOWED,
+    ),
     Feature.FP16_MIXED: no(
         "Lightning's ModelParallelStrategy refuses precision='16-mixed': it has no sharded gradient scaler, so fp16"
         " autocast would train unscaled",
         "use precision='bf16-mixed', or " + DEEPSPEED_IF_ALLOWED,
     ),
-    Feature.FP16_TRUE: yes(),
+    Feature.FP16_TRUE: partial(
+        "the module is converted to fp16: no fp32 master copy and no loss scaling, so small updates are lost and"
+        " small gradients underflow; ZeRO-3 keeps an fp32 master copy and scales the loss",
+        "use precision='bf16-mixed', or " + DEEPSPEED_IF_ALLOWED,
+    ),
     Feature.FP32: yes(),
     Feature.CPU_OFFLOAD_PARAMS: yes("CPUOffloadPolicy keeps sharded parameters, gradients and optimizer state on CPU"),
     Feature.CPU_OFFLOAD_OPTIMIZER: partial(
@@ -48,11 +56,12 @@ ROW = {
         "pass parallelize_fn that applies parallelize_module on device_mesh['tensor_parallel']",
     ),
     Feature.CPU_ACCELERATOR: yes("runs on gloo; used by autoshard's own tests"),
+    Feature.INIT_FROM: yes("after sharding, each rank reads only its own rows of the safetensors, torch or DCP file"),
 }
 
 
 def check() -> Availability:
-    return require_all(require("torch", MIN_TORCH, INSTALL), require("lightning", MIN_LIGHTNING, INSTALL))
+    return require("torch", MIN_TORCH, INSTALL)
 
 
 BACKEND = Backend(
@@ -60,5 +69,4 @@ BACKEND = Backend(
     strategy="fsdp2",
     row=ROW,
     check=check,
-    summary="PyTorch fully_shard via Lightning ModelParallelStrategy",
 )

@@ -14,15 +14,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autoshard.checkpoint import (
     LIGHTNING_META,
+    MANIFEST,
     CheckpointFormatError,
     commit,
+    corrupted,
+    describe_files,
     fsync_dir,
     fsync_file,
+    integrity_problems,
+    load_failure,
     prepare_staging,
+    remove,
     resolve_for_load,
+    sidecar_path,
+    stage_sidecar,
     staging_path,
+    unverified_warning,
+    write_manifest,
 )
-from autoshard.needs import _optimizers_in
+from autoshard.needs import held_optimizers, returned_optimizers
 
 STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
 FORMAT_VERSION = 1
@@ -57,12 +67,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _recording_writer(path: Path) -> Any:
+    """DCP's FileSystemWriter that remembers (``.written``) the files this rank wrote, so this rank hashes exactly
+    those. Built on first use: importing torch.distributed.checkpoint costs every ``import autoshard`` otherwise."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class RecordingWriter(FileSystemWriter):
+        written: tuple[str, ...] = ()
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+            self.written = tuple(sorted({result.storage_data.relative_path for result in future.wait()}))
+            return future
+
+    return RecordingWriter(str(path), sync_files=True)
+
+
 class CheckpointMixin:
     """Mixed in before ModelParallelStrategy in FSDP2Strategy; overrides save_checkpoint / load_checkpoint.
 
     Save: every rank writes into a hidden staging sibling; rank 0 swaps it in only after all ranks finished, so a
     crash at any instant leaves the previous checkpoint (or the complete new one) and never a partial one under the
-    final name. Load: the path is checked before anything is read, with the fix for a wrong format.
+    final name. The staging holds a manifest (size + sha256 of every file) before it counts as complete.
+    Load: the path is checked before anything is read, with the fix for a wrong format, then every file against the
+    manifest.
     """
 
     # Provided by ModelParallelStrategy; declared for readers and type checkers.
@@ -109,11 +137,11 @@ class CheckpointMixin:
         trainer = getattr(module, "_trainer", None)
         if trainer is None:
             return []
-        trainer_optimizers = {id(getattr(o, "_optimizer", o)) for o in trainer.optimizers}
+        trainer_optimizers = {id(o) for o in returned_optimizers(list(trainer.optimizers))}
         owned = {id(p) for p in module.parameters()}
         found = []
         for callback in trainer.callbacks:
-            for index, optimizer in enumerate(_optimizers_in(callback)):
+            for index, optimizer in enumerate(held_optimizers(callback)):
                 if id(optimizer) in trainer_optimizers:
                     continue
                 params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -158,48 +186,105 @@ class CheckpointMixin:
         if full:
             extra["callback_optimizer_states"] = callback_states
             checkpoint[STATE_KEY] = extra
-            self._on_rank0(lambda: self._write_full(checkpoint, staged))
+            self._on_rank0(lambda: self._write_full(checkpoint, staged, path))
         else:
             converted = {"state_dict": checkpoint.pop("state_dict")}
             converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
             converted.update(callback_states)
             self._on_rank0(lambda: staged.mkdir(parents=True))
-            self._write_shards(converted, staged)
+            shards = self._hash_own(staged, self._write_shards(converted, staged))
             checkpoint[STATE_KEY] = extra
-            self._on_rank0(lambda: self._write_meta(checkpoint, staged))
+            self._on_rank0(lambda: self._write_meta(checkpoint, staged, shards))
         self._on_rank0(lambda: commit(staged, path))
 
-    def _write_shards(self, state: dict[str, Any], staged: Path) -> None:
-        """Every rank writes its shards; DCP writes .metadata last, once all ranks' files are synced."""
-        from torch.distributed.checkpoint import FileSystemWriter, save
+    def _write_shards(self, state: dict[str, Any], staged: Path) -> list[str]:
+        """Every rank writes its shards; DCP writes .metadata last, once all ranks' files are synced.
 
-        save(state, storage_writer=FileSystemWriter(str(staged), sync_files=True))
+        Returns the files this rank wrote, relative to ``staged``."""
+        from torch.distributed.checkpoint import save
 
-    def _write_meta(self, checkpoint: dict[str, Any], staged: Path) -> None:
+        writer = _recording_writer(staged)
+        save(state, storage_writer=writer)
+        return list(writer.written)
+
+    def _hash_own(self, staged: Path, names: list[str]) -> dict[str, Any]:
+        """Every rank hashes the shards it wrote, in parallel, while they are in its page cache: rank 0 hashing them
+        all after the barrier would cost the whole checkpoint on one rank (docs/checkpoints.md). Errors are raised on
+        every rank."""
+        try:
+            mine: dict[str, Any] | str = describe_files(staged, names)
+        except OSError as exc:  # gathered first: a rank raising alone would leave the others in the collective
+            mine = f"rank {self.global_rank} could not hash its shards: {exc}"
+        shares = self._all_gather(mine)
+        errors = [share for share in shares if isinstance(share, str)]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return {name: entry for share in shares for name, entry in share.items()}
+
+    def _write_meta(self, checkpoint: dict[str, Any], staged: Path, shards: dict[str, Any]) -> None:
+        """meta.pt, then the manifest of every file, then meta.pt's rename: its presence marks the staging complete,
+        so a complete staging always has its manifest."""
         part = staged / f".{LIGHTNING_META}.part"
         torch.save(checkpoint, part)
         fsync_file(part)
-        part.rename(staged / LIGHTNING_META)  # meta.pt appears whole or not at all: it marks the staging complete
+        files = dict(shards)
+        files[LIGHTNING_META] = describe_files(staged, [part.name])[part.name]
+        others = [p.name for p in staged.iterdir() if p.is_file() and p.name not in files and p != part]
+        files.update(describe_files(staged, others))  # .metadata (rank 0's), and anything else DCP wrote
+        write_manifest(staged / MANIFEST, files)
+        part.rename(staged / LIGHTNING_META)
         fsync_dir(staged)
 
-    def _write_full(self, checkpoint: dict[str, Any], staged: Path) -> None:
+    def _write_full(self, checkpoint: dict[str, Any], staged: Path, path: Path) -> None:
+        """The file, then its manifest, both staged; ``commit`` swaps in the file, then the manifest."""
         self.checkpoint_io.save_checkpoint(checkpoint, staged)  # type: ignore[attr-defined]
         fsync_file(staged)
+        stage_sidecar(path)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """ModelCheckpoint's top-k rotation removes a checkpoint; a single file's manifest beside it goes too."""
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if self.global_rank == 0:
+            remove(sidecar_path(filepath))
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         resolved = Path(self._on_rank0(lambda: str(resolve_for_load(path, "fsdp2"))))  # type: ignore[arg-type]
-        metadata = super().load_checkpoint(resolved, weights_only=weights_only)  # type: ignore[misc]
+        verified = self._verify(resolved)
+        try:
+            metadata = super().load_checkpoint(resolved, weights_only=weights_only)  # type: ignore[misc]
+        except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
+            wanted = get_model_state_dict(self.model)  # type: ignore[attr-defined]  # the names Lightning asked DCP for
+            shapes = {name: tuple(t.shape) for name, t in wanted.items()}
+            raise load_failure(resolved, type(self.lightning_module).__name__, shapes, exc.failures) from None  # type: ignore[attr-defined]
         extra = metadata.pop(STATE_KEY, None)
         if extra is not None:
             self._restore_extra(extra, resolved)
+            if not verified:
+                rank_zero_warn(unverified_warning(resolved))
         else:
+            unchecked = "; it has no manifest either, so its files are not checked for corruption" if not verified else ""
             rank_zero_warn(
                 f"autoshard: {str(resolved)!r} was not written by autoshard: callback optimizers and RNG states are not"
-                f" in it, so probes restart their optimizer state and random augmentations differ from an uninterrupted run"
+                f" in it, so probes restart their optimizer state and random augmentations differ from an uninterrupted"
+                f" run{unchecked}"
             )
         return metadata
+
+    def _verify(self, path: Path) -> bool:
+        """Every file against the manifest, each rank a share of them (largest first, dealt round-robin), so the
+        check costs about one rank's part; the same error on every rank. False when there is no manifest."""
+        shares = self._all_gather(integrity_problems(path, slice(self.global_rank, None, self.world_size)))
+        if all(share is None for share in shares):
+            return False
+        problems = [problem for share in shares for problem in share or []]
+        if problems:
+            raise corrupted(path, problems)
+        return True
 
     def _restore_extra(self, extra: dict[str, Any], path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -20,16 +20,17 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
-from autoshard.adapters.deepspeed import deepspeed_config
+from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
-from autoshard.intent import ShardingIntent, as_intent, normalize_precision, with_trainer_precision
-from autoshard.needs import MethodNeeds, inspect_needs
-from autoshard.select import Decision, select_backend
+from autoshard.intent import ShardingIntent, as_intent
+from autoshard.lightning.base import BackendMixin
+from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
+from autoshard.needs import inspect_needs, returned_optimizers
+from autoshard.precision import PrecisionPlan, resolve_precision
+from autoshard.select import Decision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -48,36 +49,7 @@ LIGHTNING_DEEPSPEED_NAMES: tuple[str, ...] = (
 )
 
 
-# ================================================================================================================
-# THE ONLY PLACE autoshard touches private Lightning DeepSpeedStrategy members. Verified against lightning 2.6.6.
-#   _format_config()             overridden by AutoShardDeepSpeedStrategy: Lightning calls it lazily (from setup()
-#                                and model_sharded_context()) exactly when the config must be final.
-#   _auto_select_batch_size()    called: Lightning's guess of the per-device batch size from the train DataLoader.
-#   _init_deepspeed_distributed() called on CPU: sets MASTER_*/RANK env, picks gloo for a CPU root device, timeout.
-# Public methods overridden for CPU: setup_environment (skips the CUDA-only check), setup_distributed (skips the
-# device-index check, which CPU devices without an index always fail), root_device (DeepSpeed reads
-# root_device.index as device_rank; None crashes the engine).
-# ================================================================================================================
-TESTED_LIGHTNING = SpecifierSet(">=2.6,<2.7")
-_PRIVATE_MEMBERS = ("_format_config", "_auto_select_batch_size", "_init_deepspeed_distributed")
-
-
-def check_lightning(version: str | None = None) -> None:
-    """Refuse a Lightning without the private members hooked below; warn outside the tested minor range."""
-    found = version or metadata.version("lightning")
-    missing = [name for name in _PRIVATE_MEMBERS if not callable(getattr(DeepSpeedStrategy, name, None))]
-    if missing:
-        raise BackendUnavailableError(
-            f"lightning {found} has no DeepSpeedStrategy.{', DeepSpeedStrategy.'.join(missing)}, which autoshard's"
-            f" DeepSpeed strategies hook (verified on lightning {TESTED_LIGHTNING}). Backend that works: fsdp2"
-            f" (strategy='fsdp2'). Fix: pip install \"lightning{TESTED_LIGHTNING}\""
-        )
-    if not TESTED_LIGHTNING.contains(Version(found), prereleases=True):
-        warnings.warn(
-            f"autoshard's DeepSpeed strategies hook private Lightning members verified on lightning"
-            f" {TESTED_LIGHTNING}; found lightning {found}. If setup fails, pin pip install \"lightning{TESTED_LIGHTNING}\"",
-            stacklevel=3,
-        )
+# The private Lightning members used below are listed, with why, in autoshard.lightning.compat.
 
 
 def _lightning_batch_size(strategy: DeepSpeedStrategy) -> int:
@@ -90,9 +62,9 @@ def _lightning_init_distributed(strategy: DeepSpeedStrategy) -> None:
 
 
 class _LightningConfigHook(DeepSpeedStrategy):
-    """Holds the one private override, so subclasses never name a private Lightning member themselves."""
+    """Holds the private overrides, so subclasses never name a private Lightning member themselves."""
 
-    def _format_config(self) -> None:  # private Lightning hook, see the block above
+    def _format_config(self) -> None:  # private Lightning hook: autoshard.lightning.compat
         if not self._autoshard_format_config():
             super()._format_config()
 
@@ -100,8 +72,49 @@ class _LightningConfigHook(DeepSpeedStrategy):
         """Return True when the config was produced here; False leaves Lightning's own formatting in place."""
         return False
 
+    def _init_optimizers(self) -> Any:  # private Lightning hook: autoshard.lightning.compat
+        module = self.lightning_module
+        assert module is not None
+        error: Exception | None = None
+        with _returned_by(module, "configure_optimizers") as returned:
+            try:
+                chosen = super()._init_optimizers()
+            except Exception as exc:  # e.g. Lightning's "single optimizer": autoshard's refusal, if any, says more
+                error = exc
+        if returned:
+            self._autoshard_optimizers_returned(returned[0])
+        if error is not None:
+            raise error
+        return chosen
 
-# ================================================================================================================
+    def _autoshard_optimizers_returned(self, configured: Any) -> None:
+        """Called with what Lightning's single configure_optimizers call returned, before deepspeed.initialize."""
+
+
+@contextmanager
+def _returned_by(module: torch.nn.Module, hook: str) -> Iterator[list[Any]]:
+    """Record what Lightning's own call of ``module.<hook>()`` returns: the hook still runs once, called by Lightning.
+
+    A temporary instance attribute wraps whatever is there now (the class method, or a callback's own wrapper).
+    """
+    had = hook in vars(module)
+    current = getattr(module, hook)
+    returned: list[Any] = []
+
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        result = current(*args, **kwargs)
+        returned.append(result)
+        return result
+
+    module.__dict__[hook] = observed
+    try:
+        yield returned
+    finally:
+        if vars(module).get(hook) is observed:
+            if had:
+                module.__dict__[hook] = current
+            else:
+                del module.__dict__[hook]
 
 
 def require_deepspeed() -> None:
@@ -133,19 +146,25 @@ def _deepspeed_accelerator() -> str:
     return str(get_accelerator().device_name())
 
 
-class GuardedDeepSpeedStrategy(_LightningConfigHook):
+class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
     """Lightning's DeepSpeedStrategy, plus autoshard's refusal at setup and a CPU (gloo) path.
 
     Registered under Lightning's own names, so ``Trainer(strategy="deepspeed_stage_3")`` refuses an EMA teacher or a
     probe optimizer with guidance. Stages 1-2 do not partition parameters: there only several optimizers are refused.
     """
 
+    prefer = BACKEND
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_lightning()
+        gone = missing(DeepSpeedStrategy)
+        if gone:  # Lightning would never call autoshard's overrides: the provisional config and no refusal
+            raise BackendUnavailableError(
+                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's DeepSpeed"
+                f" strategies hook (verified on lightning {SUPPORTED_LIGHTNING}). Backend that works: fsdp2"
+                f" (strategy='fsdp2'). Fix: {PIN}"
+            )
         require_deepspeed()
         super().__init__(*args, **kwargs)
-        self.needs: MethodNeeds | None = None
-        self.decision: Decision | None = None
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Refuse a checkpoint of another backend (fsdp2 DCP, say) by name, before DeepSpeed reads anything."""
@@ -164,42 +183,41 @@ class GuardedDeepSpeedStrategy(_LightningConfigHook):
     def _label(self) -> str:
         return f"DeepSpeed ZeRO stage {self.zero_stage} ({type(self).__name__})"
 
-    def _trainer_precision(self) -> str | None:
+    def _resolve_precision(self) -> PrecisionPlan | None:
+        # Lightning writes the precision keys of its own config; the plan only feeds the matrix check.
         try:
-            return normalize_precision(self.precision_plugin.precision)
+            return super()._resolve_precision()
         except IntentError:
             return None  # a precision autoshard does not plan for (e.g. transformer-engine): Lightning judges it
 
     def _intent_to_check(self) -> ShardingIntent:
-        return ShardingIntent(precision=self._trainer_precision())
+        return ShardingIntent()
 
-    def _accelerator_name(self) -> str | None:
-        return self.parallel_devices[0].type if self.parallel_devices else None
+    def check_method(self, trainer: pl.Trainer, optimizers: Sequence[Any] | None = None) -> Decision:
+        """inspect_needs + select_backend for this module and its callbacks; raises before any engine exists.
 
-    def check_method(self, trainer: pl.Trainer) -> Decision:
-        """inspect_needs + select_backend for this module and its callbacks; raises before any engine exists."""
+        ``optimizers``: what Lightning's own configure_optimizers call returned. No user hook is called here.
+        """
         module = self.lightning_module
         assert module is not None, "check_method needs the LightningModule connected (Trainer.fit does that)"
-        needs = inspect_needs(module, trainer)
+        needs = inspect_needs(module, trainer, optimizers=optimizers, call_hooks=False)
         if self.zero_stage != 3:
             # Stages 1-2 keep whole parameters on every rank: EMA and several forwards are safe there.
             needs = dataclasses.replace(needs, ema_pairs=(), multi_forward=False)
         try:
-            decision = select_backend(needs, self._intent_to_check(), prefer=BACKEND, accelerator=self._accelerator_name())
+            decision = self._select(needs)
         except IncompatibleBackendError as err:
-            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.\n{err}") from None
+            why = ""
+            if self.requested_as is not None:  # auto-shard picked DeepSpeed from the intent, before the method was known
+                why = f" ({self.requested_as} chose DeepSpeed when the Trainer was built, for what the intent asks.)"
+            raise type(err)(
+                f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}"
+            ) from None
         self.needs, self.decision = needs, decision
         return decision
 
     # -- Lightning hooks --------------------------------------------------------------------------------------------
-    def _preflight(self) -> None:
-        """Before any process group: the early refusal, when the module's parameters already exist."""
-        module, trainer = self.lightning_module, _attached_trainer(self.lightning_module)
-        if module is not None and trainer is not None and any(True for _ in module.parameters()):
-            self.check_method(trainer)  # layers built in configure_model are checked at setup only
-
     def setup_environment(self) -> None:
-        self._preflight()
         if not self._on_cpu():
             super().setup_environment()  # Lightning's CUDA path, unchanged
             return
@@ -232,10 +250,21 @@ class GuardedDeepSpeedStrategy(_LightningConfigHook):
         return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
 
     def setup(self, trainer: pl.Trainer) -> None:
-        # Again here: callbacks' setup() hooks (probe optimizers) and configure_model have run since setup_environment.
-        decision = self.check_method(trainer)
-        rank_zero_info(decision.describe())
+        # The method is checked once, when all of it is known: callbacks' setup() and configure_model have run, and,
+        # when fitting, Lightning's own configure_optimizers call (in _init_optimizers) has returned, so that probe
+        # optimizers appended there are counted. Otherwise (no such call) it is checked here, from what exists.
+        if not self._lightning_calls_configure_optimizers(trainer):
+            rank_zero_info(self.check_method(trainer).describe())
         super().setup(trainer)
+
+    def _lightning_calls_configure_optimizers(self, trainer: pl.Trainer) -> bool:
+        """Lightning calls it right before the engine when training, unless the DeepSpeed config names an optimizer."""
+        return bool(trainer.training) and "optimizer" not in (self.config or {})
+
+    def _autoshard_optimizers_returned(self, configured: Any) -> None:
+        module = self.lightning_module
+        assert module is not None
+        rank_zero_info(self.check_method(module.trainer, returned_optimizers(configured)).describe())
 
 
 # Lightning DeepSpeedStrategy arguments that shape the config: autoshard builds the config from the intent instead.
@@ -283,7 +312,8 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
     """``strategy="autoshard-deepspeed"``: ZeRO-3 whose config is generated from a ShardingIntent.
 
     The final config is built when Lightning first needs it, once the world size, the DataLoader batch size,
-    ``accumulate_grad_batches`` and ``gradient_clip_val`` are known. The Trainer's precision is the source of truth.
+    ``accumulate_grad_batches`` and ``gradient_clip_val`` are known. The Trainer's precision is the source of truth:
+    it is resolved with the intent once, when the Trainer is built, and the config translates that plan.
     """
 
     strategy_name = "autoshard-deepspeed"
@@ -301,22 +331,18 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         self.intent = base.replace(**fields) if fields else base
         self.micro_batch_size = micro_batch_size
         self.zero_overrides = dict(zero_overrides or {})
-        # Intent-only refusals (tensor parallel, deepspeed not installed) at Trainer construction; the method
-        # is checked at setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
-        select_backend(MethodNeeds(), self.intent, prefer=BACKEND)
-        provisional = deepspeed_config(self.intent, world_size=1, micro_batch_size=micro_batch_size or 1, zero_overrides=self.zero_overrides)
+        # Intent-only refusals (tensor parallel) at construction, precision once the Trainer's is known, the method at
+        # setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
+        provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
         super().__init__(config=provisional, **lightning_kwargs)
 
     def _intent_to_check(self) -> ShardingIntent:
         return self.intent
 
-    def _resolve_precision(self) -> None:
-        self.intent = with_trainer_precision(self.intent, self.precision_plugin.precision)
-
-    def setup_environment(self) -> None:
-        self._resolve_precision()
-        self.intent.mesh_sizes(self.world_size)  # data_parallel_size, if given, must be the world size
-        super().setup_environment()
+    def _resolve_precision(self) -> PrecisionPlan:
+        plan = resolve_precision(self.precision_plugin.precision, self.intent)
+        precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
+        return plan
 
     def _autoshard_format_config(self) -> bool:
         trainer = _attached_trainer(self.lightning_module)
@@ -325,8 +351,9 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         self.config = deepspeed_config(
             self.intent,
             self.needs,
+            precision=self.precision_plan,
             world_size=self.world_size,
-            micro_batch_size=self.micro_batch_size or _lightning_batch_size(self),
+            micro_batch_size=_lightning_batch_size(self) if self.micro_batch_size is None else self.micro_batch_size,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val,
             zero_overrides=self.zero_overrides,
@@ -353,8 +380,6 @@ __all__ = [
     "AutoShardDeepSpeedStrategy",
     "GuardedDeepSpeedStrategy",
     "LIGHTNING_DEEPSPEED_NAMES",
-    "TESTED_LIGHTNING",
-    "check_lightning",
     "register_deepspeed_strategies",
     "require_deepspeed",
 ]

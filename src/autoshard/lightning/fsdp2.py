@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Collection, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -11,36 +12,64 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from autoshard.adapters.fsdp2 import (
     FSDP2Plan,
     ParallelizeFn,
     average_unsharded_gradients,
+    broadcast_unsharded,
     check_ema_alignment,
+    convert_sync_batchnorm,
     data_parallel_mesh,
     is_sharded,
+    per_shard_random_init,
     plan_fsdp2,
+    sync_buffers,
 )
-from autoshard.capability import Feature
-from autoshard.backends import get_backend
+from autoshard.capability import cell
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
-from autoshard.intent import ShardingIntent, as_intent, normalize_precision, with_trainer_precision
+from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
+from autoshard.intent import ShardingIntent, as_intent
+from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.checkpoint import CheckpointMixin
-from autoshard.needs import EMAPair, MethodNeeds, inspect_needs
+from autoshard.lightning.guarantees import ExplainMixedDTensor, reshard_after_no_grad_forward, reshard_teachers, track_forwards
+from autoshard.needs import EMAPair, MethodNeeds, inspect_needs, recount_optimizers
+from autoshard.precision import Precision, PrecisionPlan, normalize_precision
 from autoshard.select import Decision, select_backend
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-FSDP2_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+FSDP2_PRECISIONS = tuple(p.value for p in Precision if cell("fsdp2", p.feature).support.usable)
 
 
-def precision_refusal(precision: str, strategy: str) -> str:
-    """The 16-mixed refusal, in Trainer terms (Lightning's own text speaks of ``Fabric(...)``)."""
-    cell = get_backend("fsdp2").row[Feature.FP16_MIXED]
-    return (
-        f"Trainer(strategy='{strategy}', precision='{precision}') is not supported: {cell.reason}."
+def refuse_unsupported_precision(trainer_precision: object, strategy: FSDP2Strategy) -> None:
+    """Refuse, in Trainer terms, a precision fsdp2 cannot run (the matrix's FP16_MIXED cell says why).
+
+    Called by the guard on the Trainer's precision flag, before Lightning's own check (which says ``Fabric(...)``,
+    skips strategies given by name, and on CPU turns 16-mixed into bf16-mixed right after), and at precision
+    resolution, for a precision plugin passed in ``plugins=``. The intent's precision, when stated, is named too.
+    """
+    try:
+        precision: Precision | None = normalize_precision(trainer_precision)
+    except IntentError:
+        precision = None  # 64-true, transformer-engine, ...: nothing autoshard plans for
+    if precision is not None and cell("fsdp2", precision.feature).support.usable:
+        return
+    name = strategy.strategy_name
+    reason = cell("fsdp2", precision.feature).reason if precision else "autoshard plans fsdp2 runs only for the precisions below"
+    why = ""
+    if strategy.prefer == "auto":
+        why = (
+            f" {name} picks its backend when the strategy is built, before the Trainer's precision is known, and"
+            f" took fsdp2 for this intent."
+        )
+    stated = strategy.intent.precision
+    also = f" ShardingIntent(precision='{stated}') states it too." if stated and stated == precision else ""
+    raise IncompatibleBackendError(
+        f"Trainer(strategy='{name}', precision='{precision or trainer_precision}') is not supported: {reason}.{also}{why}"
         f" Valid choices with fsdp2: {', '.join(map(repr, FSDP2_PRECISIONS))}."
         f" Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a"
         f" single-optimizer method that needs fp16"
@@ -89,26 +118,34 @@ def _configure_model_counted_as_overridden(module: torch.nn.Module) -> Any:
             del module.__dict__["configure_model"]
 
 
-def check_meta_init(module: torch.nn.Module) -> bool:
-    """True when built on the meta device; refuses modules whose parameters reset_parameters() would not initialize.
+def check_meta_init(module: torch.nn.Module, covered: Collection[str] = frozenset()) -> bool:
+    """True when built on the meta device; refuses modules whose parameters reset_parameters() would not initialize
+    and ``init_from`` does not fill (``covered``: the state-dict names it loads).
 
     Lightning only warns there, and training would start from uninitialized memory.
     """
     if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return False
+
+    def filled(path: str, m: torch.nn.Module) -> bool:
+        own = [n for n, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
+        return bool(covered) and all((f"{path}.{n}" if path else n) in covered for n in own)
+
     missing = sorted(
         {
             type(m).__name__
-            for m in module.modules()
+            for path, m in module.named_modules()
             if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
             and not callable(getattr(m, "reset_parameters", None))
+            and not filled(path, m)
         }
     )
     if missing:
         raise AutoShardError(
             f"the model was built on the meta device (empty_init=True), but {', '.join(missing)} own parameters or"
-            f" buffers and define no reset_parameters(), so they would start from uninitialized memory."
-            f" Fix: define reset_parameters() on them, or build the model without empty_init=True"
+            f" buffers and define no reset_parameters(), so they would start from uninitialized memory (no init_from"
+            f" file holds them). Fix: define reset_parameters() on them, load them with ShardingIntent(init_from=PATH),"
+            f" or build the model without empty_init=True"
         )
     return True
 
@@ -122,7 +159,7 @@ def copy_students_into_teachers(module: torch.nn.Module, pairs: tuple[EMAPair, .
             t.copy_(s)
 
 
-class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
+class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelParallelStrategy):
     """``strategy="fsdp2"``: pure FSDP by default (dp = world size, tp = 1), sharding at setup, no module change.
 
     ``parallelize_fn(module, device_mesh)`` replaces the generic plan; ``device_mesh["data_parallel"]`` is the dp slice.
@@ -137,8 +174,9 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
         parallelize_fn: ParallelizeFn | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **intent_fields: Any,
     ) -> None:
-        self.intent = as_intent(intent)
+        self.intent = as_intent(intent, **intent_fields)
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size="auto",
@@ -147,49 +185,51 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self.parallelize_fn = parallelize_fn
-        self.needs: MethodNeeds | None = None
-        self.decision: Decision | None = None
         self.plan: FSDP2Plan | None = None
+        self.init_report: InitReport | None = None  # what this rank read for ShardingIntent(init_from=...)
 
-    # -- Trainer construction: everything that can be refused before a process starts -------------------------
-    def _configure_launcher(self) -> None:
-        self.intent = self._intent_with_trainer_precision()
-        accelerator = self._accelerator_name()
-        select_backend(MethodNeeds(), self.intent, prefer=self._prefer_at_construction(), accelerator=accelerator)
+    # -- Trainer construction (BackendMixin._configure_launcher): what can be refused before a process starts ----
+    def _check_construction(self) -> None:
+        self._select(MethodNeeds(), self._prefer_at_construction())
         check_slurm(self.num_processes, self.num_nodes)
-        self.intent.mesh_sizes(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
+        # Set before Lightning's setup_environment, which keeps sizes that are not "auto".
+        self._data_parallel_size, self._tensor_parallel_size = self._mesh_sizes()
+        tp = self.intent.tensor_parallel_size
+        if tp > 1 and self.parallelize_fn is None:
+            raise IntentError(
+                f"tensor_parallel_size={tp} needs a parallelize_fn: autoshard has no generic tensor-parallel layout, so"
+                f" nothing would be split across the {tp} tensor-parallel ranks and they would all train on the same"
+                f" batch. Fix: pass FSDP2Strategy(parallelize_fn=fn), where fn(module, device_mesh) applies a"
+                f" tensor-parallel layout on device_mesh['tensor_parallel'], or set tensor_parallel_size=1"
+            )
 
     def _prefer_at_construction(self) -> str:
         return self.prefer
 
-    def _intent_with_trainer_precision(self) -> ShardingIntent:
-        trainer_precision = normalize_precision(getattr(self.precision_plugin, "precision", "32-true"))
-        if trainer_precision not in FSDP2_PRECISIONS:
-            raise IncompatibleBackendError(precision_refusal(trainer_precision, self.strategy_name))
-        return with_trainer_precision(self.intent, trainer_precision)
-
-    def _accelerator_name(self) -> str | None:
-        device = self.parallel_devices[0] if self.parallel_devices else None
-        return device.type if device is not None else None
+    def _resolve_precision(self) -> PrecisionPlan | None:
+        refuse_unsupported_precision(self.precision_plugin.precision, self)
+        return super()._resolve_precision()
 
     # -- In each process --------------------------------------------------------------------------------------
-    def setup_environment(self) -> None:
-        self._data_parallel_size, self._tensor_parallel_size = self.intent.mesh_sizes(self.num_nodes * self.num_processes)
-        super().setup_environment()
+    def _decide(self, needs: MethodNeeds) -> Decision:
+        decision = self._select(needs)
+        if decision.backend != "fsdp2":
+            raise IncompatibleBackendError(
+                f"auto-shard chose {decision.backend} for this method, but the Trainer was built for fsdp2."
+                f" Fix: use strategy='{decision.strategy}'\n{decision.describe()}"
+            )
+        return decision
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        self.needs = inspect_needs(module, trainer)
-        self.decision = select_backend(self.needs, self.intent, prefer=self.prefer, accelerator=self._accelerator_name())
-        if self.decision.backend != "fsdp2":
-            raise IncompatibleBackendError(
-                f"auto-shard chose {self.decision.backend} for this method, but the Trainer was built for fsdp2."
-                f" Fix: use strategy='{self.decision.strategy}'\n{self.decision.describe()}"
-            )
-        rank_zero_info(self.decision.describe())
-        on_meta = check_meta_init(module)
+        # No user hook is called to inspect the method (stable-pretraining's probes assert configure_optimizers runs
+        # once): fsdp2 runs any number of optimizers, so the sharding is decided without counting them, and they
+        # are counted from Lightning's own call below, for the printed decision.
+        self.needs = inspect_needs(module, trainer, call_hooks=False)
+        self.decision = self._decide(self.needs)
+        init = self._plan_init_from(module)  # names missing, unexpected and reshaped weights before anything is sharded
+        on_meta = check_meta_init(module, init.covered if init is not None else frozenset())
         already_sharded = is_sharded(module)
         if already_sharded or self.parallelize_fn is not None:
             if already_sharded:
@@ -200,14 +240,61 @@ class FSDP2Strategy(CheckpointMixin, ModelParallelStrategy):
             average_unsharded_gradients(module, data_parallel_mesh(self.device_mesh))
             for pair in self.needs.ema_pairs:
                 check_ema_alignment(module, pair)
+            # The plan's guarantees, whoever sharded: teachers (and units forwarded without grad) reshard after forward.
+            teachers = reshard_teachers(module, self.needs.ema_pairs)
+            reshard_after_no_grad_forward(module)
+            if teachers:
+                rank_zero_info(f"autoshard: EMA teacher units reshard after forward: {', '.join(teachers)}")
         else:
-            self.plan = plan_fsdp2(module, self.intent, self.needs)
+            self.plan = plan_fsdp2(module, self.intent, self.needs, self.precision_plan)
+            self.plan.sync_batchnorm = self._layer_sync is not None
             self.plan.apply(module, self.device_mesh)
             rank_zero_info(self.plan.describe(self.describe_mesh()))
-        with _configure_model_counted_as_overridden(module):
+        self._forwarded = track_forwards(module)
+        if self._layer_sync is not None:  # Trainer(sync_batchnorm=True); ModelParallelStrategy ignores it
+            convert_sync_batchnorm(module, data_parallel_mesh(self.device_mesh).get_group())
+        with _configure_model_counted_as_overridden(module), per_shard_random_init(self.device_mesh), warnings.catch_warnings():
+            if init is not None:  # modules without reset_parameters() passed check_meta_init: init_from fills them
+                warnings.filterwarnings("ignore", message="Parameter initialization incomplete")
             super().setup(trainer)  # materializes meta shards locally through reset_parameters()
-        if on_meta:
-            copy_students_into_teachers(module, self.needs.ema_pairs)
+        if trainer.state.fn == TrainerFn.FITTING:  # Lightning's single configure_optimizers call has run
+            self.needs = recount_optimizers(self.needs, module, self.optimizers, trainer)
+            self.decision = self._decide(self.needs)
+        rank_zero_info(self.decision.describe())
+        if init is not None:  # after materialization, before teachers copy students and rank 0's copy is broadcast
+            self.init_report = load_init_from(module, init)
+            rank_zero_info(self.init_report.describe())
+        if on_meta or init is not None:  # teachers the files do not hold start as copies of their (loaded) students
+            copy_students_into_teachers(module, init.copy_teachers if init is not None else self.needs.ema_pairs)
+        broadcast_unsharded(module, self.device_mesh)
+
+    def _plan_init_from(self, module: torch.nn.Module) -> InitPlan | None:
+        """The intent's init_from matched against the module on every rank; the same error everywhere if any fails."""
+        if self.intent.init_from is None:
+            return None
+        assert self.needs is not None
+        return plan_everywhere(module, sources_of(self.intent.init_from), self.needs.ema_pairs, self._all_gather)
+
+    # -- Buffers: rank 0's copy wins (BUFFER_RULE in autoshard.adapters.fsdp2; DDP's broadcast_buffers=True) --------
+    def _sync_buffers(self) -> None:
+        assert self.lightning_module is not None
+        sync_buffers(self.lightning_module, self.device_mesh)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._sync_buffers()
+        super().on_train_batch_start(batch, batch_idx)
+
+    def on_validation_start(self) -> None:
+        self._sync_buffers()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self._sync_buffers()
+        super().on_train_end()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._sync_buffers()  # the checkpoint holds rank 0's buffers, and so does every rank after it
+        return super().lightning_module_state_dict()
 
     def describe_mesh(self) -> dict[str, Any]:
         return {
@@ -222,6 +309,8 @@ class AutoShardStrategy(FSDP2Strategy):
 
     The intent alone can require DeepSpeed (NVMe or optimizer-only offload): then construction returns
     autoshard's DeepSpeed strategy instead. The method is only known at setup, where a misfit is refused.
+    Precision takes no part in that choice: the Trainer's is not known at construction, so the intent's is ignored
+    there too, and a precision only DeepSpeed runs is refused once the Trainer is built, wherever it was stated.
     """
 
     strategy_name = "auto-shard"
@@ -233,9 +322,10 @@ class AutoShardStrategy(FSDP2Strategy):
         parallelize_fn: ParallelizeFn | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **intent_fields: Any,
     ) -> Any:
-        wanted = as_intent(intent)
-        if select_backend(MethodNeeds(), wanted).backend == "deepspeed_zero3":
+        wanted = as_intent(intent, **intent_fields)
+        if select_backend(MethodNeeds(), wanted.replace(precision=None)).backend == "deepspeed_zero3":
             if parallelize_fn is not None:
                 raise IntentError(
                     "this intent needs DeepSpeed (only it has what it asks for), and DeepSpeed takes no parallelize_fn."
@@ -243,7 +333,9 @@ class AutoShardStrategy(FSDP2Strategy):
                 )
             from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
-            return AutoShardDeepSpeedStrategy(wanted, process_group_backend=process_group_backend, timeout=timeout)
+            chosen = AutoShardDeepSpeedStrategy(wanted, process_group_backend=process_group_backend, timeout=timeout)
+            chosen.requested_as = cls.strategy_name  # its refusals must not propose the auto-shard the user is on
+            return chosen
         return super().__new__(cls)
 
     def _prefer_at_construction(self) -> str:

@@ -1,7 +1,7 @@
 """Fail-fast guards installed on ``import autoshard``: FSDP1 and fp16-under-fsdp2 are refused with a redirect.
 
-They wrap FSDPStrategy.__init__ and two private checks of Lightning's accelerator connector (verified on
-lightning 2.4-2.6); every such wrap lives only here.
+They wrap FSDPStrategy.__init__ and two private checks of Lightning's accelerator connector (listed in
+autoshard.lightning.compat); every such wrap lives only here.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def install_guards() -> None:
 
     def check_strategy(original: Callable[..., Any]) -> Callable[..., Any]:
         def check(self: Any) -> None:
-            # Lightning rejects "fsdp" on CPU here with its own text, before the class is ever built.
+            # Lightning refuses "fsdp" on CPU here with its own text, before the class is ever built.
             flag = self._strategy_flag
             if isinstance(flag, str) and flag in FSDPStrategy.get_registered_strategies():
                 raise IncompatibleBackendError(fsdp1_refusal())
@@ -58,11 +58,10 @@ def install_guards() -> None:
         def validate(self: Any) -> None:
             # Lightning checks only strategy *instances* (not names), says "Fabric(...)", and on CPU silently turns
             # 16-mixed into bf16-mixed later: refuse first, for names and instances alike.
-            from autoshard.lightning.fsdp2 import FSDP2_PRECISIONS, FSDP2Strategy, precision_refusal
+            from autoshard.lightning.fsdp2 import FSDP2Strategy, refuse_unsupported_precision
 
-            strategy = self.strategy
-            if isinstance(strategy, FSDP2Strategy) and self._precision_flag not in FSDP2_PRECISIONS:
-                raise IncompatibleBackendError(precision_refusal(self._precision_flag, strategy.strategy_name))
+            if isinstance(self.strategy, FSDP2Strategy):
+                refuse_unsupported_precision(self._precision_flag, self.strategy)
             original(self)
 
         return validate

@@ -1,0 +1,138 @@
+"""The one Lightning range autoshard supports, and every private Lightning member it touches: where, and why.
+
+Lightning may rename or drop a private member in any release. Each one autoshard uses is listed here, once;
+tests/lightning/test_compat.py checks every entry on the installed Lightning (so an upgrade that breaks one fails
+that test, by name) and that pyproject.toml declares SUPPORTED_LIGHTNING. Outside that range ``check_lightning``
+warns, once, on rank 0, when ``import autoshard`` registers the strategies.
+
+Public behaviours relied on as well (tested where they are used, not listed below):
+- ``ModelParallelStrategy.setup`` refuses a module whose ``configure_model`` is not overridden: FSDP2Strategy sets
+  an instance attribute for the duration of that call (autoshard shards instead).
+- ``DeepSpeedStrategy.setup_environment`` adds only a CUDA-only refusal to ``DDPStrategy.setup_environment``, which
+  the CPU path calls directly; ``setup_distributed`` checks device indices, which CPU devices lack.
+- ``StrategyRegistry`` is a dict of ``{"strategy", "description", "init_params"}`` entries, read raw so that
+  nothing is instantiated (autoshard.lightning.register, register_deepspeed_strategies).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from importlib import metadata
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+SUPPORTED_LIGHTNING = ">=2.6,<2.7"  # the minor release the members below are verified on; pyproject.toml says the same
+PIN = f'pip install "lightning{SUPPORTED_LIGHTNING}"'
+
+_CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
+_DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
+_MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
+
+
+@dataclass(frozen=True)
+class Private:
+    """``owner`` (a dotted class or module path) has ``name``: a method or class, or, with ``on_instance``, an
+    attribute its ``__init__`` sets (only an instance shows it)."""
+
+    owner: str
+    name: str
+    used_in: str
+    why: str
+    on_instance: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.owner.rpartition('.')[2]}.{self.name}"
+
+
+PRIVATE_MEMBERS: tuple[Private, ...] = (
+    Private(_CONNECTOR, "_check_strategy_and_fallback", "lightning/guards.py",
+            "wrapped: strategy='fsdp' is refused by name before Lightning's own CPU check replaces our redirect"),
+    Private(_CONNECTOR, "_validate_precision_choice", "lightning/guards.py",
+            "wrapped: 16-mixed under fsdp2 is refused for strategy names too (Lightning checks instances only, says"
+            " 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)"),
+    Private(_CONNECTOR, "_strategy_flag", "lightning/guards.py", "read: the strategy the user passed", on_instance=True),
+    Private(_CONNECTOR, "_precision_flag", "lightning/guards.py", "read: the precision the user passed", on_instance=True),
+    Private(_MODEL_PARALLEL, "_configure_launcher", "lightning/base.py",
+            "overridden: the last step of Trainer construction, the first point where the Trainer's precision is"
+            " known; precision, backend and mesh are checked there, before any process starts"),
+    Private(_MODEL_PARALLEL, "_data_parallel_size", "lightning/fsdp2.py",
+            "set from the intent before Lightning resolves 'auto' (which means tensor parallel within a node)",
+            on_instance=True),
+    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "lightning/fsdp2.py", "set with _data_parallel_size", on_instance=True),
+    Private(_MODEL_PARALLEL, "_save_distributed_checkpoint", "lightning/checkpoint.py",
+            "read: a DCP directory or one full file", on_instance=True),
+    Private(_MODEL_PARALLEL, "_layer_sync", "lightning/fsdp2.py",
+            "read: Trainer(sync_batchnorm=True), which ModelParallelStrategy ignores and autoshard applies",
+            on_instance=True),
+    Private(_DEEPSPEED, "_configure_launcher", "lightning/base.py", "overridden, as for ModelParallelStrategy"),
+    Private(_DEEPSPEED, "_format_config", "lightning/deepspeed.py",
+            "overridden: Lightning calls it lazily (setup, model_sharded_context) when the config must be final"),
+    Private(_DEEPSPEED, "_auto_select_batch_size", "lightning/deepspeed.py",
+            "called: Lightning's per-device batch size from the train DataLoader, so both strategies agree"),
+    Private(_DEEPSPEED, "_init_deepspeed_distributed", "lightning/deepspeed.py",
+            "called on CPU: MASTER_*/RANK env, gloo for a CPU root device, the strategy's timeout"),
+    Private(_DEEPSPEED, "_init_optimizers", "lightning/deepspeed.py",
+            "overridden: Lightning's single configure_optimizers call happens inside it, right before"
+            " deepspeed.initialize; autoshard reads what it returned and refuses the method there"),
+    Private("lightning.pytorch.core.optimizer.LightningOptimizer", "_optimizer", "needs.py",
+            "read: the torch optimizer a LightningOptimizer wraps", on_instance=True),
+    Private("lightning.pytorch.core.optimizer", "_MockOptimizer", "needs.py",
+            "compared by name: Lightning's stand-in when configure_optimizers returns None is no optimizer"),
+    Private("lightning.pytorch.LightningModule", "_trainer", "needs.py, memory.py, lightning/checkpoint.py",
+            "read: the attached Trainer or None (the trainer property raises when none is attached)", on_instance=True),
+)
+
+
+def _resolve(path: str) -> object:
+    """A class or module from its dotted path."""
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def missing(owner: type | None = None) -> list[str]:
+    """The listed methods and classes (of ``owner`` only, if given) that the installed Lightning lacks.
+
+    Instance attributes need an instance: tests/lightning/test_compat.py builds one per owner.
+    """
+    gone = []
+    for member in PRIVATE_MEMBERS:
+        if member.on_instance:
+            continue
+        try:
+            where = _resolve(member.owner)
+        except (ImportError, AttributeError):
+            where = None
+        if owner is not None and where is not owner:
+            continue
+        if not hasattr(where, member.name):
+            gone.append(str(member))
+    return gone
+
+
+@functools.cache
+def check_lightning(version: str | None = None) -> None:
+    """Warn (once per version, on rank 0) when Lightning is outside SUPPORTED_LIGHTNING or lacks a listed member.
+
+    A warning, not an error: a newer Lightning may well keep every member; the warning says what to pin if not.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    found = version or metadata.version("lightning")
+    gone = missing() if version is None else []
+    if SpecifierSet(SUPPORTED_LIGHTNING).contains(Version(found), prereleases=True) and not gone:
+        return
+    lacks = f"; it lacks {', '.join(gone)}" if gone else ""
+    rank_zero_warn(
+        f"autoshard hooks private Lightning members verified on lightning {SUPPORTED_LIGHTNING}; found lightning"
+        f" {found}{lacks}. If a strategy fails, {PIN}",
+        stacklevel=3,
+    )
+
+
+__all__ = ["PIN", "PRIVATE_MEMBERS", "SUPPORTED_LIGHTNING", "Private", "check_lightning", "missing"]

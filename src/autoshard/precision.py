@@ -1,0 +1,222 @@
+"""Precision, resolved once: the Trainer's precision string and the intent's dtypes -> one PrecisionPlan.
+
+A precision string ("bf16-mixed") stands for four dtypes a sharded run needs: what the layers compute in, what is
+all-gathered, what gradients are reduced in, and what the optimizer updates. ``resolve_precision`` is the one place
+that turns the one into the other, where both the Trainer's precision and the intent are known; each backend then
+translates the plan (``adapters.fsdp2.policies``: a MixedPrecisionPolicy; ``adapters.deepspeed.precision_config``:
+its bf16/fp16 blocks). ``on_backend`` says where a backend runs the plan differently, and ``precision_table``
+prints that for the docs. Torch-free, like ``autoshard.intent``: ``import autoshard`` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from autoshard.capability import Feature
+from autoshard.errors import IntentError, closest, did_you_mean
+
+if TYPE_CHECKING:
+    from autoshard.intent import ShardingIntent
+
+
+class Dtype(str, Enum):
+    """The floating dtypes a plan names, spelt as torch spells them."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is Dtype.FLOAT32 else 2
+
+    @property
+    def torch(self) -> Any:
+        import torch
+
+        return getattr(torch, self.value)
+
+
+class Precision(str, Enum):
+    """Lightning's precision strings autoshard plans for, in the order its messages list them."""
+
+    BF16_MIXED = "bf16-mixed"
+    FP32 = "32-true"
+    BF16_TRUE = "bf16-true"
+    FP16_MIXED = "16-mixed"
+    FP16_TRUE = "16-true"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def autocast(self) -> bool:
+        """"-mixed": fp32 weights, layers run under autocast; "-true": the module itself is converted."""
+        return self.value.endswith("-mixed")
+
+    @property
+    def dtype(self) -> Dtype:
+        """The low precision the string names (float32 for 32-true)."""
+        return {"bf16": Dtype.BFLOAT16, "16": Dtype.FLOAT16}.get(self.value.split("-")[0], Dtype.FLOAT32)
+
+    @property
+    def feature(self) -> Feature:
+        """The capability-matrix row that says which backend runs this precision."""
+        return _FEATURES[self]
+
+
+_FEATURES = {
+    Precision.BF16_MIXED: Feature.BF16,
+    Precision.BF16_TRUE: Feature.BF16_TRUE,
+    Precision.FP16_MIXED: Feature.FP16_MIXED,
+    Precision.FP16_TRUE: Feature.FP16_TRUE,
+    Precision.FP32: Feature.FP32,
+}
+PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
+DEFAULT_PRECISION = Precision.BF16_MIXED
+# Lightning's short spellings, so a YAML written for Lightning reads the same here.
+_ALIASES = {"bf16": "bf16-mixed", "32": "32-true", "16": "16-mixed"}
+
+
+def normalize_precision(value: object) -> Precision:
+    """Accept Lightning's spellings (16, "bf16", "32-true") and return the canonical one."""
+    if isinstance(value, Precision):
+        return value
+    text = str(value).strip().lower()
+    text = _ALIASES.get(text, text)
+    if text not in PRECISIONS:
+        raise IntentError(
+            f"unknown precision {value!r}{did_you_mean(text, PRECISIONS)}: choose one of {', '.join(PRECISIONS)}"
+            f" (Lightning's short forms 'bf16', '16' and '32' work too)."
+            f" Fix: precision='{closest(text, PRECISIONS) or DEFAULT_PRECISION}' (bf16-mixed is recommended for sharded training)"
+        )
+    return Precision(text)
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The dtypes of one run. Every backend is handed this one value; none reads a precision string again.
+
+    ``compute``: what the layers compute in (under autocast: the ops autocast lowers). ``gather``: the dtype
+    parameters are all-gathered in, which is also the unsharded copy a forward sees. ``reduce``: the dtype
+    gradients are reduced in. ``master``: the dtype of the weights the optimizer updates; below float32, updates
+    smaller than the dtype's resolution are lost. ``loss_scaling``: fp16 gradients are scaled so they do not
+    underflow.
+    """
+
+    precision: Precision
+    compute: Dtype
+    autocast: bool
+    gather: Dtype
+    reduce: Dtype
+    master: Dtype
+    loss_scaling: bool = False
+
+
+def resolve_precision(trainer_precision: object | None, intent: ShardingIntent) -> PrecisionPlan:
+    """The one precision of a run, from the Trainer's (the source of truth) and the intent's; then its dtypes.
+
+    ``trainer_precision=None`` means no Trainer (``autoshard explain``, a DeepSpeed config on its own): the
+    intent's precision, else bf16-mixed. An intent may repeat the Trainer's precision but not contradict it.
+    "-mixed" keeps fp32 weights, gathers in the low dtype (the unsharded copy autocast would cast to anyway:
+    half the all-gather bytes and gathered memory) and reduces in fp32 (sums of many low-precision gradients
+    lose bits): torchtitan's and Lightning's FSDP2 setting. "-true" converts the module: all four in the low
+    dtype. The intent's ``param_dtype`` / ``reduce_dtype`` replace the gather / reduce dtypes.
+    """
+    stated = None if intent.precision is None else normalize_precision(intent.precision)
+    if trainer_precision is None:
+        precision = stated or DEFAULT_PRECISION
+    else:
+        precision = normalize_precision(trainer_precision)
+        if stated is not None and stated is not precision:
+            raise IntentError(
+                f"precision is given twice and differs: ShardingIntent(precision='{stated}') but"
+                f" Trainer(precision='{precision}'). Fix: set it once, in the Trainer"
+                f" (Trainer(precision='{stated}')), and drop it from the intent"
+            )
+    low = precision.dtype
+    gather = Dtype(intent.param_dtype) if intent.param_dtype else low
+    if intent.reduce_dtype:
+        reduce = Dtype(intent.reduce_dtype)
+    else:
+        reduce = Dtype.FLOAT32 if precision.autocast else low
+    return PrecisionPlan(
+        precision=precision,
+        compute=low if precision.autocast else gather,
+        autocast=precision.autocast,
+        gather=gather,
+        reduce=reduce,
+        master=Dtype.FLOAT32 if precision.autocast else low,
+        loss_scaling=precision is Precision.FP16_MIXED,
+    )
+
+
+def on_backend(plan: PrecisionPlan, backend: str) -> PrecisionPlan:
+    """What ``backend`` actually runs for ``plan``: FSDP2 runs it as is; ZeRO-3 differs in three ways.
+
+    Under Lightning's DeepSpeedStrategy there is no autocast (the engine converts the model, so "-mixed" computes
+    every op in the low dtype), the parameters are stored and gathered in the low dtype, and the optimizer always
+    keeps an fp32 master copy, with dynamic loss scaling for fp16. Gradients are reduced in the plan's dtype
+    (``communication_data_type``). A gather dtype other than the low dtype (``param_dtype``) is refused there.
+    """
+    if backend == "fsdp2":
+        return plan
+    if backend != "deepspeed_zero3":
+        raise ValueError(f"no precision rules for backend {backend!r}")
+    low = plan.precision.dtype
+    if plan.gather is not low:
+        raise IntentError(
+            f"param_dtype='{plan.gather}' contradicts precision='{plan.precision}': under DeepSpeed the compute"
+            f" dtype of the parameters follows the precision ({low} here). Backend that can cast"
+            f" separately: fsdp2. Fix: drop param_dtype, or set the Trainer precision that computes in"
+            f" {plan.gather}"
+        )
+    return dataclasses.replace(
+        plan, compute=low, autocast=False, master=Dtype.FLOAT32, loss_scaling=low is Dtype.FLOAT16
+    )
+
+
+TABLE_BACKENDS = ("fsdp2", "deepspeed_zero3")
+
+
+def precision_table() -> str:
+    """For each precision and backend, the dtypes that run (no intent overrides); the guide embeds this table."""
+    from autoshard.capability import cell
+    from autoshard.intent import ShardingIntent
+
+    lines = [
+        "| precision | backend | compute | all-gather | gradient reduce | weights the optimizer updates |",
+        "|---|---|---|---|---|---|",
+    ]
+    for precision in Precision:
+        plan = resolve_precision(precision, ShardingIntent())
+        for backend in TABLE_BACKENDS:
+            if not cell(backend, precision.feature).support.usable:
+                lines.append(f"| {precision} | {backend} | refused | - | - | - |")
+                continue
+            run = on_backend(plan, backend)
+            compute = f"{run.compute}, " + ("autocast" if run.autocast else "every op")
+            # ZeRO-3 stores the model in the low dtype and the fp32 weights apart; FSDP2's shards are the weights.
+            master = f"{run.master}" + (" master copy" if run.master is not run.gather else "")
+            master += " + dynamic loss scaling" if run.loss_scaling else ""
+            lines.append(f"| {precision} | {backend} | {compute} | {run.gather} | {run.reduce} | {master} |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEFAULT_PRECISION",
+    "PRECISIONS",
+    "Dtype",
+    "Precision",
+    "PrecisionPlan",
+    "normalize_precision",
+    "on_backend",
+    "precision_table",
+    "resolve_precision",
+]
