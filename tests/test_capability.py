@@ -7,7 +7,7 @@ import pytest
 from autoshard import Cell, Feature, Support, matrix, render_matrix
 from autoshard.backends import BACKENDS, get_backend
 from autoshard.backends.fsdp1 import REASON as FSDP1_REASON
-from autoshard.capability import cell
+from autoshard.backends.matrix import cell
 
 
 def test_backends_in_preference_order_with_a_cell_for_every_feature():

@@ -9,6 +9,7 @@ a real ZeRO-3 engine in a subprocess.
 from __future__ import annotations
 
 import argparse
+import json
 import hashlib
 import os
 import subprocess
@@ -22,22 +23,19 @@ import torch
 from torch import nn
 
 import autoshard.checkpoint as ckpt
+import autoshard.checkpoint_io as ckpt_io
 from autoshard.checkpoint import (
     CheckpointFormatError,
     Format,
-    aside_path,
     check_replaceable,
-    cmd_consolidate,
-    commit,
-    consolidate,
     detect_format,
     finish_interrupted_commit,
     prepare_staging,
-    register_cli,
     resolve_for_load,
-    staging_path,
 )
+from autoshard.checkpoint_io import aside_path, commit, staging_path
 from autoshard.cli import main
+from autoshard.consolidate import cmd_consolidate, consolidate, register_cli
 
 
 pytestmark = [
@@ -251,6 +249,16 @@ def test_register_cli_adds_consolidate(tmp_path: Path, dcp_dir: Path, capsys: py
     assert "consolidated distributed checkpoint" in capsys.readouterr().out
 
 
+def test_consolidate_json_is_one_object_on_success_and_on_refusal(tmp_path: Path, dcp_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o.pt"
+    assert main(["consolidate", str(dcp_dir), str(out), "--json"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done["out"] == str(out) and done["format"] == "distributed" and done["tensors"] == len(model().state_dict())
+    assert main(["consolidate", str(dcp_dir), str(out), "--json"]) == 1  # OUT exists now: refused, as JSON
+    refused = json.loads(capsys.readouterr().out)
+    assert refused["error"]["type"] == "CheckpointFormatError" and refused["error"]["message"].rstrip().endswith("to replace it")
+
+
 # -- consolidate never destroys its output ---------------------------------------------------------------------------
 def test_consolidate_refuses_an_existing_output_unless_forced(tmp_path: Path, dcp_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Before: exit 0, and the full Lightning checkpoint at OUT was replaced by weights only."""
@@ -301,9 +309,9 @@ def sha256(path: Path) -> str:
 def with_manifest(path: Path) -> Path:
     """What autoshard's save adds: the manifest of every file, inside a directory or beside a file."""
     if path.is_dir():
-        ckpt.write_manifest(path / MANIFEST, ckpt.describe_files(path, [p.name for p in path.iterdir()]))
+        ckpt_io.write_manifest(path / MANIFEST, ckpt_io.describe_files(path, [p.name for p in path.iterdir()]))
     else:
-        ckpt.write_manifest(path.with_name(path.name + ".autoshard-manifest.json"), ckpt.describe_files(path.parent, [path.name]))
+        ckpt_io.write_manifest(path.with_name(path.name + ".autoshard-manifest.json"), ckpt_io.describe_files(path.parent, [path.name]))
     return path
 
 
@@ -332,7 +340,7 @@ def test_missing_and_truncated_files_are_named(dcp_dir: Path) -> None:
     size = (dcp_dir / "meta.pt").stat().st_size
     (dcp_dir / "meta.pt").write_bytes((dcp_dir / "meta.pt").read_bytes()[:10])
     (dcp_dir / ".metadata").unlink()
-    assert sorted(ckpt.integrity_problems(dcp_dir) or []) == [
+    assert sorted(ckpt_io.integrity_problems(dcp_dir) or []) == [
         f"{str(dcp_dir / '.metadata')!r} is missing ({MANIFEST} lists it)",
         f"{str(dcp_dir / 'meta.pt')!r} holds 10 bytes where {MANIFEST} records {size:,d}",
     ]
@@ -343,7 +351,7 @@ def test_shares_of_the_check_cover_every_file_once(dcp_dir: Path) -> None:
     with_manifest(dcp_dir)
     flip_byte(dcp_dir / "__0_0.distcp", 200)
     flip_byte(dcp_dir / "meta.pt", 100)
-    shares = [ckpt.integrity_problems(dcp_dir, slice(rank, None, 2)) for rank in range(2)]
+    shares = [ckpt_io.integrity_problems(dcp_dir, slice(rank, None, 2)) for rank in range(2)]
     assert sorted(p.split("'")[1].rsplit("/", 1)[1] for share in shares for p in share or []) == ["__0_0.distcp", "meta.pt"]
 
 
@@ -364,7 +372,7 @@ def saved_over(target: Path, step: int) -> Path:
     with_manifest(target)
     staged = prepare_staging(target)
     torch.save({"state_dict": {}, "global_step": step}, staged)
-    ckpt.stage_sidecar(target)
+    ckpt_io.stage_sidecar(target)
     return staged
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from autoshard import render_matrix
-from autoshard.capability import matrix_data
+from autoshard.backends.matrix import matrix_data
 from autoshard.cli import LAZY, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.explain import MATRIX_BEGIN, MATRIX_END, matrix_markdown
+from autoshard.backends.matrix import MATRIX_BEGIN, MATRIX_END, matrix_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from autoshard.backends.matrix import MATRIX_BEGIN, MATRIX_END, matrix_markdown, write_matrix
 from autoshard.errors import AutoShardError
-from autoshard.explain import MATRIX_BEGIN, MATRIX_END, main, matrix_markdown, register_cli, write_matrix
+from autoshard.explain import main, register_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = '''

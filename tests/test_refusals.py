@@ -14,9 +14,10 @@ import pytest
 import autoshard  # noqa: F401  registers the strategies
 from autoshard import AutoShardError, EMAPair, MethodNeeds, ShardingIntent, select_backend
 from autoshard.backends import Availability, get_backend
-from autoshard.explain import build_intent, load_target
+from autoshard.explain import build_intent
 from autoshard.intent import as_intent, normalize_precision
 from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
+from autoshard.target import load_target
 
 EMA = MethodNeeds(ema_pairs=(EMAPair("teacher", "student"),))
 TWO_OPTIMIZERS = MethodNeeds(optimizer_sources=(("configure_optimizers", 2),))

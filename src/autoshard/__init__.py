@@ -16,19 +16,22 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-from autoshard.capability import Cell, Feature, Support, matrix, render_matrix
+from autoshard.capability import Cell, Feature, Support
 from autoshard.errors import AutoShardError, BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 
 __version__ = "0.1.0"
 
-# Public names whose modules import torch: each is imported on first access (PEP 562).
+# Public names imported on first access (PEP 562): their modules import torch, or (the matrix) every backend, which
+# `import autoshard.capability` must not.
 _LAZY = {
     "Decision": "autoshard.select",
     "EMAPair": "autoshard.needs",
     "MethodNeeds": "autoshard.needs",
     "features_needed": "autoshard.select",
     "inspect_needs": "autoshard.needs",
+    "matrix": "autoshard.backends.matrix",
+    "render_matrix": "autoshard.backends.matrix",
     "select_backend": "autoshard.select",
 }
 
@@ -41,8 +44,6 @@ __all__ = [
     "IntentError",
     "ShardingIntent",
     "Support",
-    "matrix",
-    "render_matrix",
     *_LAZY,
 ]
 

@@ -1,9 +1,11 @@
-"""The capability matrix: what each backend supports, as data, with the reason and remedy for every "no"."""
+"""The capability matrix's data types: features, support levels, cells, checkpoint formats.
+
+Only types live here, so that ``backends/`` can build its rows from them without a cycle; each backend's row lives in
+``backends/<name>.py`` and the rendering that reads every row in ``backends/matrix.py``.
+"""
 
 from __future__ import annotations
 
-import json
-import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -99,82 +101,17 @@ def no(reason: str, remedy: str) -> Cell:
 Row = Mapping[Feature, Cell]
 
 
-def matrix() -> dict[str, Row]:
-    """Every backend's row, keyed by backend name, in preference order."""
-    from autoshard.backends import BACKENDS
+class Format(str, Enum):
+    """What a checkpoint path holds, as far as the files on disk tell (``checkpoint.detect_format``).
 
-    return {backend.name: backend.row for backend in BACKENDS.values()}
-
-
-def cell(backend: str, feature: Feature) -> Cell:
-    """One cell, by backend name (or alias) and feature."""
-    from autoshard.backends import get_backend
-
-    return get_backend(backend).row[feature]
-
-
-FORMATS = ("text", "markdown", "json")
-
-
-def _sentence(text: str) -> str:
-    text = text.strip()
-    return text if text.endswith(".") else text + "."
-
-
-def _notes(rows: Mapping[str, Row], fmt: str) -> list[str]:
-    """Why and what to do for every cell that is not "yes", one note per backend and shared answer."""
-    lines = ["Notes (every cell that is not 'yes'):", ""]
-    for name, row in rows.items():
-        grouped: dict[Cell, list[str]] = {}
-        for feature in Feature:
-            if row[feature].support is not Support.YES:
-                grouped.setdefault(row[feature], []).append(feature.value)
-        for c, features in grouped.items():
-            which = "every feature" if len(features) == len(Feature) else ", ".join(features)
-            body = f"{_sentence(c.reason)} Fix: {_sentence(c.remedy)}"
-            if fmt == "markdown":
-                lines.append(f"- **{name}**, {which}: *{c.support.value}*: {body}")
-            else:
-                lines.append(f"{name} / {which}: {c.support.value}")
-                lines += textwrap.wrap(body, width=100, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False)
-    return lines
-
-
-def matrix_data() -> dict[str, dict[str, object]]:
-    """The matrix for scripts: per backend, its strategy string and every cell with its reason and remedy."""
-    from autoshard.backends import BACKENDS
-
-    return {
-        name: {
-            "strategy": b.strategy,
-            "cells": {f.value: {"support": b.row[f].support.value, "reason": b.row[f].reason, "remedy": b.row[f].remedy} for f in Feature},
-        }
-        for name, b in BACKENDS.items()
-    }
-
-
-def render_matrix(fmt: str = "text", details: bool = False) -> str:
-    """The matrix as a plain-text or Markdown table (the docs embed the Markdown one); ``details`` adds the notes.
-
-    "json" is ``matrix_data()``, details always included: a script has no use for a table without its reasons.
+    Here, not in ``checkpoint.py``, because each ``Backend`` states the formats it writes and resumes, and
+    ``autoshard.backends`` must not import torch.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(map(repr, FORMATS))}")
-    if fmt == "json":
-        return json.dumps(matrix_data(), indent=1)
-    rows = matrix()
-    header = ["feature", *rows]
-    body = [[feature.value, *(row[feature].support.value for row in rows.values())] for feature in Feature]
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(r) + " |" for r in body]
-    else:
-        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
-        def fmt_row(r: list[str]) -> str:
-            return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-
-        lines = [fmt_row(header), fmt_row(["-" * w for w in widths]), *map(fmt_row, body)]
-    if details:
-        lines += ["", *_notes(rows, fmt)]
-    return "\n".join(lines)
+    DCP = "distributed"  # Lightning / autoshard DCP directory: .metadata + meta.pt
+    DCP_RAW = "dcp-without-trainer-state"  # a torch.distributed.checkpoint directory without Lightning's meta.pt
+    FULL = "full"  # one torch.save file
+    DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO directory: latest + <tag>/*model_states.pt
+    INCOMPLETE = "incomplete"  # shards (or meta.pt) without DCP's .metadata: a save that did not finish
+    MISSING = "missing"
+    UNKNOWN = "unknown"

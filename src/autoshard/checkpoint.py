@@ -1,54 +1,44 @@
-"""Checkpoint formats on disk: detect them, resolve a path to a complete checkpoint, swap saves in atomically, consolidate.
+"""Checkpoint formats on disk: detect them, read what a DCP checkpoint holds, resolve a path to a complete one.
 
-Everything here works in one process, without a GPU and without the world size that wrote the checkpoint:
-``autoshard consolidate CKPT OUT.pt`` is meant to run on a laptop after the job is gone.
+Everything here works in one process, without a GPU and without the world size that wrote the checkpoint. Two
+neighbours do the rest: ``checkpoint_io`` swaps saves in atomically and records / checks their manifests;
+``consolidate`` writes one file of full weights (``autoshard consolidate CKPT OUT.pt``, meant to run on a laptop
+after the job is gone).
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
-import shutil
-import time
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from autoshard.backends import get_backend
+from autoshard.capability import Format
+from autoshard.checkpoint_io import (
+    DIGEST,
+    aside_path,
+    fsync_dir,
+    integrity_problems,
+    remove,
+    sidecar_path,
+    staging_path,
+)
 from autoshard.errors import AutoShardError
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint writes it last, atomically, once every rank has written
 LIGHTNING_META = "meta.pt"  # Lightning's trainer state (loops, callbacks, schedulers) next to the DCP shards
 DEEPSPEED_LATEST = "latest"  # DeepSpeed's pointer to the tag directory
-STAGING_SUFFIX = ".autoshard-tmp"  # a save in progress (or interrupted): never under the final name
-ASIDE_SUFFIX = ".autoshard-old"  # the previous checkpoint, moved aside for the instant of the swap
 LIGHTNING_DEEPSPEED_PREFIX = "_forward_module."  # Lightning's DeepSpeed wrapper around the LightningModule
 CONSOLIDATE = "autoshard consolidate {path} weights.pt"
-MANIFEST = "autoshard-manifest.json"  # inside a DCP checkpoint directory: every file's size and sha256
-MANIFEST_SUFFIX = ".autoshard-manifest.json"  # beside a single-file checkpoint: a file cannot hold its own hash
-DIGEST = "sha256"  # ~1.5 GB/s here with SHA-NI (blake2b: 0.76 GB/s), and `sha256sum FILE` checks it by hand
 
 
 class CheckpointFormatError(AutoShardError, ValueError):
     """A path that cannot be loaded (or overwritten) as asked: what it is, what reads it, and the fix."""
-
-
-class Format(str, Enum):
-    """What a path holds, as far as the files on disk tell."""
-
-    DCP = "distributed"  # Lightning / autoshard DCP directory: .metadata + meta.pt
-    DCP_RAW = "dcp-without-trainer-state"  # a torch.distributed.checkpoint directory without Lightning's meta.pt
-    FULL = "full"  # one torch.save file
-    DEEPSPEED = "deepspeed"  # DeepSpeed ZeRO directory: latest + <tag>/*model_states.pt
-    INCOMPLETE = "incomplete"  # shards (or meta.pt) without DCP's .metadata: a save that did not finish
-    MISSING = "missing"
-    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -63,18 +53,6 @@ class CheckpointInfo:
     @property
     def complete(self) -> bool:
         return self.format in (Format.DCP, Format.DCP_RAW, Format.FULL, Format.DEEPSPEED)
-
-
-def staging_path(path: str | os.PathLike[str]) -> Path:
-    """Hidden sibling on the same filesystem (so the final rename is atomic); no '.ckpt' suffix, so
-    ModelCheckpoint's ``last*.ckpt`` search never picks it up."""
-    p = Path(path)
-    return p.with_name(f".{p.name}{STAGING_SUFFIX}")
-
-
-def aside_path(path: str | os.PathLike[str]) -> Path:
-    p = Path(path)
-    return p.with_name(f".{p.name}{ASIDE_SUFFIX}")
 
 
 def _is_torch_file(path: Path) -> bool:
@@ -244,14 +222,15 @@ def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2") -> Pa
             f"cannot resume: {_describe(info)}, so it is not a checkpoint. {backend} resumes from a directory written by"
             f" torch.distributed.checkpoint with Lightning's meta.pt, or from one torch.save file. Fix: {_pick_one(p)}"
         )
-    if info.format is Format.DEEPSPEED and backend != "deepspeed_zero3":
+    resumes = get_backend(backend).resumes
+    if info.format is Format.DEEPSPEED and Format.DEEPSPEED not in resumes:
         raise CheckpointFormatError(
             f"cannot resume with {backend}: {_describe(info)}. {backend} cannot read DeepSpeed's partitioned files;"
             f" backend that reads it: DeepSpeed (strategy='autoshard-deepspeed', the strategy that wrote it). Fix: resume"
             f" with that strategy; or convert it, optimizer state, step and schedulers included, with `autoshard convert"
             f" {p} {p}-fsdp2 --to dcp` and resume from {str(p) + '-fsdp2'!r}; or {_consolidate_fix(p)}"
         )
-    if info.format in (Format.DCP, Format.DCP_RAW) and backend == "deepspeed_zero3":
+    if info.format in (Format.DCP, Format.DCP_RAW) and Format.DCP not in resumes:
         raise CheckpointFormatError(
             f"cannot resume with DeepSpeed: {_describe(info)}, written by fsdp2 (torch.distributed.checkpoint)."
             f" Backend that reads it: fsdp2 (strategy='fsdp2', at any world size). Fix: resume with strategy='fsdp2';"
@@ -298,32 +277,6 @@ def check_replaceable(path: str | os.PathLike[str]) -> None:
     )
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename durable (a power loss after it must not bring the old name back)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
 def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
     """Before a new save: if a crash between the two renames left ``path`` missing, put the newest complete
     sibling back under ``path`` (so the new save's staging can be cleared without losing it). Rank 0 only."""
@@ -354,133 +307,6 @@ def prepare_staging(path: str | os.PathLike[str]) -> Path:
     return staged
 
 
-def commit(staged: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
-    """Swap a complete ``staged`` checkpoint in under ``path``. Rank 0 only, after every rank finished writing.
-
-    A file over a file is one ``os.replace``, then its staged sidecar manifest (if any) is swapped in the same way
-    (``_manifest_of`` reads a crash between the two). A directory cannot be replaced in one step: the old one is
-    renamed aside, the new one renamed in, the old one removed. A crash at any instant leaves ``path``, or a complete
-    sibling that ``resolve_for_load`` finds; never a partial directory under ``path``.
-    """
-    staged, p = Path(staged), Path(path)
-    fsync_dir(staged if staged.is_dir() else staged.parent)
-    staged_sidecar = staging_path(sidecar_path(p))
-    if not staged_sidecar.is_file():
-        remove(sidecar_path(p))  # the old file's checksum would call the new one corrupted
-    if staged.is_file() and not p.is_dir() or not (p.exists() or p.is_symlink()):
-        os.replace(staged, p)
-    else:
-        old = aside_path(p)
-        remove(old)
-        os.rename(p, old)
-        os.rename(staged, p)
-        fsync_dir(p.parent)
-        remove(old)
-    if staged_sidecar.is_file():
-        os.replace(staged_sidecar, sidecar_path(p))
-    fsync_dir(p.parent)
-
-
-# -- manifest: the sha256 of every file a save wrote, checked before anything is read -------------------------------
-def sidecar_path(path: str | os.PathLike[str]) -> Path:
-    """Where a single-file checkpoint's manifest lives: next to it, visible, so it travels with the file.
-
-    A file cannot record its own hash, and torch.load / Lightning must keep reading the file unchanged.
-    """
-    p = Path(path)
-    return p.with_name(p.name + MANIFEST_SUFFIX)
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file in 1 MiB reads (hashlib.file_digest needs Python 3.11)."""
-    digest = hashlib.new(DIGEST)
-    buffer = bytearray(1 << 20)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
-def describe_files(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"size", "sha256"}}`` for files under ``root``: what a manifest records and a check recomputes."""
-    return {name: {"size": (root / name).stat().st_size, DIGEST: file_digest(root / name)} for name in sorted(names)}
-
-
-def write_manifest(target: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
-    """Written and fsynced inside a staging only: what makes a staging count (meta.pt's rename, the staged file's
-    rename) comes after, so a torn manifest is never read and needs no tmp + rename of its own."""
-    body = {"format": "autoshard-manifest", "version": 1, "algorithm": DIGEST, "files": dict(sorted(files.items()))}
-    target.write_text(json.dumps(body, indent=1) + "\n")
-    fsync_file(target)
-
-
-def stage_sidecar(path: str | os.PathLike[str]) -> None:
-    """The manifest of the file staged for ``path``, staged beside it; ``commit`` swaps in the file, then it."""
-    p, staged = Path(path), staging_path(path)
-    write_manifest(staging_path(sidecar_path(p)), {p.name: describe_files(staged.parent, [staged.name])[staged.name]})
-
-
-def _manifest_of(path: Path) -> Path | None:
-    """The manifest describing checkpoint ``path``, or None (Lightning's own saves, autoshard before manifests).
-
-    For a file, a save interrupted between its two renames (the file, then its sidecar) leaves the new file with
-    the old sidecar and the new sidecar still staged; a staged sidecar without a staged file is that new one.
-    """
-    if path.is_dir():
-        found = path / MANIFEST
-        return found if found.is_file() else None
-    target = path.resolve()  # save_last="link": the manifest sits beside the file the link points to
-    staged = staging_path(sidecar_path(target))
-    if staged.is_file() and not staging_path(target).exists():
-        return staged
-    found = sidecar_path(target)
-    return found if found.is_file() else None
-
-
-def integrity_problems(path: str | os.PathLike[str], share: slice = slice(None)) -> list[str] | None:
-    """One line per file the manifest lists (its ``share`` of them: one rank's part) that is missing or changed.
-
-    None when ``path`` has no manifest. Sizes are compared first (no read); only equal sizes are hashed.
-    """
-    p = Path(path)
-    where = _manifest_of(p)
-    if where is None:
-        return None
-    try:
-        manifest = json.loads(where.read_text())
-        files: dict[str, dict[str, Any]] = manifest["files"]
-        algorithm = manifest.get("algorithm", DIGEST)
-        order = sorted(files, key=lambda n: (-int(files[n]["size"]), n))  # largest first: the shares even out
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return [f"its manifest {str(where)!r} cannot be read ({type(exc).__name__}: {exc})"]
-    if algorithm != DIGEST:
-        return [f"its manifest {str(where)!r} records {algorithm!r} checksums; this autoshard checks {DIGEST!r}"]
-    root = p if p.is_dir() else p.resolve()
-    problems = []
-    for name in order[share]:
-        expected = files[name]
-        f = root / name if p.is_dir() else root  # a sidecar lists one file: this one, whatever it is called now
-        try:
-            size = f.stat().st_size
-            if size != expected["size"]:
-                problems.append(f"{str(f)!r} holds {size:,d} bytes where {where.name} records {expected['size']:,d}")
-                continue
-            found = file_digest(f)
-        except FileNotFoundError:
-            problems.append(f"{str(f)!r} is missing ({where.name} lists it)")
-            continue
-        except OSError as exc:
-            problems.append(f"{str(f)!r} cannot be read ({exc})")
-            continue
-        if found != expected[DIGEST]:
-            problems.append(
-                f"{str(f)!r} has {DIGEST} {found} where {where.name} records {expected[DIGEST]}"
-                f" (same size, {size:,d} bytes: its content changed after the save)"
-            )
-    return problems
-
-
 def corrupted(path: str | os.PathLike[str], problems: list[str]) -> CheckpointFormatError:
     """The refusal for a checkpoint whose files differ from what the save recorded."""
     return CheckpointFormatError(
@@ -499,15 +325,6 @@ def check_integrity(path: str | os.PathLike[str]) -> bool:
     if problems:
         raise corrupted(path, problems)
     return problems is not None
-
-
-def unverified_warning(path: str | os.PathLike[str]) -> str:
-    p = Path(path)
-    expected = p / MANIFEST if p.is_dir() else sidecar_path(p)
-    return (
-        f"autoshard: {str(p)!r} has no manifest {expected.name!r} (written by Lightning itself or an older autoshard):"
-        f" its files cannot be checked against the checksums of the save, so a corrupted file would go unnoticed"
-    )
 
 
 def saved_shapes(path: Path, entry: str = "state_dict") -> dict[str, tuple[int, ...] | None]:
@@ -565,28 +382,6 @@ def load_failure(
     )
 
 
-# -- consolidation ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Consolidated:
-    """What ``consolidate`` wrote: one flat ``{parameter name: tensor}`` file for ``model.load_state_dict``."""
-
-    source: Path
-    format: Format
-    out_path: Path
-    tensors: int
-    numel: int
-    bytes: int
-    seconds: float
-    key: str | None  # the entry of the checkpoint the weights came from ("state_dict" for Lightning DCP)
-
-    def describe(self) -> str:
-        return (
-            f"consolidated {self.format.value} checkpoint {str(self.source)!r} -> {str(self.out_path)!r}: {self.tensors}"
-            f" tensors, {self.numel:,d} elements, {self.bytes / 2**20:.2f} MiB, in {self.seconds:.2f} s."
-            f" Load it with model.load_state_dict(torch.load({str(self.out_path)!r}))"
-        )
-
-
 def _dcp_entries(path: Path) -> list[tuple[tuple[str, ...], Any]]:
     """(path in the saved state dict, storage metadata) of every entry of a DCP checkpoint, from .metadata alone.
 
@@ -618,154 +413,6 @@ def load_dcp_entries(path: Path, keys: Iterable[str] | None = None) -> dict[str,
     return sd
 
 
-def _load_dcp(path: Path) -> tuple[dict[str, Any], str | None]:
-    """The model entry of a DCP checkpoint; optimizer state stays on disk."""
-    keys = _dcp_keys(path)
-    key = next((k for k in ("state_dict", "model") if k in keys), None)
-    sd = load_dcp_entries(path, {key} if key else None)
-    return (sd[key] if key else sd), key
-
-
-def _load_deepspeed(path: Path, tag: str | None) -> dict[str, Any]:
-    """DeepSpeed's own ZeRO -> fp32 reconstruction; Lightning's wrapper prefix removed so keys match the module."""
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError as exc:
-        raise CheckpointFormatError(
-            f"{str(path)!r} is a DeepSpeed checkpoint and deepspeed is needed to convert it ({exc}). Fix: pip install"
-            f" \"autoshard[deepspeed]\" (no GPU needed), then run `{CONSOLIDATE.format(path=path)}` again"
-        ) from None
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
-    return {k.removeprefix(LIGHTNING_DEEPSPEED_PREFIX): v for k, v in state.items()}
-
-
-def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in state.items():
-        if isinstance(value, Mapping):
-            raise CheckpointFormatError(f"the model entry holds a nested '{name}': expected a flat {{name: tensor}} state dict")
-        if isinstance(value, torch.Tensor):
-            out[name] = value.detach().cpu().contiguous()
-    return out
-
-
-def consolidate(
-    ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], *, tag: str | None = None, force: bool = False
-) -> Consolidated:
-    """Write one plain ``torch.save`` file of full, unsharded weights from a DCP, DeepSpeed or full checkpoint.
-
-    Runs in one CPU process whatever world size wrote the checkpoint; ``model.load_state_dict(torch.load(out))``
-    on the unsharded module then passes with ``strict=True``. The checkpoint's files are checked against its manifest
-    first. An existing output is never touched without ``force``; with it, the old file is replaced only by the
-    complete new one (temporary file in the same directory, fsync, rename).
-    """
-    start = time.perf_counter()
-    out = Path(out_path)
-    _check_output(out, force)
-    info = detect_format(ckpt)
-    source = info.path
-    if not info.complete:
-        recovered = interrupted_save(source) if info.format is not Format.UNKNOWN else None
-        if recovered is None:
-            raise CheckpointFormatError(f"cannot consolidate: {_describe(info)}, so it is not a checkpoint. Fix: {_pick_one(source)}")
-        warnings.warn(f"{_describe(info)}; consolidating the complete checkpoint an interrupted save left: {str(recovered)!r}", stacklevel=2)
-        info = detect_format(recovered)
-        source = recovered
-    if (out.exists() or out.is_symlink()) and out.resolve() == source.resolve():
-        raise CheckpointFormatError(
-            f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path"
-        )
-    if not check_integrity(source):
-        warnings.warn(unverified_warning(source), stacklevel=2)
-    key: str | None
-    if info.format in (Format.DCP, Format.DCP_RAW):
-        state, key = _load_dcp(source)
-    elif info.format is Format.DEEPSPEED:
-        state, key = _load_deepspeed(source, tag or info.tag), None
-    else:
-        loaded = torch.load(source, mmap=True, map_location="cpu", weights_only=True)
-        key = "state_dict" if isinstance(loaded, Mapping) and "state_dict" in loaded else None
-        state = loaded[key] if key else loaded
-    tensors = _tensors(state)
-    if not tensors:
-        raise CheckpointFormatError(f"cannot consolidate: {_describe(info)}, but it holds no tensors under {key or 'its top level'!r}")
-    _write_new(tensors, out, force)
-    return Consolidated(
-        source=source,
-        format=info.format,
-        out_path=out,
-        tensors=len(tensors),
-        numel=sum(t.numel() for t in tensors.values()),
-        bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        seconds=time.perf_counter() - start,
-        key=key,
-    )
-
-
-def _check_output(out: Path, force: bool) -> None:
-    """Refuse, before reading the checkpoint, to replace what is at ``out`` unless asked to."""
-    if out.is_dir():
-        raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
-    if (out.exists() or out.is_symlink()) and not force:
-        raise CheckpointFormatError(
-            f"refusing to overwrite {str(out)!r}: it already exists ({detect_format(out, verify=False).detail}), and"
-            f" consolidate would replace it with weights only. Fix: choose another output path, or pass --force"
-            f" (force=True) to replace it"
-        )
-
-
-def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool) -> None:
-    """Staged in the same directory and fsynced, then published in one step: ``os.replace`` with ``force``, else a
-    hard link that fails if ``out`` appeared meanwhile. A failure at any point leaves ``out`` as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = staging_path(out)
-    try:
-        remove(staged)
-        torch.save(tensors, staged)
-        fsync_file(staged)
-        if force:
-            os.replace(staged, out)
-        else:
-            try:
-                os.link(staged, out)
-            except FileExistsError:
-                _check_output(out, force)  # raises: something appeared at ``out`` while we wrote
-                raise
-            except OSError:  # a filesystem without hard links: the check just before is the best it allows
-                _check_output(out, force)
-                os.replace(staged, out)
-        fsync_dir(out.parent)
-    finally:
-        remove(staged)
-
-
-def cmd_consolidate(args: argparse.Namespace) -> int:
-    """``autoshard consolidate CKPT OUT.pt``: print what was written; refusals exit 1 through the CLI's handler."""
-    print(consolidate(args.ckpt, args.out, tag=args.tag, force=args.force).describe())
-    return 0
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``autoshard consolidate CKPT_DIR OUT.pt`` to the ``autoshard`` command."""
-    parser = subparsers.add_parser(
-        "consolidate",
-        help="turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights",
-        description=(
-            "Read a checkpoint written by strategy='fsdp2'/'auto-shard' (torch.distributed.checkpoint directory),"
-            " by DeepSpeed ZeRO (through DeepSpeed's zero_to_fp32), or a full Lightning file, and write one plain"
-            " {name: tensor} file: model.load_state_dict(torch.load(OUT)) works on the unsharded model. One CPU"
-            " process, any world size at save time, no GPU."
-        ),
-    )
-    parser.add_argument("ckpt", metavar="CKPT_DIR", help="the checkpoint directory (or file), e.g. checkpoints/last.ckpt")
-    parser.add_argument("out", metavar="OUT.pt", help="the file to write")
-    parser.add_argument("--tag", default=None, help="DeepSpeed only: the tag directory (default: the one in 'latest')")
-    parser.add_argument(
-        "--force", action="store_true", help="replace OUT.pt if it exists (only once the new file is complete)"
-    )
-    parser.set_defaults(func=cmd_consolidate)
-
-
 if __name__ == "__main__":  # `python -m autoshard.checkpoint consolidate CKPT OUT.pt`: the `autoshard` command
     from autoshard.cli import main
 
@@ -775,12 +422,8 @@ if __name__ == "__main__":  # `python -m autoshard.checkpoint consolidate CKPT O
 __all__ = [
     "CheckpointFormatError",
     "CheckpointInfo",
-    "Consolidated",
     "Format",
     "check_integrity",
-    "commit",
-    "consolidate",
     "detect_format",
-    "register_cli",
     "resolve_for_load",
 ]

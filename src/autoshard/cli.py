@@ -12,14 +12,14 @@ import sys
 from collections.abc import Container, Sequence
 
 from autoshard import __version__
-from autoshard.capability import FORMATS, render_matrix
+from autoshard.backends.matrix import FORMATS, render_matrix
 from autoshard.errors import AutoShardError
 
 # Subcommand -> (the module whose ``register_cli`` builds it, its one-line help for ``autoshard --help``).
 # tests/test_cli.py checks that each help line here is the one register_cli gives.
 LAZY: dict[str, tuple[str, str]] = {
     "explain": ("autoshard.explain", "show what autoshard would do with a module: needs, backend, plan, memory per rank"),
-    "consolidate": ("autoshard.checkpoint", "turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights"),
+    "consolidate": ("autoshard.consolidate", "turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights"),
     "convert": ("autoshard.convert", "convert a checkpoint between DeepSpeed ZeRO-3 and fsdp2 (DCP), optimizer state included, or to safetensors"),
 }
 

@@ -41,26 +41,28 @@ from autoshard.checkpoint import (
     DEEPSPEED_LATEST,
     LIGHTNING_DEEPSPEED_PREFIX,
     LIGHTNING_META,
-    MANIFEST,
     CheckpointFormatError,
     Format,
     _dcp_entries,
     _describe,
     _pick_one,
-    _tensors,
     check_integrity,
-    commit,
-    describe_files,
     detect_format,
-    fsync_dir,
-    fsync_file,
     interrupted_save,
     load_dcp_entries,
+)
+from autoshard.checkpoint_io import (
+    MANIFEST,
+    commit,
+    describe_files,
+    fsync_dir,
+    fsync_file,
     remove,
     staging_path,
     unverified_warning,
     write_manifest,
 )
+from autoshard.consolidate import _tensors
 from autoshard.errors import AutoShardError
 from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 

@@ -7,8 +7,6 @@ matter, the FSDP2 plan (or the DeepSpeed config) and a per-rank memory table are
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -18,124 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
 from torch import nn
 
-from autoshard.backends import BACKENDS
-from autoshard.capability import matrix, render_matrix
+from autoshard.backends import BACKENDS, get_backend, load
+from autoshard.backends.matrix import matrix, write_matrix
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate, estimate_memory_many, fmt_bytes, memory_table
 from autoshard.needs import MethodNeeds, inspect_needs
 from autoshard.select import Decision, features_needed, select_backend
+from autoshard.target import build_on_meta, load_target
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
 BACKEND_CHOICES = ("auto", "fsdp2", "deepspeed")
 _LIST_FIELDS = ("shard", "exclude", "blocks")
-MATRIX_BEGIN = "<!-- BEGIN GENERATED MATRIX: python -m autoshard.explain --write-matrix docs/matrix.md -->"
-MATRIX_END = "<!-- END GENERATED MATRIX -->"
-
-
-# -- the target -----------------------------------------------------------------------------------------------------
-def load_target(target: str) -> Callable[[], Any]:
-    """``path/to/file.py:factory`` or ``package.module:factory`` (a dotted attribute path after the colon)."""
-    where, sep, attr = target.rpartition(":")
-    if not sep or not where or not attr:
-        raise AutoShardError(
-            f"TARGET {target!r} is not path/to/file.py:factory or package.module:factory."
-            f" Fix: name the factory after a colon, e.g. autoshard explain autoshard.demo:DinoLike"
-        )
-    try:
-        if where.endswith(".py") or os.sep in where or "/" in where:
-            path = Path(where).resolve()
-            if not path.is_file():
-                raise AutoShardError(f"TARGET file {where!r} does not exist. Fix: give the path of your training script, e.g. train.py:build_model")
-            name = f"_autoshard_explain_{abs(hash(str(path)))}"
-            spec = importlib.util.spec_from_file_location(name, path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            sys.path.insert(0, str(path.parent))  # so the file can import its siblings
-            try:
-                spec.loader.exec_module(module)
-            finally:
-                sys.path.remove(str(path.parent))
-        else:
-            sys.path.insert(0, os.getcwd())  # as `python -m` would: the console script's sys.path lacks the project
-            try:
-                module = importlib.import_module(where)
-            finally:
-                sys.path.remove(os.getcwd())
-        obj: Any = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AutoShardError:
-        raise
-    except Exception as exc:
-        raise AutoShardError(
-            f"could not load TARGET {target!r}: {type(exc).__name__}: {exc}."
-            f" Fix: check that `python -c \"import {where.removesuffix('.py')}\"` works and that {attr!r} is defined there"
-        ) from exc
-    if not callable(obj) and not isinstance(obj, nn.Module):
-        raise AutoShardError(
-            f"TARGET {target!r} is a {type(obj).__name__}, not a class or a function returning a LightningModule."
-            f" Fix: point it at the LightningModule class or at a factory function"
-        )
-    return obj
-
-
-@dataclass
-class Built:
-    """The module built on meta, the callbacks that came with it, and what explain had to note while building."""
-
-    module: nn.Module
-    callbacks: list[Any] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
-    """Call the factory under ``torch.device("meta")``; it may return a module or ``(module, [callbacks])``.
-
-    Callbacks get ``setup(None, module, "fit")`` so that probes attach their modules and build their optimizers.
-    """
-    notes: list[str] = []
-    with torch.device("meta"):
-        try:
-            made = factory if isinstance(factory, nn.Module) else factory()
-        except Exception as exc:
-            raise AutoShardError(
-                f"the factory raised {type(exc).__name__}: {exc}. It runs under `with torch.device('meta'):`;"
-                f" a factory that loads weights or calls .to(device) cannot: build the architecture only"
-            ) from exc
-        if isinstance(made, Mapping):
-            module, callbacks = made.get("model"), list(made.get("callbacks") or [])
-        elif isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], nn.Module):
-            module, callbacks = made[0], list(made[1] or [])
-        else:
-            module, callbacks = made, []
-        if not isinstance(module, nn.Module):
-            raise AutoShardError(
-                f"the factory returned {type(module).__name__}, not a LightningModule."
-                f" Fix: return the module, or (module, [callbacks])"
-            )
-        for callback in callbacks:
-            setup = getattr(callback, "setup", None)
-            if callable(setup):
-                try:
-                    setup(None, module, "fit")
-                except Exception as exc:  # a callback that needs a real Trainer: say what is not counted
-                    notes.append(
-                        f"{type(callback).__name__}.setup needs a Trainer ({type(exc).__name__}: {exc}): its"
-                        f" optimizers are not counted; set `autoshard_optimizers = N` on it to declare them"
-                    )
-    real = [n for n, p in module.named_parameters() if not p.is_meta]
-    if real:
-        notes.append(f"{len(real)} parameter(s) are not on the meta device (the factory moved or loaded them), e.g. {real[0]}")
-    import lightning.pytorch as pl
-
-    if not isinstance(module, pl.LightningModule):
-        notes.append(f"{type(module).__name__} is a plain nn.Module, not a LightningModule: the Trainer needs one")
-    return Built(module, callbacks, notes)
 
 
 # -- the intent -----------------------------------------------------------------------------------------------------
@@ -333,19 +227,16 @@ def explain(
         report.error, report.error_type = str(exc), type(exc).__name__
         return report
     chosen = report.decision.backend
-    if chosen == "fsdp2":
-        from autoshard.adapters.fsdp2 import plan_fsdp2
-
+    engine = get_backend(chosen)
+    if engine.plan:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report.plan = plan_fsdp2(module, intent, needs)
+            report.plan = load(engine.plan)(module, intent, needs)
         report.notes += [f"warning: {w.message}" for w in caught if issubclass(w.category, UserWarning)]
-    elif chosen == "deepspeed_zero3":
+    elif engine.config:
         report.deepspeed_config_world = max(world_sizes)
-        from autoshard.adapters.deepspeed import deepspeed_config
-
         try:
-            report.deepspeed_config = deepspeed_config(
+            report.deepspeed_config = load(engine.config)(
                 intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size
             )
         except AutoShardError as exc:
@@ -356,28 +247,6 @@ def explain(
         warnings.simplefilter("ignore")  # already reported above
         report.memory = estimate_memory_many(module, intent, needs, world_sizes, chosen, callbacks=built.callbacks)
     return report
-
-
-# -- the matrix document --------------------------------------------------------------------------------------------
-def matrix_markdown() -> str:
-    """The generated part of docs/matrix.md, between its markers."""
-    return f"{MATRIX_BEGIN}\n{render_matrix('markdown', details=True)}\n{MATRIX_END}"
-
-
-def write_matrix(path: str | Path) -> None:
-    """Regenerate the matrix in ``path``: replace the marked block, or write a fresh page when there is none."""
-    path = Path(path)
-    text = path.read_text() if path.exists() else ""
-    if MATRIX_BEGIN in text and MATRIX_END in text:
-        before, rest = text.split(MATRIX_BEGIN, 1)
-        after = rest.split(MATRIX_END, 1)[1]
-        text = before + matrix_markdown() + after
-    else:
-        text = (
-            "# Capability matrix\n\nWhich backend runs which feature; every cell that is not \"yes\" says why and what to do.\n"
-            "Generated from `autoshard.capability` (the same data the selector decides with).\n\n" + matrix_markdown() + "\n"
-        )
-    path.write_text(text)
 
 
 # -- command line ---------------------------------------------------------------------------------------------------
@@ -467,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-__all__ = ["Report", "build_intent", "build_on_meta", "explain", "load_target", "main", "matrix_markdown", "register_cli", "write_matrix"]
+__all__ = ["Report", "build_intent", "explain", "main", "register_cli"]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.backends import BACKENDS, get_backend, load
+from autoshard.backends.deepspeed import zero3_model_states  # re-exported: public here before it moved
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
@@ -29,9 +31,6 @@ _LABELS = {
     "ema_teacher": "EMA teacher (sharded)",
     "unsharded": "unsharded (whole on every rank)",
 }
-# DeepSpeed's estimator counts 18 bytes per parameter for ZeRO-3 model states (Adam in mixed precision).
-# Its formula gives only the total; the split into 16-bit params / 16-bit grads / the rest is autoshard's reading.
-ZERO3_BYTES_PER_PARAM = 18
 
 
 # -- optimizer states ---------------------------------------------------------------------------------------------
@@ -192,8 +191,9 @@ def _gather_elsize(p: torch.Tensor, precision: PrecisionPlan, elsize: int) -> in
 
 
 def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str, precision: PrecisionPlan) -> _Layout:
-    from autoshard.adapters.fsdp2 import Unsharded, plan_fsdp2
+    from autoshard.adapters.fsdp2 import Unsharded
 
+    plan_fn = get_backend(backend).plan
     precision = on_backend(precision, backend)
     notes: list[str] = []
     owner: dict[int, tuple[str, str]] = {}  # param id -> (unit name, role)
@@ -201,10 +201,10 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
     whys: dict[str, str] = {}
     replicated: list[str] = []
     gathered: dict[str, int] = {}
-    if backend == "fsdp2":
+    if plan_fn:  # a per-block plan says which unit owns each parameter; without one, every parameter is partitioned
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = plan_fsdp2(module, intent, needs, precision)
+            plan = load(plan_fn)(module, intent, needs, precision)
         notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
         notes += plan.notes
         modules = dict(module.named_modules())
@@ -228,7 +228,7 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
             whys.setdefault(part, Unsharded.OUTSIDE.value)
             teacher = False
         params[id(p)] = _Param(name, tuple(p.shape), elsize, gather, unit is not None, teacher, p.requires_grad, part)
-    if backend == "fsdp2":
+    if plan_fn:
         units = [(u.name, gathered[u.name], u.reshard_after_forward) for u in plan.units]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
     return _Layout(params, units, whys, notes, largest, precision)
@@ -324,8 +324,7 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     rows.append(("= peak per rank", [fmt_bytes(e.total) for e in estimates]))
     rows.append(("  on the accelerator", [fmt_bytes(e.device) for e in estimates]))
     if any(e.host for e in estimates):
-        label = "CPU memory (DeepSpeed, per node)" if first.backend == "deepspeed_zero3" else "CPU memory (offloaded)"
-        rows.append((label, [fmt_bytes(e.host) for e in estimates]))
+        rows.append((get_backend(first.backend).host_memory, [fmt_bytes(e.host) for e in estimates]))
     width = max(len(r[0]) for r in rows)
     cols = [max(len(r[1][i]) for r in rows) for i in range(len(estimates))]
     lines = [head]
@@ -342,15 +341,15 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
 
 
 def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent, precision: PrecisionPlan) -> str:
-    from autoshard.backends import get_backend
     from autoshard.select import AUTO, select_backend
 
     if isinstance(backend, str) and backend.strip().lower() in AUTO:
         return select_backend(needs, intent, precision=precision).backend
-    name = get_backend(backend).name
-    if name not in ("fsdp2", "deepspeed_zero3"):
-        raise AutoShardError(f"estimate_memory covers fsdp2 and deepspeed_zero3, not {name}. Fix: use backend='fsdp2'")
-    return name
+    chosen = get_backend(backend)
+    if chosen.memory is None:
+        covered = " and ".join(name for name, b in BACKENDS.items() if b.memory is not None)
+        raise AutoShardError(f"estimate_memory covers {covered}, not {chosen.name}. Fix: use backend='fsdp2'")
+    return chosen.name
 
 
 def estimate_memory(
@@ -406,16 +405,19 @@ def estimate_memory_many(
     else:
         sourced = [("given", o) for o in (returned_optimizers(list(optimizers)) or list(optimizers))]
     layout = _layout(module, intent, needs, backend, precision)
+    estimator = get_backend(backend).memory
     out = []
     for world_size in world_sizes:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise AutoShardError(f"world sizes must be positive integers, got {world_size!r}. Fix: e.g. world_sizes=(2, 8)")
         if not 0 <= rank < world_size:
             raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
-        if backend == "fsdp2":
-            out.append(_fsdp2(layout, sourced, intent, world_size, rank, dict(state_tensors or {})))
-        else:
-            out.append(_zero3(layout, sourced, intent, world_size, num_nodes, zero_init, rank))
+        out.append(
+            estimator(
+                layout, sourced, intent, world_size, rank,
+                overrides=dict(state_tensors or {}), num_nodes=num_nodes, zero_init=zero_init,
+            )
+        )
     return out
 
 
@@ -458,70 +460,6 @@ def _outside(p: torch.Tensor) -> _Param:
     return _Param("<not in the module>", tuple(p.shape), p.element_size(), p.element_size(), False, False, p.requires_grad, "<not in the module>")
 
 
-def _fsdp2(
-    layout: _Layout,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
-    intent: ShardingIntent,
-    world_size: int,
-    rank: int,
-    overrides: Mapping[str, int],
-) -> MemoryEstimate:
-    local = lambda p: _local_shape(p, world_size, rank)  # noqa: E731
-    states, summaries, notes = _optimizer_bytes(sourced, layout, local, overrides)
-    full_states, _, _ = _optimizer_bytes(sourced, layout, lambda p: p.shape, overrides)
-    extra = {pid: _outside_param(sourced, pid) for pid in states if pid not in layout.params}
-    all_params = {**layout.params, **{pid: p for pid, p in extra.items() if p is not None}}
-    buckets = dict.fromkeys(CATEGORIES, 0)
-    parts: dict[str, int] = {}
-    full = 0
-    for pid, p in all_params.items():
-        own = _n(local(p)) * p.elsize
-        grad = own if p.trainable else 0
-        state = states.get(pid, 0)
-        full += _n(p.shape) * p.elsize * (2 if p.trainable else 1) + full_states.get(pid, 0)
-        if not p.sharded:
-            buckets["unsharded"] += own + grad + state
-            parts[p.part] = parts.get(p.part, 0) + own + grad + state
-        elif p.teacher:
-            buckets["ema_teacher"] += own
-            buckets["gradients"] += grad
-            buckets["optimizer_states"] += state
-        else:
-            buckets["parameters"] += own
-            buckets["gradients"] += grad
-            buckets["optimizer_states"] += state
-    held = [(n, b) for n, b, reshard in layout.units if not reshard]
-    transient = [(n, b) for n, b, reshard in layout.units if reshard]
-    largest = max(transient, key=lambda u: u[1], default=("", 0))
-    gathered = sum(b for _, b in held) + largest[1]
-    notes = list(layout.notes) + notes
-    if held:
-        notes.append(
-            f"reshard_after_forward=False keeps {len(held)} unit(s) gathered from forward to backward"
-            f" ({fmt_bytes(sum(b for _, b in held))} counted in the gathered block)"
-        )
-    offloaded: tuple[str, ...] = ()
-    if intent.offload != "none":
-        offloaded = ("parameters", "gradients", "optimizer_states", "ema_teacher")
-        notes.append("CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in CPU memory")
-    return MemoryEstimate(
-        backend="fsdp2",
-        world_size=world_size,
-        rank=rank,
-        precision=layout.precision.precision.value,
-        gather_dtype=layout.precision.gather.value,
-        gathered_block=gathered,
-        gathered_unit=max(layout.units, key=lambda u: u[1])[0] if layout.units else "",
-        full_model_states=full,
-        offloaded=offloaded,
-        host=sum(buckets[c] for c in offloaded),
-        unsharded_parts=tuple(UnshardedPart(n, b, layout.whys.get(n, "")) for n, b in parts.items()),
-        optimizers=tuple(summaries),
-        notes=tuple(dict.fromkeys(notes)),
-        **buckets,
-    )
-
-
 def _outside_param(sourced: Sequence[tuple[str, torch.optim.Optimizer]], pid: int) -> _Param | None:
     for _, optimizer in sourced:
         for group in optimizer.param_groups:
@@ -529,94 +467,6 @@ def _outside_param(sourced: Sequence[tuple[str, torch.optim.Optimizer]], pid: in
                 if id(p) == pid:
                     return _outside(p)
     return None
-
-
-def zero3_model_states(
-    total_params: int,
-    largest_layer_params: int,
-    num_gpus_per_node: int,
-    num_nodes: int = 1,
-    cpu_offload: bool = False,
-    cpu_offload_params: bool = False,
-    zero_init: bool = True,
-    additional_buffer_factor: float = 1.5,
-) -> tuple[int, int, int]:
-    """(cpu bytes per node, gpu bytes per rank, largest layer bytes): DeepSpeed's
-    ``estimate_zero3_model_states_mem_needs``, restated so that estimating never imports deepspeed."""
-    total_gpus = num_nodes * num_gpus_per_node
-    gpus_factor = 1 / num_nodes
-    largest_layer_memory = 4 * largest_layer_params
-    if cpu_offload:
-        if cpu_offload_params:
-            gpu_mem = largest_layer_memory
-            per = 18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor)
-        else:
-            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
-            per = 16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor)
-        cpu_mem = total_params * per * additional_buffer_factor
-    else:
-        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
-        if zero_init:
-            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
-        else:
-            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-    return int(cpu_mem), int(gpu_mem), largest_layer_memory
-
-
-def _zero3(
-    layout: _Layout,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
-    intent: ShardingIntent,
-    world_size: int,
-    num_nodes: int,
-    zero_init: bool,
-    rank: int,
-) -> MemoryEstimate:
-    if world_size % num_nodes:
-        raise AutoShardError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}. Fix: world size = num_nodes x devices per node")
-    per_node = world_size // num_nodes
-    total = sum(_n(p.shape) for p in layout.params.values())
-    offload_opt = intent.offload in ("optimizer", "params")
-    offload_params = intent.offload == "params"
-    cpu_mem, gpu_mem, largest_mem = zero3_model_states(
-        total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, zero_init
-    )
-    states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
-    params = int(2 * total / world_size)
-    grads = int(2 * total / world_size)
-    offloaded = ("parameters", "gradients", "optimizer_states") if offload_params else ("gradients", "optimizer_states") if offload_opt else ()
-    notes = [
-        "ZeRO-3 figures are DeepSpeed's estimate_zero3_model_states_mem_needs (18 bytes per parameter, Adam in mixed"
-        " precision; the gathered block is 4 bytes x the largest layer); the split into 16-bit params (2 B),"
-        " 16-bit grads (2 B) and optimizer states with fp32 master weights (14 B) is autoshard's reading",
-        "parameters below stage3_param_persistence_threshold stay whole on every rank; DeepSpeed's formula ignores them",
-    ]
-    names = {type(o).__name__ for _, o in sourced}
-    if names - {"Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam"}:
-        notes.append(f"DeepSpeed's formula assumes Adam; this method uses {', '.join(sorted(names))}")
-    if intent.offload_device == "nvme" and intent.offload != "none":
-        notes.append("offload_device='nvme': the offloaded states live on NVMe; the CPU figure bounds the staging buffers")
-    estimate = MemoryEstimate(
-        backend="deepspeed_zero3",
-        world_size=world_size,
-        rank=rank,
-        precision=layout.precision.precision.value,
-        gather_dtype=layout.precision.gather.value,
-        parameters=params,
-        gradients=grads,
-        optimizer_states=states - params - grads,
-        ema_teacher=0,
-        unsharded=0,
-        gathered_block=largest_mem,
-        gathered_unit="",
-        full_model_states=ZERO3_BYTES_PER_PARAM * total,
-        offloaded=offloaded,
-        host=cpu_mem,
-        optimizers=tuple(f"{type(o).__name__} ({s})" for s, o in sourced),
-        notes=tuple(notes),
-    )
-    assert estimate.device == gpu_mem, (estimate.device, gpu_mem)  # the breakdown must add up to DeepSpeed's figure
-    return estimate
 
 
 __all__ = [

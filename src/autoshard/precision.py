@@ -10,7 +10,6 @@ prints that for the docs. Torch-free, like ``autoshard.intent``: ``import autosh
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -158,36 +157,20 @@ def resolve_precision(trainer_precision: object | None, intent: ShardingIntent) 
 
 
 def on_backend(plan: PrecisionPlan, backend: str) -> PrecisionPlan:
-    """What ``backend`` actually runs for ``plan``: FSDP2 runs it as is; ZeRO-3 differs in three ways.
+    """What ``backend`` actually runs for ``plan``: each Backend's ``precision`` rule (FSDP2 runs it as is; ZeRO-3
+    has no autocast and keeps an fp32 master copy: ``backends/deepspeed.precision``)."""
+    from autoshard.backends import BACKENDS
 
-    Under Lightning's DeepSpeedStrategy there is no autocast (the engine converts the model, so "-mixed" computes
-    every op in the low dtype), the parameters are stored and gathered in the low dtype, and the optimizer always
-    keeps an fp32 master copy, with dynamic loss scaling for fp16. Gradients are reduced in the plan's dtype
-    (``communication_data_type``). A gather dtype other than the low dtype (``param_dtype``) is refused there.
-    """
-    if backend == "fsdp2":
-        return plan
-    if backend != "deepspeed_zero3":
+    rules = BACKENDS[backend].precision if backend in BACKENDS else None
+    if rules is None:
         raise ValueError(f"no precision rules for backend {backend!r}")
-    low = plan.precision.dtype
-    if plan.gather is not low:
-        raise IntentError(
-            f"param_dtype='{plan.gather}' contradicts precision='{plan.precision}': under DeepSpeed the compute"
-            f" dtype of the parameters follows the precision ({low} here). Backend that can cast"
-            f" separately: fsdp2. Fix: drop param_dtype, or set the Trainer precision that computes in"
-            f" {plan.gather}"
-        )
-    return dataclasses.replace(
-        plan, compute=low, autocast=False, master=Dtype.FLOAT32, loss_scaling=low is Dtype.FLOAT16
-    )
-
-
-TABLE_BACKENDS = ("fsdp2", "deepspeed_zero3")
+    return rules(plan)
 
 
 def precision_table() -> str:
     """For each precision and backend, the dtypes that run (no intent overrides); the guide embeds this table."""
-    from autoshard.capability import cell
+    from autoshard.backends import BACKENDS
+    from autoshard.backends.matrix import cell
     from autoshard.intent import ShardingIntent
 
     lines = [
@@ -196,7 +179,7 @@ def precision_table() -> str:
     ]
     for precision in Precision:
         plan = resolve_precision(precision, ShardingIntent())
-        for backend in TABLE_BACKENDS:
+        for backend in (name for name, b in BACKENDS.items() if b.precision is not None):
             if not cell(backend, precision.feature).support.usable:
                 lines.append(f"| {precision} | {backend} | refused | - | - | - |")
                 continue

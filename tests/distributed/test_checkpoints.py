@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from autoshard.checkpoint import Format, consolidate, detect_format
+from autoshard.checkpoint import Format, detect_format
+from autoshard.consolidate import consolidate
 from autoshard.cli import main
 from autoshard.demo import DinoLike
 from tests.distributed.harness import run_workers

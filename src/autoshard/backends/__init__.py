@@ -1,15 +1,27 @@
-"""The backends autoshard knows, each in its own module: its matrix row and how to tell it is installed."""
+"""The backends autoshard knows, each in its own module: everything that differs between engines.
+
+A ``Backend`` holds its matrix row, its install check, its adapter (plan or config), its precision and memory rules,
+its checkpoint formats and its Lightning strategy, so code outside ``backends/`` and ``adapters/`` asks the Backend
+and never compares backend names. Adapters and strategies import torch or Lightning: they are dotted paths, loaded
+on use, so ``import autoshard.backends`` (and ``autoshard matrix``) stays free of both.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
-from autoshard.capability import Feature, Row, Support
+from autoshard.capability import Feature, Format, Row, Support
 from autoshard.errors import IntentError, closest, did_you_mean
+
+if TYPE_CHECKING:
+    from autoshard.memory import MemoryEstimate
+    from autoshard.precision import PrecisionPlan
 
 
 @dataclass(frozen=True)
@@ -55,16 +67,43 @@ class Backend:
     strategy: str
     row: Row
     check: Callable[[], Availability]
+    # "module:function" (module, intent, needs, precision) -> a plan with describe() and to_dict(): the per-block
+    # units that explain prints and memory counts. Empty: the engine has no plan to inspect.
+    plan: str = ""
+    # "module:function" (intent, needs, *, world_size, micro_batch_size) -> the engine's config, which explain prints.
+    config: str = ""
+    # "module:Class", the Lightning strategy that drives it.
+    lightning: str = ""
+    # How it runs a resolved PrecisionPlan (autoshard.precision.on_backend); None: no precision rules.
+    precision: Callable[[PrecisionPlan], PrecisionPlan] | None = None
+    # Per-rank bytes (layout, optimizers, intent, world_size, rank, *, overrides, num_nodes, zero_init) -> MemoryEstimate,
+    # on memory.py's shared layout; None: estimate_memory does not cover it.
+    memory: Callable[..., MemoryEstimate] | None = None
+    host_memory: str = "CPU memory (offloaded)"  # memory_table's label for the bytes it keeps in CPU memory
+    writes: Format | None = None  # the checkpoint format it saves
+    resumes: tuple[Format, ...] = ()  # the formats checkpoint.resolve_for_load lets it resume from
 
     def __post_init__(self) -> None:
         missing = [f.value for f in Feature if f not in self.row]
         if missing:
             raise ValueError(f"backend {self.name} has no matrix cell for: {', '.join(missing)}")
+        if self.writes is not None and self.writes not in self.resumes:
+            raise ValueError(f"backend {self.name} writes {self.writes.value} checkpoints but cannot resume them")
+
+    def strategy_class(self) -> type:
+        """The Lightning strategy class; importing it imports Lightning, hence only on use."""
+        return load(self.lightning)
 
     @property
     def rejected(self) -> bool:
         """Every cell is Support.REJECTED: autoshard lists the backend only to refuse requests for it (FSDP1)."""
         return all(c.support is Support.REJECTED for c in self.row.values())
+
+
+def load(path: str) -> Any:
+    """The object at ``"module:attr"``, imported now: how a Backend points at code that needs torch or Lightning."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _load() -> dict[str, Backend]:

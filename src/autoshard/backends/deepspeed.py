@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
 from autoshard.backends import Availability, Backend, require, require_all
-from autoshard.capability import Feature, no, partial, yes
+from autoshard.capability import Feature, Format, no, partial, yes
+from autoshard.errors import IntentError
+from autoshard.precision import Dtype, PrecisionPlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from autoshard.intent import ShardingIntent
+    from autoshard.memory import MemoryEstimate, _Layout
+
+BACKEND_NAME = "deepspeed_zero3"
+# DeepSpeed's estimator counts 18 bytes per parameter for ZeRO-3 model states (Adam in mixed precision).
+# Its formula gives only the total; the split into 16-bit params / 16-bit grads / the rest is autoshard's reading.
+ZERO3_BYTES_PER_PARAM = 18
 
 MIN_DEEPSPEED = "0.14"
 INSTALL = 'pip install "autoshard[deepspeed]"'
@@ -70,9 +87,131 @@ def check() -> Availability:
     return require_all(fsdp2.check(), require("deepspeed", MIN_DEEPSPEED, INSTALL))
 
 
+def precision(plan: PrecisionPlan) -> PrecisionPlan:
+    """What ZeRO-3 runs for ``plan``: it differs from FSDP2 in three ways.
+
+    Under Lightning's DeepSpeedStrategy there is no autocast (the engine converts the model, so "-mixed" computes
+    every op in the low dtype), the parameters are stored and gathered in the low dtype, and the optimizer always
+    keeps an fp32 master copy, with dynamic loss scaling for fp16. Gradients are reduced in the plan's dtype
+    (``communication_data_type``). A gather dtype other than the low dtype (``param_dtype``) is refused there.
+    """
+    low = plan.precision.dtype
+    if plan.gather is not low:
+        raise IntentError(
+            f"param_dtype='{plan.gather}' contradicts precision='{plan.precision}': under DeepSpeed the compute"
+            f" dtype of the parameters follows the precision ({low} here). Backend that can cast"
+            f" separately: fsdp2. Fix: drop param_dtype, or set the Trainer precision that computes in"
+            f" {plan.gather}"
+        )
+    return dataclasses.replace(
+        plan, compute=low, autocast=False, master=Dtype.FLOAT32, loss_scaling=low is Dtype.FLOAT16
+    )
+
+
+def zero3_model_states(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int,
+    num_nodes: int = 1,
+    cpu_offload: bool = False,
+    cpu_offload_params: bool = False,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
+    """(cpu bytes per node, gpu bytes per rank, largest layer bytes): DeepSpeed's
+    ``estimate_zero3_model_states_mem_needs``, restated so that estimating never imports deepspeed."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            per = 18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor)
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            per = 16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor)
+        cpu_mem = total_params * per * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def memory(
+    layout: _Layout,
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
+    intent: ShardingIntent,
+    world_size: int,
+    rank: int,
+    *,
+    overrides: Mapping[str, int],
+    num_nodes: int,
+    zero_init: bool,
+) -> MemoryEstimate:
+    """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam)."""
+    from autoshard.errors import AutoShardError
+    from autoshard.memory import MemoryEstimate, _n
+
+    if world_size % num_nodes:
+        raise AutoShardError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}. Fix: world size = num_nodes x devices per node")
+    per_node = world_size // num_nodes
+    total = sum(_n(p.shape) for p in layout.params.values())
+    offload_opt = intent.offload in ("optimizer", "params")
+    offload_params = intent.offload == "params"
+    cpu_mem, gpu_mem, largest_mem = zero3_model_states(
+        total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, zero_init
+    )
+    states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
+    params = int(2 * total / world_size)
+    grads = int(2 * total / world_size)
+    offloaded = ("parameters", "gradients", "optimizer_states") if offload_params else ("gradients", "optimizer_states") if offload_opt else ()
+    notes = [
+        "ZeRO-3 figures are DeepSpeed's estimate_zero3_model_states_mem_needs (18 bytes per parameter, Adam in mixed"
+        " precision; the gathered block is 4 bytes x the largest layer); the split into 16-bit params (2 B),"
+        " 16-bit grads (2 B) and optimizer states with fp32 master weights (14 B) is autoshard's reading",
+        "parameters below stage3_param_persistence_threshold stay whole on every rank; DeepSpeed's formula ignores them",
+    ]
+    names = {type(o).__name__ for _, o in sourced}
+    if names - {"Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam"}:
+        notes.append(f"DeepSpeed's formula assumes Adam; this method uses {', '.join(sorted(names))}")
+    if intent.offload_device == "nvme" and intent.offload != "none":
+        notes.append("offload_device='nvme': the offloaded states live on NVMe; the CPU figure bounds the staging buffers")
+    estimate = MemoryEstimate(
+        backend=BACKEND_NAME,
+        world_size=world_size,
+        rank=rank,
+        precision=layout.precision.precision.value,
+        gather_dtype=layout.precision.gather.value,
+        parameters=params,
+        gradients=grads,
+        optimizer_states=states - params - grads,
+        ema_teacher=0,
+        unsharded=0,
+        gathered_block=largest_mem,
+        gathered_unit="",
+        full_model_states=ZERO3_BYTES_PER_PARAM * total,
+        offloaded=offloaded,
+        host=cpu_mem,
+        optimizers=tuple(f"{type(o).__name__} ({s})" for s, o in sourced),
+        notes=tuple(notes),
+    )
+    assert estimate.device == gpu_mem, (estimate.device, gpu_mem)  # the breakdown must add up to DeepSpeed's figure
+    return estimate
+
+
 BACKEND = Backend(
-    name="deepspeed_zero3",
+    name=BACKEND_NAME,
     strategy="autoshard-deepspeed",
     row=ROW,
     check=check,
+    config="autoshard.adapters.deepspeed:deepspeed_config",
+    lightning="autoshard.lightning.deepspeed:AutoShardDeepSpeedStrategy",
+    precision=precision,
+    memory=memory,
+    host_memory="CPU memory (DeepSpeed, per node)",
+    writes=Format.DEEPSPEED,
+    resumes=(Format.DEEPSPEED, Format.FULL),
 )

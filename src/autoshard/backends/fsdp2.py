@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
 from autoshard.backends import Availability, Backend, require
-from autoshard.capability import Feature, no, partial, yes
+from autoshard.capability import Feature, Format, no, partial, yes
+
+if TYPE_CHECKING:
+    import torch
+
+    from autoshard.intent import ShardingIntent
+    from autoshard.memory import MemoryEstimate, _Layout
+    from autoshard.precision import PrecisionPlan
+
+BACKEND_NAME = "fsdp2"
 
 MIN_TORCH = "2.4"
 INSTALL = f'pip install "torch>={MIN_TORCH}"'  # Lightning's range: autoshard.lightning.compat
@@ -64,9 +76,90 @@ def check() -> Availability:
     return require("torch", MIN_TORCH, INSTALL)
 
 
+def precision(plan: PrecisionPlan) -> PrecisionPlan:
+    """FSDP2 runs the resolved plan as is: autocast, MixedPrecisionPolicy's gather and reduce dtypes."""
+    return plan
+
+
+def memory(
+    layout: _Layout,
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
+    intent: ShardingIntent,
+    world_size: int,
+    rank: int,
+    *,
+    overrides: Mapping[str, int],
+    num_nodes: int,
+    zero_init: bool,
+) -> MemoryEstimate:
+    """Exact per-rank bytes under FSDP2's Shard(0) (uneven shards included); ``num_nodes``, ``zero_init``: unused."""
+    from autoshard.memory import CATEGORIES, MemoryEstimate, UnshardedPart, _local_shape, _n, _optimizer_bytes, _outside_param, fmt_bytes
+
+    local = lambda p: _local_shape(p, world_size, rank)  # noqa: E731
+    states, summaries, notes = _optimizer_bytes(sourced, layout, local, overrides)
+    full_states, _, _ = _optimizer_bytes(sourced, layout, lambda p: p.shape, overrides)
+    extra = {pid: _outside_param(sourced, pid) for pid in states if pid not in layout.params}
+    all_params = {**layout.params, **{pid: p for pid, p in extra.items() if p is not None}}
+    buckets = dict.fromkeys(CATEGORIES, 0)
+    parts: dict[str, int] = {}
+    full = 0
+    for pid, p in all_params.items():
+        own = _n(local(p)) * p.elsize
+        grad = own if p.trainable else 0
+        state = states.get(pid, 0)
+        full += _n(p.shape) * p.elsize * (2 if p.trainable else 1) + full_states.get(pid, 0)
+        if not p.sharded:
+            buckets["unsharded"] += own + grad + state
+            parts[p.part] = parts.get(p.part, 0) + own + grad + state
+        elif p.teacher:
+            buckets["ema_teacher"] += own
+            buckets["gradients"] += grad
+            buckets["optimizer_states"] += state
+        else:
+            buckets["parameters"] += own
+            buckets["gradients"] += grad
+            buckets["optimizer_states"] += state
+    held = [(n, b) for n, b, reshard in layout.units if not reshard]
+    transient = [(n, b) for n, b, reshard in layout.units if reshard]
+    largest = max(transient, key=lambda u: u[1], default=("", 0))
+    gathered = sum(b for _, b in held) + largest[1]
+    notes = list(layout.notes) + notes
+    if held:
+        notes.append(
+            f"reshard_after_forward=False keeps {len(held)} unit(s) gathered from forward to backward"
+            f" ({fmt_bytes(sum(b for _, b in held))} counted in the gathered block)"
+        )
+    offloaded: tuple[str, ...] = ()
+    if intent.offload != "none":
+        offloaded = ("parameters", "gradients", "optimizer_states", "ema_teacher")
+        notes.append("CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in CPU memory")
+    return MemoryEstimate(
+        backend=BACKEND_NAME,
+        world_size=world_size,
+        rank=rank,
+        precision=layout.precision.precision.value,
+        gather_dtype=layout.precision.gather.value,
+        gathered_block=gathered,
+        gathered_unit=max(layout.units, key=lambda u: u[1])[0] if layout.units else "",
+        full_model_states=full,
+        offloaded=offloaded,
+        host=sum(buckets[c] for c in offloaded),
+        unsharded_parts=tuple(UnshardedPart(n, b, layout.whys.get(n, "")) for n, b in parts.items()),
+        optimizers=tuple(summaries),
+        notes=tuple(dict.fromkeys(notes)),
+        **buckets,
+    )
+
+
 BACKEND = Backend(
-    name="fsdp2",
+    name=BACKEND_NAME,
     strategy="fsdp2",
     row=ROW,
     check=check,
+    plan="autoshard.adapters.fsdp2:plan_fsdp2",
+    lightning="autoshard.lightning.fsdp2:FSDP2Strategy",
+    precision=precision,
+    memory=memory,
+    writes=Format.DCP,
+    resumes=(Format.DCP, Format.FULL),
 )

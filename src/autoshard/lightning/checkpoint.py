@@ -14,18 +14,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autoshard.checkpoint import (
     LIGHTNING_META,
-    MANIFEST,
     CheckpointFormatError,
-    commit,
     corrupted,
+    load_failure,
+    prepare_staging,
+    resolve_for_load,
+)
+from autoshard.checkpoint_io import (
+    MANIFEST,
+    commit,
     describe_files,
     fsync_dir,
     fsync_file,
     integrity_problems,
-    load_failure,
-    prepare_staging,
     remove,
-    resolve_for_load,
     sidecar_path,
     stage_sidecar,
     staging_path,

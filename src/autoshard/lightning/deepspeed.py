@@ -171,7 +171,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         if not (self.load_full_weights and self.zero_stage_3):
             from autoshard.checkpoint import resolve_for_load
 
-            checkpoint_path = resolve_for_load(checkpoint_path, "deepspeed_zero3")
+            checkpoint_path = resolve_for_load(checkpoint_path, BACKEND)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     # -- what to check --------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ from autoshard.adapters.fsdp2 import (
     plan_fsdp2,
     sync_buffers,
 )
-from autoshard.capability import cell
+from autoshard.backends import fsdp2 as fsdp2_backend
+from autoshard.backends import get_backend
+from autoshard.backends.matrix import cell
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
@@ -41,6 +43,8 @@ from autoshard.select import Decision, select_backend
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+BACKEND = fsdp2_backend.BACKEND.name  # "fsdp2": what a decision is compared with, never the literal
 
 FSDP2_PRECISIONS = tuple(p.value for p in Precision if cell("fsdp2", p.feature).support.usable)
 
@@ -213,7 +217,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
     # -- In each process --------------------------------------------------------------------------------------
     def _decide(self, needs: MethodNeeds) -> Decision:
         decision = self._select(needs)
-        if decision.backend != "fsdp2":
+        if decision.backend != BACKEND:
             raise IncompatibleBackendError(
                 f"auto-shard chose {decision.backend} for this method, but the Trainer was built for fsdp2."
                 f" Fix: use strategy='{decision.strategy}'\n{decision.describe()}"
@@ -325,15 +329,14 @@ class AutoShardStrategy(FSDP2Strategy):
         **intent_fields: Any,
     ) -> Any:
         wanted = as_intent(intent, **intent_fields)
-        if select_backend(MethodNeeds(), wanted.replace(precision=None)).backend == "deepspeed_zero3":
+        needed = select_backend(MethodNeeds(), wanted.replace(precision=None)).backend
+        if needed != BACKEND:
             if parallelize_fn is not None:
                 raise IntentError(
                     "this intent needs DeepSpeed (only it has what it asks for), and DeepSpeed takes no parallelize_fn."
                     " Fix: drop parallelize_fn, or change the intent so that fsdp2 can run it"
                 )
-            from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
-
-            chosen = AutoShardDeepSpeedStrategy(wanted, process_group_backend=process_group_backend, timeout=timeout)
+            chosen = get_backend(needed).strategy_class()(wanted, process_group_backend=process_group_backend, timeout=timeout)
             chosen.requested_as = cls.strategy_name  # its refusals must not propose the auto-shard the user is on
             return chosen
         return super().__new__(cls)
