@@ -16,6 +16,7 @@ import pytest
 
 from autoshard.backends.matrix import MATRIX_BEGIN, MATRIX_END, matrix_markdown, write_matrix
 from autoshard.errors import AutoShardError
+from autoshard.demo import DinoLike
 from autoshard.explain import main, register_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +96,24 @@ def test_file_target_with_callbacks_counts_the_probe(factory_file: Path) -> None
     memory = out.split("== per-rank memory ==")[1]
     assert "optimizer SGD" in memory and "    probe " in memory  # its optimizer counted, the probe whole on every rank
     assert "not on the meta device" not in out and "\x1b[" not in out  # built on meta; plain text in logs
+
+
+class CountsItsOptimizerCalls(DinoLike):
+    """stable-pretraining's probes wrap configure_optimizers and assert a single call: explain must make only one."""
+
+    calls = 0
+
+    def configure_optimizers(self) -> Any:
+        type(self).calls += 1
+        assert type(self).calls == 1, "configure_optimizers called twice"
+        return super().configure_optimizers()
+
+
+def test_explain_calls_configure_optimizers_once() -> None:
+    CountsItsOptimizerCalls.calls = 0
+    report = as_json(f"{__name__}:CountsItsOptimizerCalls", "--world-sizes", "2")
+    assert CountsItsOptimizerCalls.calls == 1
+    assert report["needs"]["num_optimizers"] == 1 and report["memory"][0]["optimizer_states"] > 0
 
 
 def test_refusal_prints_the_error_and_exits_nonzero() -> None:

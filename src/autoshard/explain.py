@@ -22,7 +22,7 @@ from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import MemoryEstimate, estimate_memory_many, fmt_bytes, memory_table
+from autoshard.memory import MemoryEstimate, collect_optimizers, estimate_memory_many, fmt_bytes, memory_table
 from autoshard.needs import MethodNeeds, inspect_needs
 from autoshard.select import Decision, features_needed, select_backend
 from autoshard.target import build_on_meta, load_target
@@ -212,7 +212,10 @@ def explain(
     factory = load_target(target) if isinstance(target, str) else target
     built = build_on_meta(factory)
     module = built.module
-    needs = inspect_needs(module, callbacks=built.callbacks)
+    # The one configure_optimizers call (offline, on the meta module): needs and memory both read its optimizers.
+    sourced = collect_optimizers(module, built.callbacks)
+    configured = [o for source, o in sourced if source == "configure_optimizers"]
+    needs = inspect_needs(module, callbacks=built.callbacks, optimizers=configured)
     report = Report(
         target=target if isinstance(target, str) else getattr(target, "__name__", repr(target)),
         module=module,
@@ -245,7 +248,7 @@ def explain(
         report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # already reported above
-        report.memory = estimate_memory_many(module, intent, needs, world_sizes, chosen, callbacks=built.callbacks)
+        report.memory = estimate_memory_many(module, intent, needs, world_sizes, chosen, callbacks=built.callbacks, sourced=sourced)
     return report
 
 

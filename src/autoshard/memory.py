@@ -393,14 +393,21 @@ def estimate_memory_many(
     num_nodes: int = 1,
     zero_init: bool = True,
     precision: PrecisionPlan | None = None,
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None,
 ) -> list[MemoryEstimate]:
-    """One estimate per world size; the plan and the optimizers are built once."""
+    """One estimate per world size; the plan and the optimizers are built once.
+
+    ``sourced``: (source, optimizer) pairs from ``collect_optimizers`` already made by the caller, so that the
+    user's ``configure_optimizers`` runs once (hooks may assert a single call).
+    """
     intent = as_intent(intent)
     precision = precision or resolve_precision(None, intent)
     if needs is None:
         needs = inspect_needs(module, callbacks=callbacks)
     backend = _canonical_backend(backend, needs, intent, precision)
-    if optimizers is None:
+    if sourced is not None:
+        sourced = list(sourced)
+    elif optimizers is None:
         sourced = collect_optimizers(module, callbacks)
     else:
         sourced = [("given", o) for o in (returned_optimizers(list(optimizers)) or list(optimizers))]
