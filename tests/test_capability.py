@@ -44,6 +44,16 @@ def test_the_headline_cells():
     assert cell("deepspeed_zero3", Feature.NVME_OFFLOAD).support is Support.YES
 
 
+def test_hybrid_sharding_row():
+    """fsdp2 runs HSDP; DeepSpeed's MiCS / hpZ are not mapped yet, and the cell says so and redirects to fsdp2."""
+    assert Feature.HYBRID_SHARDING.value == "hybrid sharding (HSDP)"
+    assert cell("fsdp2", Feature.HYBRID_SHARDING).support is Support.YES
+    ds = cell("deepspeed_zero3", Feature.HYBRID_SHARDING)
+    assert ds.support is Support.NO and "mics_shard_size" in ds.reason and "zero_hpz_partition_size" in ds.reason
+    assert "optimizer states stay sharded over every rank" in ds.reason and "strategy='fsdp2'" in ds.remedy
+    assert cell("fsdp1", Feature.HYBRID_SHARDING).support is Support.REJECTED
+
+
 def test_a_cell_short_of_yes_needs_reason_and_remedy():
     with pytest.raises(ValueError, match="a 'no' cell needs a reason and a remedy"):
         Cell(Support.NO, "because")

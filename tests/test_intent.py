@@ -144,7 +144,7 @@ def test_from_dict_refuses_unknown_keys_by_name():
     assert str(info.value) == (
         "unknown ShardingIntent field(s): 'nodes' 'precison' (did you mean 'precision'?). Valid fields are shard,"
         " exclude, blocks, precision, param_dtype, reduce_dtype, reshard_after_forward, offload, offload_device, nvme_path,"
-        " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, strict, init_from."
+        " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, shard_size, strict, init_from."
         " Fix: drop 'nodes'; rename 'precison' to 'precision'"
     )
     with pytest.raises(IntentError, match="a ShardingIntent is read from a mapping of its fields, got list"):
@@ -157,3 +157,46 @@ def test_replace_validates():
     assert ShardingIntent().replace(offload="params").offload == "params"
     with pytest.raises(IntentError, match="unknown offload"):
         ShardingIntent().replace(offload="gpu")
+
+
+@pytest.mark.parametrize(
+    ("shard_size", "world", "nodes", "sizes"),
+    [(None, 8, 1, None), (2, 8, 1, (4, 2)), (8, 8, 1, None), ("node", 8, 2, (2, 4)), ("node", 8, 1, None), (1, 4, 1, (4, 1))],
+)
+def test_hsdp_sizes_are_replicas_by_shard_size(shard_size, world, nodes, sizes):
+    """A shard group as large as the data-parallel size is pure FSDP: None, a 1-D mesh."""
+    intent = ShardingIntent(shard_size=shard_size)
+    assert intent.hsdp_sizes(world, nodes) == sizes
+    assert intent.mesh_sizes(world, nodes) == (world, 1)
+    assert ShardingIntent.from_dict(intent.to_dict()) == intent
+
+
+def test_shard_size_refusals_name_the_fix():
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(shard_size=3).mesh_sizes(8)
+    assert str(info.value) == (
+        "shard_size=3 does not divide the data-parallel size 8, so the ranks cannot form whole replicas of the shard"
+        " group. Fix: shard_size= one of 1, 2, 4, 8"
+    )
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(shard_size=16).mesh_sizes(8)
+    assert str(info.value) == (
+        "shard_size=16 exceeds the data-parallel size 8 (world size 8): a shard group cannot hold more ranks than"
+        " there are. Fix: shard_size= one of 1, 2, 4, 8, or leave it unset"
+    )
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(shard_size="rack")
+    assert str(info.value).startswith("shard_size must be a positive integer or 'node', got 'rack'. Fix: shard_size=8")
+    for bad in (0, True, 2.0):
+        with pytest.raises(IntentError, match="shard_size must be a positive integer or 'node'"):
+            ShardingIntent(shard_size=bad)
+
+
+def test_hsdp_with_tensor_parallel_is_refused_for_now():
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(shard_size=2, tensor_parallel_size=2)
+    assert str(info.value) == (
+        "shard_size=2 with tensor_parallel_size=2 is refused for now: autoshard builds hybrid sharding on a 2-D"
+        " (replicate, shard) mesh of the data-parallel ranks and has no 3-D (replicate, shard, tensor parallel) layout"
+        " yet. Fix: drop shard_size (pure FSDP with tensor parallel), or set tensor_parallel_size=1 (hybrid sharding alone)"
+    )

@@ -51,6 +51,7 @@ ONE_FEATURE: dict[Feature, tuple[MethodNeeds, dict, str | None]] = {
     Feature.TENSOR_PARALLEL: (MethodNeeds(), {"tensor_parallel_size": 2}, None),
     Feature.CPU_ACCELERATOR: (MethodNeeds(), {}, "cpu"),
     Feature.INIT_FROM: (MethodNeeds(), {"init_from": "weights.safetensors"}, None),
+    Feature.HYBRID_SHARDING: (MethodNeeds(), {"shard_size": 2}, None),
 }
 CELLS = [(backend, feature) for backend, row in matrix().items() for feature in row]
 

@@ -34,6 +34,7 @@ class Feature(str, Enum):
     TENSOR_PARALLEL = "tensor parallel"
     CPU_ACCELERATOR = "CPU accelerator (gloo)"
     INIT_FROM = "pretrained weights into shards (init_from)"
+    HYBRID_SHARDING = "hybrid sharding (HSDP)"
 
 
 # What the user's intent asks for. "auto" leaves fsdp2 only for a backend that fully provides one of these
@@ -50,6 +51,7 @@ INTENT_FEATURES = frozenset(
         Feature.DISTRIBUTED_CHECKPOINT,
         Feature.FULL_CHECKPOINT,
         Feature.TENSOR_PARALLEL,
+        Feature.HYBRID_SHARDING,
     }
 )
 

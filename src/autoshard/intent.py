@@ -103,6 +103,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _shard_size(value: object) -> int | str | None:
+    """None (every data-parallel rank), a positive int, or "node"; checked against the world in ``hsdp_sizes``."""
+    if value is None or value == "node":
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise IntentError(
+            f"shard_size must be a positive integer or 'node', got {value!r}. Fix: shard_size=8 (ranks per shard"
+            f" group), shard_size='node' (the devices of one node), or leave it unset to shard over every rank"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class ShardingIntent:
     """What to shard and how, independent of FSDP2 or DeepSpeed; adapters translate it.
@@ -113,6 +125,9 @@ class ShardingIntent:
     ``shard=None`` means every trainable child subtree (plus EMA teachers); ``exclude`` removes paths.
     ``blocks`` names the per-block units (class names or module paths) instead of the repeated blocks the plan
     finds; ``blocks=[]`` makes one unit per subtree.
+    ``shard_size`` turns on hybrid sharding (HSDP): parameters, gradients and optimizer state are sharded within
+    groups of ``shard_size`` data-parallel ranks (``'node'``: the devices of one node) and replicated across the
+    data-parallel size / shard_size groups; None shards over every data-parallel rank.
     ``strict=True`` turns autoshard's fallbacks (replicating what it cannot shard) into errors.
     ``init_from`` loads pretrained weights into the shards once they exist, each rank reading only its own slices
     (``autoshard.init_from``): a path (safetensors file, Hugging Face model directory, torch state dict file, DCP
@@ -135,6 +150,7 @@ class ShardingIntent:
     checkpoint: str = "distributed"
     data_parallel_size: int | None = None
     tensor_parallel_size: int = 1
+    shard_size: int | str | None = None
     strict: bool = False
     init_from: str | Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
 
@@ -179,9 +195,52 @@ class ShardingIntent:
         set_(self, "data_parallel_size", _size("data_parallel_size", self.data_parallel_size))
         tp = _size("tensor_parallel_size", self.tensor_parallel_size)
         set_(self, "tensor_parallel_size", 1 if tp is None else tp)
+        set_(self, "shard_size", _shard_size(self.shard_size))
+        if self.shard_size is not None and self.tensor_parallel_size > 1:
+            # A 3-D (replicate, shard, tensor) mesh needs a parallelize_fn that knows the HSDP dims; not built yet.
+            raise IntentError(
+                f"shard_size={self.shard_size!r} with tensor_parallel_size={self.tensor_parallel_size} is refused for"
+                f" now: autoshard builds hybrid sharding on a 2-D (replicate, shard) mesh of the data-parallel ranks"
+                f" and has no 3-D (replicate, shard, tensor parallel) layout yet. Fix: drop shard_size (pure FSDP with"
+                f" tensor parallel), or set tensor_parallel_size=1 (hybrid sharding alone)"
+            )
 
-    def mesh_sizes(self, world_size: int) -> tuple[int, int]:
-        """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default."""
+    def mesh_sizes(self, world_size: int, num_nodes: int = 1) -> tuple[int, int]:
+        """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default.
+
+        Also checks ``shard_size`` against the data-parallel size (``hsdp_sizes``), so that every caller that
+        resolves the mesh refuses a shard size that does not fit, before any process starts.
+        """
+        dp, tp = self._dp_tp(world_size)
+        self.hsdp_sizes(world_size, num_nodes)
+        return dp, tp
+
+    def hsdp_sizes(self, world_size: int, num_nodes: int = 1) -> tuple[int, int] | None:
+        """(replicas, shard_size) of the hybrid-sharding mesh over the data-parallel ranks; None: pure FSDP.
+
+        ``'node'`` resolves to the devices of one node (world size / num_nodes). A shard size equal to the
+        data-parallel size is pure FSDP (one replica), so it gives None too: a 1-D mesh, nothing replicated.
+        """
+        if self.shard_size is None:
+            return None
+        dp, _ = self._dp_tp(world_size)
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
+            raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+        shard = world_size // num_nodes if self.shard_size == "node" else int(self.shard_size)
+        stated = f"shard_size={self.shard_size!r}" + (f" (= {shard} devices per node)" if self.shard_size == "node" else "")
+        if shard > dp:
+            raise IntentError(
+                f"{stated} exceeds the data-parallel size {dp} (world size {world_size}): a shard group cannot hold more"
+                f" ranks than there are. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}, or leave it unset"
+            )
+        if dp % shard:
+            raise IntentError(
+                f"{stated} does not divide the data-parallel size {dp}, so the ranks cannot form whole replicas of"
+                f" the shard group. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}"
+            )
+        return None if shard == dp else (dp // shard, shard)
+
+    def _dp_tp(self, world_size: int) -> tuple[int, int]:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise IntentError(f"world size must be a positive integer, got {world_size!r}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
         tp = self.tensor_parallel_size

@@ -52,6 +52,8 @@ def features_needed(
         out[Feature.DISTRIBUTED_CHECKPOINT] = "checkpoint='distributed'"
     if intent.tensor_parallel_size > 1:
         out[Feature.TENSOR_PARALLEL] = f"tensor_parallel_size={intent.tensor_parallel_size}"
+    if intent.shard_size is not None:  # the dp size is not known here; a shard_size equal to it is pure FSDP
+        out[Feature.HYBRID_SHARDING] = f"shard_size={intent.shard_size!r}"
     if accelerator is not None and str(accelerator).lower() == "cpu":
         out[Feature.CPU_ACCELERATOR] = "accelerator='cpu'"
     if intent.init_from is not None:

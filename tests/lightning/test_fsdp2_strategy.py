@@ -49,6 +49,19 @@ def test_default_sizes_are_pure_fsdp_not_lightnings_tensor_parallel() -> None:
     assert strategy.intent.mesh_sizes(8) == (8, 1)
 
 
+def test_shard_size_is_resolved_once_with_num_nodes_when_the_trainer_is_built() -> None:
+    """'node' is the devices of one node; the (replicas, shard) split is kept for the plan; the mesh stays dp x 1."""
+    built = pl.Trainer(strategy=FSDP2Strategy(shard_size="node"), accelerator="cpu", devices=2, num_nodes=2, logger=False)
+    assert built.strategy.hsdp_sizes == (2, 2) and built.strategy.describe_mesh()["hsdp"] == (2, 2)
+    assert (built.strategy._data_parallel_size, built.strategy._tensor_parallel_size) == (4, 1)
+    assert pl.Trainer(strategy=FSDP2Strategy(), accelerator="cpu", devices=2, logger=False).strategy.hsdp_sizes is None
+    with pytest.raises(IntentError, match="shard_size=3 does not divide the data-parallel size 4"):
+        pl.Trainer(strategy=FSDP2Strategy(shard_size=3), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(IntentError) as info:
+        pl.Trainer(strategy=FSDP2Strategy(shard_size=2, parallelize_fn=lambda m, mesh: None), accelerator="cpu", devices=4, logger=False)
+    assert "a parallelize_fn replaces it, so the shard size would be ignored. Fix: drop parallelize_fn" in str(info.value)
+
+
 @pytest.mark.parametrize("make", [lambda: trainer(strategy="fsdp"), lambda: __import__("lightning.pytorch.strategies", fromlist=["FSDPStrategy"]).FSDPStrategy()])
 def test_fsdp1_is_refused_with_a_redirect(make: Any) -> None:
     with pytest.raises(IncompatibleBackendError) as info:

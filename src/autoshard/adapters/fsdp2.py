@@ -153,6 +153,7 @@ class FSDP2Plan:
     buffers: dict[str, int] = field(default_factory=dict)  # name -> bytes; never sharded, kept equal by BUFFER_RULE
     sync_batchnorm: bool = False  # set by the strategy for Trainer(sync_batchnorm=True)
     precision: PrecisionPlan | None = None  # the run's resolved precision; None: the intent's (see plan_fsdp2)
+    hsdp: tuple[int, int] | None = None  # (replicas, shard_size), set by the strategy (ShardingIntent.hsdp_sizes)
 
     @property
     def precision_plan(self) -> PrecisionPlan:
@@ -169,9 +170,11 @@ class FSDP2Plan:
         return BUFFER_RULE + "; BatchNorm layers normalize with the statistics of the global batch (sync_batchnorm=True)"
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> None:
-        """Shard ``module`` in place on the data-parallel slice of ``mesh``; replicated grads get averaged."""
+        """Shard ``module`` in place on the data-parallel slice of ``mesh`` (HSDP: that slice as (replicas, shard);
+        ``hsdp_mesh``); replicated grads get averaged over every data-parallel rank, not one shard group."""
         fully_shard, _, _, _, _ = fsdp2_api()
         dp_mesh = data_parallel_mesh(mesh)
+        shard_mesh = hsdp_mesh(dp_mesh, self.hsdp)
         mp_policy, offload_policy = policies(self.precision_plan, self.intent)
         scalars = {id(p) for p in module.parameters() if p.dim() == 0}
         for unit in self.units:
@@ -183,7 +186,7 @@ class FSDP2Plan:
             ignored = {p for p in sub.parameters() if id(p) in scalars}
             fully_shard(
                 sub,
-                mesh=dp_mesh,
+                mesh=shard_mesh,
                 reshard_after_forward=unit.reshard_after_forward,
                 mp_policy=mp_policy,
                 offload_policy=offload_policy,
@@ -277,6 +280,9 @@ def settings_in_words(mesh: dict[str, Any], settings: dict[str, Any]) -> str:
     """The plan's settings as one sentence a person reads at a glance (``to_dict()["settings"]`` keeps the fields)."""
     where = f" over {mesh['world_size']} ranks" if "world_size" in mesh else ""
     sizes = [f"{kind} parallel {mesh[f'{kind}_parallel_size']}" for kind in ("data", "tensor") if f"{kind}_parallel_size" in mesh]
+    if mesh.get("hsdp"):
+        replicas, shard = mesh["hsdp"]
+        sizes.append(f"hybrid sharding: {replicas} replicas of {shard}-rank shard groups")
     where += f" ({', '.join(sizes)})" if sizes else ""
     mp = settings["mp_policy"]
     yes_no = {True: "yes", False: "no"}
@@ -310,10 +316,39 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["data_parallel"] if "data_parallel" in names and len(names) > 1 else mesh
 
 
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def hsdp_mesh(dp_mesh: DeviceMesh, sizes: tuple[int, int] | None) -> DeviceMesh:
+    """The mesh ``fully_shard`` shards on: ``dp_mesh`` itself (FSDP), or for HSDP its ranks as a 2-D
+    ``(replicas, shard_size)`` mesh, on which fully_shard places parameters ``(Replicate(), Shard(0))``.
+
+    Built with ``init_device_mesh`` over the data-parallel ranks: shard groups are consecutive ranks (one node's
+    under torchrun, so all-gathers and reduce-scatters stay inside it), replicas are every shard_size-th rank.
+    A separate mesh, so Lightning's (data_parallel, tensor_parallel) mesh stays as it is for everything else
+    (sampler, buffers, unsharded gradients, sync_batchnorm: all over every data-parallel rank). HSDP with tensor
+    parallel is refused by the intent, so the data-parallel ranks are the whole world here.
+    """
+    if sizes is None:
+        return dp_mesh
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas, shard = sizes
+    if replicas * shard != dp_mesh.size() or dp_mesh.size() != dist.get_world_size():
+        raise AutoShardError(
+            f"hybrid sharding {replicas} x {shard} needs the {dp_mesh.size()} data-parallel ranks to be the whole world"
+            f" ({dist.get_world_size()}) and {replicas} x {shard} of them. Fix: set tensor_parallel_size=1 and a shard_size"
+            f" that divides the data-parallel size"
+        )
+    return init_device_mesh(dp_mesh.device_type, (replicas, shard), mesh_dim_names=HSDP_DIMS)
+
+
 def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh) -> int:
     """Keep every trainable parameter left unsharded (probes, root or 0-dim parameters) identical across ranks.
 
-    Each gradient is averaged once accumulated. Hooks, not ``replicate()``: callback optimizers already hold these
+    Each gradient is averaged once accumulated, over ``mesh``: every data-parallel rank (1-D; under HSDP Lightning's
+    data-parallel slice, never one shard group, or the replicas would drift apart). Hooks, not ``replicate()``: callback optimizers already hold these
     very Parameter objects. Idempotent (a second setup adds no second hook); returns how many got one.
     """
     import torch.distributed as dist

@@ -78,6 +78,12 @@ ROW = {
         TO_FSDP2 + ", or load the weights into the module before trainer.fit (every rank then holds the whole model"
         " until ZeRO-3 partitions it)",
     ),
+    Feature.HYBRID_SHARDING: no(
+        "autoshard does not map shard_size to DeepSpeed yet: MiCS (mics_shard_size) and ZeRO++ hpZ"
+        " (zero_hpz_partition_size) exist there, but hpZ groups parameters only (optimizer states stay sharded over"
+        " every rank) and neither is wired into autoshard's config",
+        TO_FSDP2,
+    ),
 }
 
 

@@ -69,6 +69,10 @@ ROW = {
     ),
     Feature.CPU_ACCELERATOR: yes("runs on gloo; used by autoshard's own tests"),
     Feature.INIT_FROM: yes("after sharding, each rank reads only its own rows of the safetensors, torch or DCP file"),
+    Feature.HYBRID_SHARDING: yes(
+        "fully_shard on a 2-D (replicate, shard) mesh of the data-parallel ranks: sharded within each shard_size group,"
+        " replicated across groups"
+    ),
 }
 
 

@@ -27,6 +27,7 @@ class BackendMixin:
     requested_as: str | None = None  # the strategy string the user typed, when it is not this class's own name
     precision_plan: PrecisionPlan | None = None  # resolved once the Trainer's precision is known
     needs: MethodNeeds | None = None  # what the method needs, once inspected at setup
+    hsdp_sizes: tuple[int, int] | None = None  # (replicas, shard_size) for ShardingIntent(shard_size=...); None: pure FSDP
     decision: Decision | None = None  # the backend decision for those needs
     # Provided by the Lightning strategy this is mixed into.
     num_nodes: int
@@ -52,8 +53,14 @@ class BackendMixin:
         return self.intent
 
     def _mesh_sizes(self) -> tuple[int, int]:
-        """(data parallel, tensor parallel) for this world; refuses sizes whose product is not the world size."""
-        return self._intent_to_check().mesh_sizes(self.num_nodes * self.num_processes)
+        """(data parallel, tensor parallel) for this world; refuses sizes whose product is not the world size.
+
+        The hybrid-sharding split (``hsdp_sizes``) is resolved here too, once, where num_nodes is known ("node").
+        """
+        intent, world = self._intent_to_check(), self.num_nodes * self.num_processes
+        sizes = intent.mesh_sizes(world, self.num_nodes)
+        self.hsdp_sizes = intent.hsdp_sizes(world, self.num_nodes)
+        return sizes
 
     def _accelerator_name(self) -> str | None:
         return self.parallel_devices[0].type if self.parallel_devices else None

@@ -167,6 +167,8 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
     """``strategy="fsdp2"``: pure FSDP by default (dp = world size, tp = 1), sharding at setup, no module change.
 
     ``parallelize_fn(module, device_mesh)`` replaces the generic plan; ``device_mesh["data_parallel"]`` is the dp slice.
+    ``shard_size=`` (hybrid sharding) gives the plan its own 2-D (replicate, shard) mesh of the dp ranks
+    (``adapters.fsdp2.hsdp_mesh``); ``device_mesh`` stays Lightning's, so sampler and replicated state span every dp rank.
     """
 
     strategy_name = "fsdp2"
@@ -199,6 +201,12 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         # Set before Lightning's setup_environment, which keeps sizes that are not "auto".
         self._data_parallel_size, self._tensor_parallel_size = self._mesh_sizes()
         tp = self.intent.tensor_parallel_size
+        if self.intent.shard_size is not None and self.parallelize_fn is not None:
+            raise IntentError(
+                f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
+                f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
+                f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
+            )
         if tp > 1 and self.parallelize_fn is None:
             raise IntentError(
                 f"tensor_parallel_size={tp} needs a parallelize_fn: autoshard has no generic tensor-parallel layout, so"
@@ -237,6 +245,13 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         already_sharded = is_sharded(module)
         if already_sharded or self.parallelize_fn is not None:
             if already_sharded:
+                if self.intent.shard_size is not None:
+                    raise IntentError(
+                        f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, but your configure_model"
+                        f" already sharded the modules, so it would be ignored. Fix: drop shard_size and pass"
+                        f" mesh=init_device_mesh(device, (replicas, shard_size)) to your fully_shard calls, or let"
+                        f" autoshard shard (remove fully_shard from configure_model)"
+                    )
                 rank_zero_info("autoshard: modules already sharded (your configure_model); the generic plan is skipped")
             else:
                 self.parallelize_fn(module, self.device_mesh)  # type: ignore[misc]
@@ -252,6 +267,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         else:
             self.plan = plan_fsdp2(module, self.intent, self.needs, self.precision_plan)
             self.plan.sync_batchnorm = self._layer_sync is not None
+            self.plan.hsdp = self.hsdp_sizes
             self.plan.apply(module, self.device_mesh)
             rank_zero_info(self.plan.describe(self.describe_mesh()))
         self._forwarded = track_forwards(module)
@@ -305,6 +321,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
             "data_parallel_size": self._data_parallel_size,
             "tensor_parallel_size": self._tensor_parallel_size,
             "world_size": self.world_size,
+            **({"hsdp": self.hsdp_sizes} if self.hsdp_sizes else {}),
         }
 
 
