@@ -256,7 +256,8 @@ def test_consolidate_json_is_one_object_on_success_and_on_refusal(tmp_path: Path
     assert done["out"] == str(out) and done["format"] == "distributed" and done["tensors"] == len(model().state_dict())
     assert main(["consolidate", str(dcp_dir), str(out), "--json"]) == 1  # OUT exists now: refused, as JSON
     refused = json.loads(capsys.readouterr().out)
-    assert refused["error"]["type"] == "CheckpointFormatError" and refused["error"]["message"].rstrip().endswith("to replace it")
+    assert refused["command"] == "consolidate" and refused["error"]["type"] == "CheckpointFormatError"
+    assert refused["error"]["message"].rstrip().endswith("to replace it")
 
 
 # -- consolidate never destroys its output ---------------------------------------------------------------------------

@@ -242,6 +242,9 @@ def test_cli_prints_a_summary_or_json_and_refuses_with_exit_1(dcp: tuple[Path, T
     assert "autoshard convert: reading distributed checkpoint" in captured.err
     assert main(["convert", str(src), str(tmp_path / "hf"), "--to", "safetensors"]) == 1
     assert "autoshard: error: refusing to overwrite" in capsys.readouterr().err
+    assert main(["convert", str(src), str(tmp_path / "hf"), "--to", "safetensors", "--json"]) == 1
+    refused = json.loads(capsys.readouterr().out)  # --json: the refusal is JSON on stdout too, as for explain
+    assert refused["command"] == "convert" and refused["error"]["message"].startswith("refusing to overwrite")
 
 
 # -- init_from in one process (plain tensors; the sharded path is tests/distributed/test_convert.py) -----------------------

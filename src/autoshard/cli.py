@@ -7,6 +7,7 @@ subcommands whose modules import torch are listed by name and built only when ch
 from __future__ import annotations
 
 import argparse
+import json
 import importlib
 import sys
 from collections.abc import Container, Sequence
@@ -73,5 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except AutoShardError as exc:
-        print(f"autoshard: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # --json: stdout is one object whatever happened, a refusal included
+            print(json.dumps({"command": args.command, "error": {"type": type(exc).__name__, "message": str(exc)}}, indent=1))
+        else:
+            print(f"autoshard: error: {exc}", file=sys.stderr)
         return 1

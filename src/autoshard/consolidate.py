@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from autoshard.capability import Format
-from autoshard.errors import AutoShardError
 from autoshard.checkpoint import (
     CONSOLIDATE,
     LIGHTNING_DEEPSPEED_PREFIX,
@@ -189,17 +188,9 @@ def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool) -> None
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    """``autoshard consolidate CKPT OUT.pt``: print what was written; refusals exit 1 through the CLI's handler.
-
-    With --json, stdout is one object either way (``{"error": {"type", "message"}}`` on a refusal), as for explain.
-    """
-    try:
-        done = consolidate(args.ckpt, args.out, tag=args.tag, force=args.force)
-    except AutoShardError as exc:
-        if not args.json:
-            raise
-        print(json.dumps({"ckpt": args.ckpt, "out": args.out, "error": {"type": type(exc).__name__, "message": str(exc)}}, indent=1))
-        return 1
+    """``autoshard consolidate CKPT OUT.pt``: print what was written; refusals exit 1 through the CLI's handler
+    (which prints them as JSON under --json)."""
+    done = consolidate(args.ckpt, args.out, tag=args.tag, force=args.force)
     print(json.dumps(done.to_json(), indent=1) if args.json else done.describe())
     return 0
 

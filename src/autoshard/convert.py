@@ -63,7 +63,6 @@ from autoshard.checkpoint_io import (
     write_manifest,
 )
 from autoshard.consolidate import _tensors
-from autoshard.errors import AutoShardError
 from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 
 TARGETS = ("dcp", "deepspeed", "safetensors")
@@ -970,19 +969,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=cmd_convert)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m autoshard.convert SRC DST --to ...``."""
-    parser = argparse.ArgumentParser(prog="autoshard")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["convert", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args))
-    except AutoShardError as exc:
-        print(f"autoshard: error: {exc}", file=sys.stderr)
-        return 1
+if __name__ == "__main__":  # `python -m autoshard.convert convert SRC DST --to ...`: the `autoshard` command
+    from autoshard.cli import main
 
-
-if __name__ == "__main__":
     raise SystemExit(main())
 
 
