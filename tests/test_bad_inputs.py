@@ -28,6 +28,7 @@ from autoshard.checkpoint import CheckpointFormatError, resolve_for_load
 from autoshard.demo import Blobs, DinoLike, OnlineProbe
 from autoshard.errors import AutoShardError
 from autoshard.lightning import FSDP2Strategy
+from autoshard.memory import estimate_memory
 from autoshard.needs import inspect_needs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -423,6 +424,63 @@ def test_30_resume_from_another_models_checkpoint(fsdp2_checkpoint: Path) -> Non
         "extra.weight", "Fix:",
     )
     assert model.steps == 0
+
+
+# -- 31-33: DeepSpeed limits said before the engine, or before any process ------------------------------------------
+class Temperature(Net):
+    """A learnable 0-dim temperature, as contrastive methods have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(0.07))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        return (self.body(batch[0]) / self.temperature).pow(2).mean()
+
+
+def test_31_zero_dim_parameter_under_deepspeed() -> None:
+    """DeepSpeed 0.19.8 fails inside deepspeed.initialize (RuntimeError 'self.dim() cannot be 0 to view Float as
+    Byte'), at every stage; autoshard names the parameter first."""
+    pytest.importorskip("deepspeed")
+    for strategy in ("autoshard-deepspeed", "deepspeed_stage_2"):
+        model = Temperature()
+        t = trainer(strategy=strategy)
+        text = refused(
+            IncompatibleBackendError, lambda: t.fit(model, data()),
+            "Temperature has 0-dim parameter(s) 'temperature', so it cannot train under DeepSpeed ZeRO stage",
+            "Backend that works: fsdp2", "give the parameter shape (1,): nn.Parameter(torch.ones(1))",
+        )
+        assert text.rpartition("Fix: ")[2].startswith("use strategy='fsdp2'"), text
+        assert model.steps == 0
+
+
+def test_32_mics_keys_in_zero_overrides() -> None:
+    pytest.importorskip("deepspeed")
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    refused(
+        IntentError, lambda: AutoShardDeepSpeedStrategy(zero_overrides={"mics_shard_size": 8}),
+        "'zero_optimization.mics_shard_size': is MiCS, which DeepSpeed removed in 0.19.7",
+        "Fix: remove it; for hybrid sharding use ShardingIntent(shard_size=N) with strategy='fsdp2'",
+    )
+
+
+def test_33_shard_size_under_deepspeed() -> None:
+    pytest.importorskip("deepspeed")
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    text = refused(
+        IncompatibleBackendError, lambda: AutoShardDeepSpeedStrategy(shard_size="node"),
+        "hybrid sharding (HSDP) [shard_size='node']", "DeepSpeed 0.19.7 removed", "ZeRO++ hpZ (zero_hpz_partition_size), is not hybrid sharding",
+        "Backend that works: fsdp2",
+    )
+    assert text.rpartition("Fix: ")[2].startswith("use strategy='fsdp2' (or strategy='auto-shard'), which shards within shard_size groups")
+    refused(  # the memory estimate, asked for directly, refuses what the matrix refuses
+        IncompatibleBackendError,
+        lambda: estimate_memory(Net(), ShardingIntent(shard_size=2), MethodNeeds(), 8, "deepspeed_zero3"),
+        "no deepspeed_zero3 memory estimate for shard_size=2 on 8 ranks", "Fix: use strategy='fsdp2'",
+    )
 
 
 def test_catalog_has_a_test_per_row() -> None:

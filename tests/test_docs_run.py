@@ -139,6 +139,17 @@ def _environment_as_it_was() -> Any:
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Any:
+    """A reader runs each command in a fresh process: a fit here leaves its process group, and
+    ``autoshard explain --batch`` (a fake process group of its own) refuses to run beside one."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory, _environment_as_it_was: Any) -> Path:
     """The directory a reader types the commands in."""
@@ -153,6 +164,10 @@ def project(tmp_path_factory: pytest.TempPathFactory, _environment_as_it_was: An
     trainer = pl.Trainer(strategy="fsdp2", precision="bf16-mixed", default_root_dir=str(root / "logs"), **THIS_MACHINE)
     trainer.fit(reader_objects()["model"])
     trainer.save_checkpoint(root / "checkpoints" / "last.ckpt")  # a DCP directory, as after training
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # as when the training process has exited
+        dist.destroy_process_group()
     shutil.rmtree(root / "logs", ignore_errors=True)
     return root
 
@@ -270,6 +285,13 @@ def test_commands_in_prose_exist(page: str, span: str, monkeypatch: pytest.Monke
     elif tool == "python" and args[0] == "benchmarks/run.py":
         monkeypatch.chdir(tmp_path)
         run_benchmarks_command_line(args[1:], monkeypatch)
+    elif tool == "python" and args[0].startswith("benchmarks/") and args[0].endswith(".py"):  # minutes each: not run
+        script = ROOT / args[0]
+        assert script.is_file(), f"{page}: `{span}`: no {args[0]}"
+        source = script.read_text()
+        assert "__main__" in source, f"{page}: `{span}`: {args[0]} is not a script"
+        unknown = [a.split("=")[0] for a in args[1:] if a.startswith("--") and f'"{a.split("=")[0]}"' not in source]
+        assert not unknown, f"{page}: `{span}`: {args[0]} has no option {unknown}"
     elif tool == "make":
         dry_run_make(args)
     elif tool == "pip" and args[:1] == ["install"]:

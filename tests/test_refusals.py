@@ -10,13 +10,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from torch import nn
 
 import autoshard  # noqa: F401  registers the strategies
 from autoshard import AutoShardError, EMAPair, MethodNeeds, ShardingIntent, select_backend
+from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import Availability, get_backend
 from autoshard.explain import build_intent
 from autoshard.intent import as_intent, normalize_precision
 from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
+from autoshard.memory import estimate_memory
 from autoshard.target import load_target
 
 EMA = MethodNeeds(ema_pairs=(EMAPair("teacher", "student"),))
@@ -47,6 +50,13 @@ REFUSALS: dict[str, Callable[[], Any]] = {
     "shard_size exceeds the world": lambda: ShardingIntent(shard_size=16).mesh_sizes(8),
     "hsdp with tensor parallel": lambda: ShardingIntent(shard_size=2, tensor_parallel_size=2),
     "hsdp on deepspeed": lambda: select_backend(MethodNeeds(), ShardingIntent(shard_size=2), prefer="deepspeed_zero3"),
+    "hsdp in the deepspeed config": lambda: deepspeed_config(ShardingIntent(shard_size="node"), world_size=4, micro_batch_size=1),
+    "hsdp in the deepspeed memory model": lambda: estimate_memory(
+        nn.Linear(4, 4), ShardingIntent(shard_size=2), MethodNeeds(), 4, "deepspeed_zero3"
+    ),
+    "MiCS key in zero_overrides": lambda: deepspeed_config(
+        ShardingIntent(), world_size=2, micro_batch_size=1, zero_overrides={"mics_shard_size": 2}
+    ),
     "unknown backend": lambda: get_backend("fsdp3"),
     "EMA on deepspeed": lambda: select_backend(EMA, prefer="deepspeed_zero3"),
     "optimizers on deepspeed": lambda: select_backend(TWO_OPTIMIZERS, prefer="deepspeed_zero3"),

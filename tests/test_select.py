@@ -167,8 +167,7 @@ def test_auto_refuses_when_nothing_fits():
         " parameter outside a forward with an empty partitioned placeholder, so the teacher's EMA update would read"
         " and write placeholders; nothing upstream detects this\n"
         "Closest: fsdp2 (strategy='fsdp2').\n"
-        "Fix: use offload_device='cpu', or strategy='autoshard-deepspeed' if the method has one optimizer, no EMA"
-        " teacher and one forward per step"
+        "Fix: use offload_device='cpu'"  # not DeepSpeed: it cannot run this method either
     )
 
 
@@ -375,3 +374,14 @@ def test_fsdp1_request_when_fsdp2_cannot_run_it_either():
     assert lines[0] == "autoshard cannot run this on fsdp1, nor on any other backend:"
     assert lines[1].startswith("  - fsdp1: rejected: FSDP1's flat-parameter training state machine")
     assert lines[2].startswith("  - fsdp2: NVMe offload") and lines[-2] == "Closest: fsdp2 (strategy='fsdp2')."
+
+
+def test_when_nothing_fits_the_fix_does_not_send_you_to_a_backend_that_refuses_too() -> None:
+    """fsdp2's NVMe fix offers DeepSpeed, but DeepSpeed cannot do shard_size: only the fix that works remains."""
+    intent = ShardingIntent(shard_size=2, offload="optimizer", offload_device="nvme", nvme_path="/nvme")
+    with pytest.raises(IncompatibleBackendError) as err:
+        select_backend(MethodNeeds(), intent)
+    assert str(err.value).splitlines()[-1] == "Fix: use offload_device='cpu'"
+    with pytest.raises(IncompatibleBackendError) as err:  # without the shard size, DeepSpeed is the way
+        select_backend(MethodNeeds(), intent.replace(shard_size=None), prefer="fsdp2")
+    assert "strategy='autoshard-deepspeed'" in str(err.value)

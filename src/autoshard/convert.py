@@ -62,6 +62,7 @@ from autoshard.checkpoint_io import (
     unverified_warning,
     write_manifest,
 )
+from autoshard.memory import parse_size as memory_size
 from autoshard.consolidate import _tensors
 from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 
@@ -678,23 +679,9 @@ def _show(value: Any) -> str:
 
 
 # -- writing: safetensors --------------------------------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-
-
 def parse_size(text: str | int) -> int:
     """``5GB`` (decimal, as Hugging Face reads it), ``500MiB`` (binary), or a number of bytes."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ConvertError(f"--max-shard-size {text!r} is not a size. Fix: write it as 5GB, 500MB, 2GiB or a number of bytes")
-    number, unit = float(m.group(1)), m.group(2).upper()
-    power = "BKMGT".index(unit[0]) if unit and unit[0] in "KMGT" else 0
-    base = 1024 if "I" in unit else 1000
-    size = int(number * base**power)
-    if size < 1:
-        raise ConvertError(f"--max-shard-size {text!r} must be at least one byte. Fix: e.g. --max-shard-size 5GB")
-    return size
+    return memory_size(text, "--max-shard-size", "5GB", ConvertError)
 
 
 def write_safetensors(state: TrainingState, staged: Path, max_shard_size: int) -> dict[str, Any]:

@@ -125,6 +125,11 @@ class OnlineProbe(pl.Callback):
             self.first_loss = self.last_loss
 
 
+def make_batch(batch_size: int = 32, in_dim: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch as the demo's DataLoader yields it: ``autoshard explain --batch autoshard.demo:make_batch``."""
+    return torch.randn(batch_size, in_dim), torch.randint(0, 4, (batch_size,))
+
+
 class Blobs(Dataset):
     """Gaussian blobs: a classification task a probe can learn and a self-distillation method can fit."""
 

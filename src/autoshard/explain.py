@@ -12,22 +12,36 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
 from torch import nn
 
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
+from autoshard.budget import BudgetReport, Option, check_budget
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
+from autoshard.activations import load_batch, measure_step
 from autoshard.intent import ShardingIntent
-from autoshard.memory import MemoryEstimate, collect_optimizers, estimate_memory_many, fmt_bytes, memory_table
+from autoshard.memory import (
+    MemoryEstimate,
+    collect_optimizers,
+    estimate_memory_many,
+    fmt_bytes,
+    memory_table,
+    nodes_for,
+    parse_size,
+    with_step,
+)
 from autoshard.needs import MethodNeeds, inspect_needs
+from autoshard.precision import resolve_precision
 from autoshard.select import Decision, features_needed, select_backend
 from autoshard.target import build_on_meta, load_target
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
+DEFAULT_DEVICES_PER_NODE = 8
 BACKEND_CHOICES = ("auto", "fsdp2", "deepspeed")
 _LIST_FIELDS = ("shard", "exclude", "blocks")
 
@@ -102,6 +116,7 @@ class Report:
     deepspeed_config: dict[str, Any] | None = None
     deepspeed_config_world: int | None = None
     memory: list[MemoryEstimate] = field(default_factory=list)
+    budget: BudgetReport | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -132,6 +147,7 @@ class Report:
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "deepspeed_config": self.deepspeed_config,
             "memory": [e.to_dict() for e in self.memory],
+            "budget": self.budget.to_dict() if self.budget is not None else None,
             "notes": list(self.notes),
         }
 
@@ -157,6 +173,8 @@ class Report:
             out += ["", head(f"== DeepSpeed ZeRO-3 config (world size {self.deepspeed_config_world}) =="), json.dumps(self.deepspeed_config, indent=2)]
         if self.memory:
             out += ["", head("== per-rank memory =="), memory_table(self.memory)]
+        if self.budget is not None:
+            out += ["", head("== memory budget =="), self.budget.text()]
         if self.notes:
             out += ["", *[f"note: {n}" for n in self.notes]]
         if self.error:
@@ -206,10 +224,22 @@ def explain(
     world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
     accelerator: str | None = None,
     micro_batch_size: int = 1,
+    devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
+    batch: str | Callable[[], Any] | None = None,
+    budget: str | int | None = None,
+    simulate: bool = True,
 ) -> Report:
-    """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``."""
+    """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``.
+
+    ``batch`` (``FILE.py:make_batch`` or a callable): one micro-batch per rank; one training step is then
+    simulated on fake tensors per world size, so the peak includes activations. Without it the module's
+    ``example_input_array`` is forwarded (no backward); ``simulate=False`` skips the simulation. ``budget``:
+    device bytes per rank (``80GiB``); the report says whether the largest world size fits and what would.
+    """
     intent = intent or ShardingIntent()
+    budget_bytes = parse_size(budget) if budget is not None else None
     factory = load_target(target) if isinstance(target, str) else target
+    make_batch = load_batch(batch) if isinstance(batch, str) else batch
     built = build_on_meta(factory)
     module = built.module
     # The one configure_optimizers call (offline, on the meta module): needs and memory both read its optimizers.
@@ -246,10 +276,105 @@ def explain(
             report.notes.append(f"DeepSpeed config: {exc}")
     if intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None:
         report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # already reported above
-        report.memory = estimate_memory_many(module, intent, needs, world_sizes, chosen, callbacks=built.callbacks, sourced=sourced)
+    sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
+    precision = resolve_precision(None, intent)
+    simulate = simulate and (make_batch is not None or getattr(module, "example_input_array", None) is not None)
+    whole_step = bool(engine.plan)  # the simulated step runs this backend's own plan: its peak is the run's
+
+    done: dict[str, MemoryEstimate] = {}  # a simulated step costs seconds: the budget search reuses the table's
+
+    def estimate(option: Option) -> MemoryEstimate:
+        key = repr(option)
+        if key in done:
+            return done[key]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # already reported above
+            est = estimate_memory_many(
+                module, option.intent, needs, [option.world_size], chosen, callbacks=built.callbacks, sourced=sourced,
+                devices_per_node=devices_per_node, precision=precision,
+            )[0]
+        if simulate and option.simulate:
+            table = option.intent == intent and option.batch_divisor == 1  # not a budget candidate
+            try:
+                step = measure_step(
+                    factory, option.intent, option.world_size, precision,
+                    make_batch=_cut(make_batch, option.batch_divisor) if make_batch is not None else None,
+                    num_nodes=est.num_nodes,
+                )
+            except AutoShardError as exc:  # the model states stand; say why activations are missing
+                if table and f"activations not counted: {exc}" not in report.notes:
+                    report.notes.append(f"activations not counted: {exc}")
+            else:
+                if table:
+                    report.notes.extend(n for n in step.notes if n not in report.notes)
+                est = with_step(est, step, whole_step)
+        done[key] = est
+        return est
+
+    report.memory = [estimate(Option(intent, size)) for size in sizes]
+    if not whole_step and report.memory and report.memory[0].activations:
+        report.notes.append(
+            f"activations come from a simulated FSDP2 step of the same method; {chosen}'s own buffers are its"
+            " estimator's figures"
+        )
+    if budget_bytes is not None:
+        rows = _batch_rows(make_batch) if make_batch is not None else None
+        report.budget = check_budget(estimate, intent, max(sizes), budget_bytes, devices_per_node=devices_per_node, batch_rows=rows)
+        if not any(e.step_peak or e.activations for e in report.memory):
+            unseen = "activations are not counted (see the notes): these peaks are model states only, so a run that fits here may not"
+            report.budget = replace(report.budget, notes=(*report.budget.notes, unseen))
     return report
+
+
+def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_per_node: int, notes: list[str]) -> list[int]:
+    """The world sizes the intent's shard_size fits (it must divide the data-parallel size); a note for the rest."""
+    kept, dropped = [], []
+    for size in sizes:
+        try:
+            intent.hsdp_sizes(size, nodes_for(size, devices_per_node))
+        except IntentError:
+            dropped.append(size)
+        else:
+            kept.append(size)
+    if not kept:
+        raise IntentError(
+            f"shard_size={intent.shard_size!r} fits none of the world sizes {', '.join(map(str, sizes))}."
+            f" Fix: list world sizes that are multiples of it, e.g. --world-sizes {_multiples(intent, devices_per_node)}"
+        )
+    if dropped:
+        notes.append(f"world size(s) {', '.join(map(str, dropped))} left out: shard_size={intent.shard_size!r} does not divide them")
+    return kept
+
+
+def _multiples(intent: ShardingIntent, devices_per_node: int) -> str:
+    shard = devices_per_node if intent.shard_size == "node" else int(intent.shard_size or 1)
+    return ",".join(str(shard * k) for k in (1, 2, 8))
+
+
+def _leaves(batch: Any) -> list[Any]:
+    import torch.utils._pytree as pytree
+
+    return [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+def _batch_rows(make_batch: Callable[[], Any]) -> int | None:
+    """The micro-batch's rows when every tensor in it shares dim 0 (so it can be cut); else None."""
+    with torch.device("meta"):
+        rows = {t.shape[0] if t.dim() else None for t in _leaves(make_batch())}
+    return rows.pop() if len(rows) == 1 and None not in rows else None
+
+
+def _cut(make_batch: Callable[[], Any], divisor: int) -> Callable[[], Any]:
+    """``make_batch`` with every tensor's dim 0 divided by ``divisor`` (a smaller micro-batch, same samples' shape)."""
+    if divisor == 1:
+        return make_batch
+    import torch.utils._pytree as pytree
+
+    def smaller() -> Any:
+        cut = lambda t: t[: max(1, t.shape[0] // divisor)] if isinstance(t, torch.Tensor) and t.dim() else t  # noqa: E731
+        return pytree.tree_map(cut, make_batch())
+
+    return smaller
 
 
 # -- command line ---------------------------------------------------------------------------------------------------
@@ -272,6 +397,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES, metavar="N,N,...", help="world sizes for the memory table (default: 1,2,8,64)")
     parser.add_argument("--accelerator", default=None, help="'cpu' to check a CPU (gloo) run; default: a GPU run")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="per-rank batch size for the DeepSpeed config (default: 1)")
+    parser.add_argument("--batch", default=None, metavar="FILE.py:make_batch", help="a function returning one micro-batch per rank: one training step is simulated on fake tensors, so the peak includes activations (default: forward of example_input_array)")
+    parser.add_argument("--budget", default=None, metavar="SIZE", help="device memory per rank, e.g. 80GiB: says whether the largest world size fits, and if not, which changes would")
+    parser.add_argument("--devices-per-node", type=int, default=DEFAULT_DEVICES_PER_NODE, metavar="N", help=f"ranks per node, for shard_size='node' and inter-node traffic (default: {DEFAULT_DEVICES_PER_NODE})")
+    parser.add_argument("--no-step", action="store_true", help="do not simulate a step: model states only (fast)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--write-matrix", default=None, metavar="PATH", help="regenerate the capability matrix page (docs/matrix.md) and exit")
 
@@ -300,6 +429,10 @@ def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
             world_sizes=args.world_sizes,
             accelerator=args.accelerator,
             micro_batch_size=args.micro_batch_size,
+            devices_per_node=args.devices_per_node,
+            batch=args.batch,
+            budget=args.budget,
+            simulate=not args.no_step,
         )
     except AutoShardError as exc:
         if not args.json:

@@ -8,9 +8,10 @@ are DeepSpeed's own estimator formulas, so the two tools never disagree.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -165,10 +166,21 @@ class UnshardedPart:
     why: str
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """One sharded unit as memory and traffic see it: bytes all-gathered, gradient bytes reduced."""
+
+    name: str
+    gathered: int  # bytes of its parameters in the gather dtype
+    reduced: int  # bytes of its trainable parameters' gradients in the reduce dtype
+    reshard_after_forward: bool
+    teacher: bool  # forwarded without backward: gathered once, nothing reduced
+
+
 @dataclass
 class _Layout:
     params: dict[int, _Param]
-    units: list[tuple[str, int, bool]]  # (name, gathered bytes, reshard_after_forward)
+    units: list[_Unit]
     whys: dict[str, str]
     notes: list[str]
     largest_layer_params: int  # DeepSpeed's notion: most parameters owned directly by one module
@@ -197,10 +209,11 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
     precision = on_backend(precision, backend)
     notes: list[str] = []
     owner: dict[int, tuple[str, str]] = {}  # param id -> (unit name, role)
-    units: list[tuple[str, int, bool]] = []
+    units: list[_Unit] = []
     whys: dict[str, str] = {}
     replicated: list[str] = []
     gathered: dict[str, int] = {}
+    reduced: dict[str, int] = {}
     if plan_fn:  # a per-block plan says which unit owns each parameter; without one, every parameter is partitioned
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -215,6 +228,7 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
         whys = {r.name: r.why.value for r in plan.replicated}
         replicated = sorted(whys, key=len, reverse=True)
         gathered = {u.name: 0 for u in plan.units}
+        reduced = {u.name: 0 for u in plan.units}
     params: dict[int, _Param] = {}
     for name, p in module.named_parameters():
         elsize = _elsize(p, precision)
@@ -223,13 +237,15 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
         if unit is not None:
             part, teacher = unit[0], unit[1] == "teacher"
             gathered[part] += p.numel() * gather
+            if p.requires_grad and not teacher:
+                reduced[part] += p.numel() * (precision.reduce.bytes if p.is_floating_point() else elsize)
         else:
             part = next((r for r in replicated if name == r or name.startswith(r + ".")), name)
             whys.setdefault(part, Unsharded.OUTSIDE.value)
             teacher = False
         params[id(p)] = _Param(name, tuple(p.shape), elsize, gather, unit is not None, teacher, p.requires_grad, part)
     if plan_fn:
-        units = [(u.name, gathered[u.name], u.reshard_after_forward) for u in plan.units]
+        units = [_Unit(u.name, gathered[u.name], reduced[u.name], u.reshard_after_forward, u.role == "teacher") for u in plan.units]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
     return _Layout(params, units, whys, notes, largest, precision)
 
@@ -247,6 +263,21 @@ def _local_shape(p: _Param, world_size: int, rank: int) -> tuple[int, ...]:
 
 
 # -- the estimate ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends in one collective kind per training step (ring algorithms: (g - 1) / g of the data).
+
+    ``group``: the ranks taking part; ``inter_node``: the group spans nodes, so these bytes cross the slower
+    inter-node links. Hybrid sharding moves the gathers and reduce-scatters inside a node and leaves only the
+    all-reduce of each rank's 1/shard_size gradient slice across nodes.
+    """
+
+    collective: str
+    group: int
+    bytes: int
+    inter_node: bool
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one rank holds, by category; ``offloaded`` names the categories that live in CPU memory.
@@ -273,6 +304,23 @@ class MemoryEstimate:
     unsharded_parts: tuple[UnshardedPart, ...] = ()
     optimizers: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    shard_group: int = 0  # ranks one parameter is sharded over (the world size, or shard_size under HSDP); 0: n/a
+    num_nodes: int = 1
+    traffic: tuple[Traffic, ...] = ()
+    # From one simulated training step (autoshard.activations.measure_step); 0 / "" when none ran.
+    activations: int = 0  # activations and temporaries live at the step's peak
+    step_peak: int = 0  # every tensor live at the step's peak: the real peak, where the table's total comes from
+    step_gathered: int = 0  # all-gathered parameters and collective buffers live at that peak
+    step_at: str = ""  # where in the step the peak was
+    forward_only: bool = False  # no batch function: forward(example_input_array) only, no backward
+
+    @property
+    def inter_node_bytes(self) -> int:
+        return sum(t.bytes for t in self.traffic if t.inter_node)
+
+    @property
+    def intra_node_bytes(self) -> int:
+        return sum(t.bytes for t in self.traffic if not t.inter_node)
 
     @property
     def model_states(self) -> int:
@@ -281,7 +329,14 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.gathered_block
+        """The peak per rank: the simulated step's when one ran (activations included), else states + gathered."""
+        return self.step_peak or self.model_states + self.gathered_block + self.activations
+
+    @property
+    def other_at_peak(self) -> int:
+        """What the simulated peak holds beyond states + gathered + activations: inputs and buffers (> 0), or
+        gradients and optimizer states not yet allocated at that moment (< 0)."""
+        return self.step_peak - self.model_states - self.step_gathered - self.activations if self.step_peak else 0
 
     @property
     def device(self) -> int:
@@ -289,16 +344,58 @@ class MemoryEstimate:
 
     @property
     def ideal(self) -> float:
-        return self.full_model_states / self.world_size
+        """Unsharded states / the ranks they are sharded over (shard_size under hybrid sharding)."""
+        return self.full_model_states / (self.shard_group or self.world_size)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(model_states=self.model_states, total=self.total, device=self.device, ideal=self.ideal)
+        out.update(
+            model_states=self.model_states, total=self.total, device=self.device, ideal=self.ideal,
+            other_at_peak=self.other_at_peak,
+            inter_node_bytes=self.inter_node_bytes, intra_node_bytes=self.intra_node_bytes,
+        )
         return out
 
     def table(self) -> str:
         """Plain text for logs: one row per category, then the totals and what stays whole."""
         return memory_table([self])
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int, option: str = "--budget", example: str = "80GiB", error: type[AutoShardError] = AutoShardError) -> int:
+    """``80GiB`` (binary), ``5GB`` (decimal, as Hugging Face and disk vendors count), or a number of bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise error(f"{option} {text!r} is not a size. Fix: write it as {example}, 500MB, 2GiB or a number of bytes")
+        number, unit = float(m.group(1)), m.group(2).upper()
+        power = "BKMGT".index(unit[0]) if unit and unit[0] in "KMGT" else 0
+        size = int(number * (1024 if "I" in unit else 1000) ** power)
+    if size < 1:
+        raise error(f"{option} {text!r} must be at least one byte. Fix: e.g. {option} {example}")
+    return size
+
+
+def with_step(estimate: MemoryEstimate, step: Any, whole_step: bool) -> MemoryEstimate:
+    """The estimate with a simulated step's figures (``autoshard.activations.StepMemory``).
+
+    ``whole_step``: the step ran this backend's own sharding, so its peak is the run's peak; otherwise (DeepSpeed)
+    only its activations are added to the backend's own estimate.
+    """
+    if not whole_step:
+        return replace(estimate, activations=step.activations, forward_only=step.forward_only)
+    return replace(
+        estimate, activations=step.activations, step_peak=step.peak, step_gathered=step.gathered, step_at=step.at,
+        forward_only=step.forward_only,
+    )
+
+
+def _signed(n: int) -> str:
+    return ("-" if n < 0 else "+") + fmt_bytes(abs(n))
 
 
 def fmt_bytes(n: float) -> str:
@@ -316,15 +413,33 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     first = estimates[0]
     head = f"per-rank memory, {first.backend}, precision {first.precision}, rank {first.rank} (the largest shard)"
     rows: list[tuple[str, list[str]]] = [("world size", [str(e.world_size) for e in estimates])]
+    hybrid = any(e.shard_group and e.shard_group != e.world_size for e in estimates)
+    if hybrid or any(e.num_nodes > 1 for e in estimates):
+        rows.append(("nodes", [str(e.num_nodes) for e in estimates]))
+    if hybrid:
+        rows.append(("shard group (shard_size) x replicas", [f"{e.shard_group} x {e.world_size // e.shard_group}" for e in estimates]))
     for c in CATEGORIES:
         rows.append((_LABELS[c] + (" [CPU]" if c in first.offloaded else ""), [fmt_bytes(getattr(e, c)) for e in estimates]))
     rows.append(("= model states", [fmt_bytes(e.model_states) for e in estimates]))
-    rows.append(("  vs ideal (unsharded / N)", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates]))
-    rows.append((f"largest gathered block (transient, {first.gather_dtype})", [fmt_bytes(e.gathered_block) for e in estimates]))
-    rows.append(("= peak per rank", [fmt_bytes(e.total) for e in estimates]))
+    rows.append((f"  vs ideal (unsharded / {'shard group' if hybrid else 'N'})", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates]))
+    if all(e.step_peak for e in estimates):
+        step = "forward" if first.forward_only else "training step"
+        rows.append((f"gathered at the {step}'s peak ({first.gather_dtype})", [fmt_bytes(e.step_gathered) for e in estimates]))
+        rows.append((f"activations + temporaries at the peak", [fmt_bytes(e.activations) for e in estimates]))
+        if any(e.other_at_peak for e in estimates):
+            rows.append(("other at the peak (+inputs, buffers; -states not yet made)", [_signed(e.other_at_peak) for e in estimates]))
+        rows.append((f"= peak per rank (simulated {step})", [fmt_bytes(e.total) for e in estimates]))
+    else:
+        rows.append((f"largest gathered block (transient, {first.gather_dtype})", [fmt_bytes(e.gathered_block) for e in estimates]))
+        rows.append(("= peak per rank (without activations)", [fmt_bytes(e.total) for e in estimates]))
     rows.append(("  on the accelerator", [fmt_bytes(e.device) for e in estimates]))
     if any(e.host for e in estimates):
         rows.append((get_backend(first.backend).host_memory, [fmt_bytes(e.host) for e in estimates]))
+    if any(e.traffic for e in estimates) and any(e.num_nodes > 1 for e in estimates):
+        rows.append(("sent per step, within a node", [fmt_bytes(e.intra_node_bytes) for e in estimates]))
+        rows.append(("sent per step, across nodes", [fmt_bytes(e.inter_node_bytes) for e in estimates]))
+    elif any(e.traffic for e in estimates):
+        rows.append(("sent per step (one node)", [fmt_bytes(e.intra_node_bytes) for e in estimates]))
     width = max(len(r[0]) for r in rows)
     cols = [max(len(r[1][i]) for r in rows) for i in range(len(estimates))]
     lines = [head]
@@ -332,6 +447,11 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
         lines.append("  " + label.ljust(width) + "  " + "  ".join(v.rjust(w) for v, w in zip(values, cols)))
     if first.gathered_unit:
         lines.append(f"  largest unit: '{first.gathered_unit}', all-gathered in {first.gather_dtype}")
+    for e in estimates:
+        if e.step_at:
+            lines.append(f"  world size {e.world_size}: the peak is at {e.step_at}")
+    if not any(e.step_peak for e in estimates):
+        lines.append("  activations are not counted: pass --batch FILE.py:make_batch (or set example_input_array) to simulate a step")
     lines += [f"  optimizer {o}" for o in first.optimizers]
     if first.unsharded_parts:
         lines.append("  whole on every rank (params + grads + optimizer states):")
@@ -366,16 +486,20 @@ def estimate_memory(
     num_nodes: int = 1,
     zero_init: bool = True,
     precision: PrecisionPlan | None = None,
+    devices_per_node: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes of ``module`` trained on ``world_size`` ranks; rank 0 holds the largest FSDP2 shard.
 
     ``optimizers`` default to ``configure_optimizers()`` plus the callbacks' own (built here, on the unsharded
-    module). ``state_tensors`` overrides the state count per optimizer class name. ``num_nodes`` and ``zero_init``
-    are DeepSpeed estimator inputs. ``precision``: the run's resolved plan; None plans for the intent's precision.
+    module). ``state_tensors`` overrides the state count per optimizer class name. ``num_nodes`` (or
+    ``devices_per_node``, which derives it from the world size) places ranks on nodes: DeepSpeed's estimator,
+    ``shard_size='node'`` and the inter-node traffic read it; ``zero_init`` is a DeepSpeed estimator input.
+    ``precision``: the run's resolved plan; None plans for the intent's precision.
     """
     return estimate_memory_many(
         module, intent, needs, [world_size], backend, rank=rank, optimizers=optimizers, callbacks=callbacks,
         state_tensors=state_tensors, num_nodes=num_nodes, zero_init=zero_init, precision=precision,
+        devices_per_node=devices_per_node,
     )[0]
 
 
@@ -394,8 +518,12 @@ def estimate_memory_many(
     zero_init: bool = True,
     precision: PrecisionPlan | None = None,
     sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None,
+    devices_per_node: int | None = None,
 ) -> list[MemoryEstimate]:
     """One estimate per world size; the plan and the optimizers are built once.
+
+    ``devices_per_node``: each world size runs on world size / devices_per_node nodes (one node when smaller);
+    without it, every world size runs on ``num_nodes`` nodes.
 
     ``sourced``: (source, optimizer) pairs from ``collect_optimizers`` already made by the caller, so that the
     user's ``configure_optimizers`` runs once (hooks may assert a single call).
@@ -419,13 +547,29 @@ def estimate_memory_many(
             raise AutoShardError(f"world sizes must be positive integers, got {world_size!r}. Fix: e.g. world_sizes=(2, 8)")
         if not 0 <= rank < world_size:
             raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
+        nodes = num_nodes if devices_per_node is None else nodes_for(world_size, devices_per_node)
         out.append(
             estimator(
                 layout, sourced, intent, world_size, rank,
-                overrides=dict(state_tensors or {}), num_nodes=num_nodes, zero_init=zero_init,
+                overrides=dict(state_tensors or {}), num_nodes=nodes, zero_init=zero_init,
             )
         )
     return out
+
+
+def nodes_for(world_size: int, devices_per_node: int) -> int:
+    """Nodes a world of ``world_size`` ranks fills, ``devices_per_node`` ranks each (one node when it is smaller)."""
+    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+        raise AutoShardError(f"devices per node must be a positive integer, got {devices_per_node!r}. Fix: e.g. --devices-per-node 8")
+    if world_size <= devices_per_node:
+        return 1
+    if world_size % devices_per_node:
+        raise AutoShardError(
+            f"world size {world_size} does not fill whole nodes of {devices_per_node} devices."
+            f" Fix: use a multiple of {devices_per_node} (e.g. {world_size - world_size % devices_per_node}),"
+            f" or set the devices per node to what your nodes have"
+        )
+    return world_size // devices_per_node
 
 
 def _scalar_bytes() -> int:
@@ -479,12 +623,16 @@ def _outside_param(sourced: Sequence[tuple[str, torch.optim.Optimizer]], pid: in
 __all__ = [
     "MemoryEstimate",
     "OPTIMIZER_STATES",
+    "Traffic",
     "UnshardedPart",
     "collect_optimizers",
     "estimate_memory",
     "estimate_memory_many",
     "fmt_bytes",
     "memory_table",
+    "nodes_for",
+    "parse_size",
+    "with_step",
     "shard_rows",
     "zero3_model_states",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autoshard.backends import BACKENDS, Availability, Backend, get_backend
@@ -137,16 +137,25 @@ class _Verdict:
     def usable(self) -> bool:
         return not self.all_conflicts
 
-    def fixes(self, applied: str | None = None) -> list[str]:
+    def fixes(self, applied: str | None = None, dead: Sequence[str] = ()) -> list[str]:
         """Feature fixes first: installing a backend that could not run the method anyway fixes nothing.
 
         A fix the user already applied is no fix: under ``applied`` (the strategy string in use) its alternative
-        "(or strategy='auto-shard')" is dropped, and so is a fix that is only "use strategy='<applied>'".
+        "(or strategy='auto-shard')" is dropped, and so is a fix that is only "use strategy='<applied>'". Nor is
+        switching to a backend that cannot run this either: alternatives ("..., or strategy='X' ...") naming a
+        strategy in ``dead`` are dropped, unless nothing else is left.
         """
         remedies = [c.remedy for c in (self.conflicts or self.all_conflicts)]
         if applied:
             remedies = [r.replace(f" (or strategy='{applied}')", "") for r in remedies if r != f"use strategy='{applied}'"]
+        if dead:
+            remedies = [_without_alternatives(r, dead) for r in remedies]
         return list(dict.fromkeys(remedies))
+
+
+def _without_alternatives(remedy: str, dead: Sequence[str]) -> str:
+    kept = [part for part in remedy.split(", or ") if not any(f"strategy='{d}'" in part for d in dead)]
+    return ", or ".join(kept) if kept else remedy
 
 
 def _evaluate(backend: Backend, needed: Mapping[Feature, str], installed: Availability) -> _Verdict:
@@ -191,7 +200,8 @@ def _refusal(
     for v in candidates:
         lines += [f"  - {v.backend.name}: {c.line()}" for c in v.all_conflicts]
     lines.append(f"Closest: {closest.backend.name} (strategy='{closest.backend.strategy}').")
-    lines.append("Fix: " + "; ".join(closest.fixes(applied)))
+    dead = [v.backend.strategy for v in candidates if v is not closest and v.conflicts]
+    lines.append("Fix: " + "; ".join(closest.fixes(applied, dead)))
     return (IncompatibleBackendError if closest.conflicts else BackendUnavailableError)("\n".join(lines))
 
 

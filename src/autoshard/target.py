@@ -23,25 +23,38 @@ from autoshard.errors import AutoShardError
 
 def load_target(target: str) -> Callable[[], Any]:
     """``path/to/file.py:factory`` or ``package.module:factory`` (a dotted attribute path after the colon)."""
-    where, sep, attr = target.rpartition(":")
-    if not sep or not where or not attr:
+    obj = load_attribute(
+        target, "TARGET",
+        "name the factory after a colon, e.g. autoshard explain autoshard.demo:DinoLike",
+        "give the path of your training script, e.g. train.py:build_model",
+    )
+    if not callable(obj) and not isinstance(obj, nn.Module):
         raise AutoShardError(
-            f"TARGET {target!r} is not path/to/file.py:factory or package.module:factory."
-            f" Fix: name the factory after a colon, e.g. autoshard explain autoshard.demo:DinoLike"
+            f"TARGET {target!r} is a {type(obj).__name__}, not a class or a function returning a LightningModule."
+            f" Fix: point it at the LightningModule class or at a factory function"
         )
+    return obj
+
+
+def load_attribute(spec: str, label: str, no_colon_fix: str, missing_file_fix: str, noun: str = "factory") -> Any:
+    """What ``path/to/file.py:name`` or ``package.module:name`` names (a dotted path after the colon), imported as
+    ``python -m`` would; ``label`` names the option in errors (TARGET, --batch), ``noun`` what it names."""
+    where, sep, attr = str(spec).rpartition(":")
+    if not sep or not where or not attr:
+        raise AutoShardError(f"{label} {spec!r} is not path/to/file.py:{noun} or package.module:{noun}. Fix: {no_colon_fix}")
     try:
         if where.endswith(".py") or os.sep in where or "/" in where:
             path = Path(where).resolve()
             if not path.is_file():
-                raise AutoShardError(f"TARGET file {where!r} does not exist. Fix: give the path of your training script, e.g. train.py:build_model")
-            name = f"_autoshard_explain_{abs(hash(str(path)))}"
-            spec = importlib.util.spec_from_file_location(name, path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
+                raise AutoShardError(f"{label} file {where!r} does not exist. Fix: {missing_file_fix}")
+            name = f"_autoshard_{label.strip('-').lower()}_{abs(hash(str(path)))}"
+            found = importlib.util.spec_from_file_location(name, path)
+            assert found is not None and found.loader is not None
+            module = importlib.util.module_from_spec(found)
             sys.modules[name] = module
             sys.path.insert(0, str(path.parent))  # so the file can import its siblings
             try:
-                spec.loader.exec_module(module)
+                found.loader.exec_module(module)
             finally:
                 sys.path.remove(str(path.parent))
         else:
@@ -57,14 +70,9 @@ def load_target(target: str) -> Callable[[], Any]:
         raise
     except Exception as exc:
         raise AutoShardError(
-            f"could not load TARGET {target!r}: {type(exc).__name__}: {exc}."
+            f"could not load {label} {spec!r}: {type(exc).__name__}: {exc}."
             f" Fix: check that `python -c \"import {where.removesuffix('.py')}\"` works and that {attr!r} is defined there"
         ) from exc
-    if not callable(obj) and not isinstance(obj, nn.Module):
-        raise AutoShardError(
-            f"TARGET {target!r} is a {type(obj).__name__}, not a class or a function returning a LightningModule."
-            f" Fix: point it at the LightningModule class or at a factory function"
-        )
     return obj
 
 
@@ -122,4 +130,4 @@ def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
     return Built(module, callbacks, notes)
 
 
-__all__ = ["Built", "build_on_meta", "load_target"]
+__all__ = ["Built", "build_on_meta", "load_attribute", "load_target"]

@@ -175,3 +175,50 @@ def test_deepspeed_itself_accepts_every_generated_config(intent: ShardingIntent)
     if intent.offload != "none":
         assert parsed.zero_config.offload_optimizer.device == intent.offload_device
     assert parsed.zero_config.gather_16bit_weights_on_model_save is (intent.checkpoint == "full")
+
+
+@pytest.mark.parametrize("shard_size", [2, "node"])
+def test_shard_size_is_refused_with_what_deepspeed_has_instead(shard_size: object) -> None:
+    """No DeepSpeed config is hybrid sharding: MiCS is gone (0.19.7), hpZ shards a parameter copy only. The numbers
+    behind the reason: tests/distributed/test_deepspeed_hsdp.py."""
+    with pytest.raises(IncompatibleBackendError) as err:
+        make(ShardingIntent(shard_size=shard_size), world_size=4)  # type: ignore[arg-type]
+    text = str(err.value)
+    assert f"hybrid sharding (HSDP) [shard_size={shard_size!r}]" in text, text
+    assert "MiCS (mics_shard_size" in text and "DeepSpeed 0.19.7 removed" in text, text
+    assert "ZeRO++ hpZ (zero_hpz_partition_size), is not hybrid sharding" in text, text
+    assert "the gradients and the optimizer states stay sharded over every rank" in text, text
+    assert "Backend that works: fsdp2 (strategy='fsdp2')" in text, text
+    assert text.endswith("or drop shard_size to shard over every rank under ZeRO-3"), text
+
+
+@pytest.mark.parametrize("key", ["mics_shard_size", "mics_hierarchical_params_gather"])
+def test_mics_keys_in_zero_overrides_are_refused_before_any_process(key: str) -> None:
+    with pytest.raises(IntentError) as err:
+        make(zero_overrides={key: 2})
+    text = str(err.value)
+    assert text.startswith(f"DeepSpeed config key 'zero_optimization.{key}': is MiCS, which DeepSpeed removed in 0.19.7"), text
+    assert text.endswith("Fix: remove it; for hybrid sharding use ShardingIntent(shard_size=N) with strategy='fsdp2'"), text
+
+
+def test_hpz_through_zero_overrides_is_passed_as_asked() -> None:
+    """hpZ is DeepSpeed's own knob, not hybrid sharding: written as given (trained for real on 4 ranks in
+    tests/distributed/test_deepspeed_hsdp.py); autoshard's memory estimate does not count its parameter copy."""
+    assert make(zero_overrides={"zero_hpz_partition_size": 2}, world_size=4)["zero_optimization"]["zero_hpz_partition_size"] == 2
+
+
+def test_the_memory_model_refuses_shard_size_as_the_matrix_does() -> None:
+    torch = pytest.importorskip("torch")
+    from autoshard.memory import estimate_memory
+    from autoshard.needs import MethodNeeds
+
+    model = torch.nn.Linear(64, 64)
+    needs, optimizers = MethodNeeds(), [torch.optim.AdamW(model.parameters())]
+    with pytest.raises(IncompatibleBackendError) as err:
+        estimate_memory(model, ShardingIntent(shard_size=2), needs, 4, "deepspeed_zero3", optimizers=optimizers)
+    text = str(err.value)
+    assert text.startswith("no deepspeed_zero3 memory estimate for shard_size=2 on 4 ranks: shard_size means"), text
+    assert "Fix: use strategy='fsdp2'" in text, text
+    # shard_size = the whole world is one replica, pure ZeRO-3: estimated as such
+    whole = estimate_memory(model, ShardingIntent(shard_size=4), needs, 4, "deepspeed_zero3", optimizers=optimizers)
+    assert whole.device == estimate_memory(model, None, needs, 4, "deepspeed_zero3", optimizers=optimizers).device

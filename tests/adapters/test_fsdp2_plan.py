@@ -329,3 +329,25 @@ def test_explain_json_keeps_unit_names_and_adds_why(capsys: pytest.CaptureFixtur
     units = json.loads(capsys.readouterr().out)["plan"]["units"]
     assert [u["name"] for u in units] == [name for name, _ in PLANS["resnet"]]
     assert units[0]["why"] == "Bottleneck 1 of 2 in model.layer1" and units[-1]["reshard"] == Reshard.KEPT_LAST.value
+
+
+def test_sync_batchnorm_on_one_cpu_rank_is_plain_batchnorm() -> None:
+    """torch's SyncBatchNorm refuses CPU input even when one rank has nothing to synchronize; autoshard's does not."""
+    import os
+
+    import torch.distributed as dist
+
+    from autoshard.batchnorm import SyncBatchNorm
+    from tests.distributed.harness import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        torch.manual_seed(0)
+        synced, plain, x = SyncBatchNorm(4), nn.BatchNorm1d(4), torch.randn(8, 4)
+        torch.testing.assert_close(synced(x), plain(x))
+        torch.testing.assert_close(synced.running_var, plain.running_var)
+        with pytest.raises(ValueError, match="expected input tensor to be on GPU"):
+            nn.SyncBatchNorm(4)(x)  # what it replaces
+    finally:
+        dist.destroy_process_group()

@@ -82,17 +82,19 @@ def test_hf_transformers_model_is_sharded_per_block(ranks: list[dict[str, Any]])
 @pytest.mark.timeout(450)
 def test_real_architectures_train_at_their_blocks_with_the_last_units_kept_gathered(ranks: list[dict[str, Any]]) -> None:
     """GPT-2, Llama, T5, BERT, ViT, a ConvNeXt and a ResNet on 2 ranks: between forward and backward only the units
-    that end the forward are still gathered, and no unit smaller than a block warns "returned a view tensor"."""
+    that end the forward are still gathered, and only an outermost unit whose own output is a view warns "returned a
+    view tensor"."""
     kept = {arch: ["model"] for arch in ("gpt2", "llama", "t5", "bert")} | {arch: ["head", "model"] for arch in ("vit", "convnext", "resnet")}
     for rank in ranks:
         zoo = rank["zoo"]
         assert {arch: run["gathered_before_backward"] for arch, run in zoo.items()} == kept
         for arch, run in zoo.items():
             assert run["weights"]["changed"] == run["weights"]["total"] and run["weights"]["finite"], arch
-        # Only T5Block (it returns its position bias, a permuted view) and BertForMaskedLM (its biased decoder's
-        # logits) warn: their own outputs are views even unsharded, so any plan at these blocks gets the warning.
-        assert {arch: run["views"] for arch, run in zoo.items() if run["views"]} == {"t5": ["FSDPT5Block"], "bert": ["FSDPBertForMaskedLM"]}
-        assert all(run["views"] == ["FSDP" + c for c in run["views_unsharded"]] for run in zoo.values())
+        # T5Block (its position bias, a permuted view) and BertForMaskedLM (its decoder's logits) return views even
+        # unsharded. T5Block is an inner unit: autoshard copies that small view, so no warning. BertForMaskedLM is
+        # the outermost unit: a copy of the logits would cost a full activation at the peak, so FSDP2's warning stays.
+        assert {arch: run["views_unsharded"] for arch, run in zoo.items() if run["views_unsharded"]} == {"t5": ["T5Block"], "bert": ["BertForMaskedLM"]}
+        assert {arch: run["views"] for arch, run in zoo.items() if run["views"]} == {"bert": ["FSDPBertForMaskedLM"]}
 
 
 @pytest.mark.timeout(450)

@@ -1,5 +1,7 @@
 """Hybrid sharding (HSDP) on 4 real gloo processes: ``FSDP2Strategy(shard_size=2)`` shards within pairs of ranks,
-replicates across the pairs, trains, keeps the replicas identical and matches pure FSDP on the same 4 ranks."""
+replicates across the pairs, trains, keeps the replicas identical and matches pure FSDP on the same 4 ranks. Its DCP
+checkpoints resume under another shard size (HSDP -> FSDP -> HSDP on 4 ranks) and another world size (HSDP on 4 ->
+FSDP on 2) with weights and AdamW state exactly as saved, and training goes on."""
 
 from __future__ import annotations
 
@@ -15,9 +17,20 @@ WORKER = Path(__file__).with_name("hsdp_worker.py")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One 4-process run holds both scenarios (imports dominate the cost)."""
-    return run_workers(WORKER, [], tmp_path_factory.mktemp("hsdp"), nprocs=4, timeout=300)
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hsdp")
+
+
+@pytest.fixture(scope="module")
+def ranks(work: Path) -> list[dict[str, Any]]:
+    """One 4-process run holds every 4-rank scenario (imports dominate the cost)."""
+    return run_workers(WORKER, ["--scenarios", "hsdp,fsdp,resume_across_shard_sizes"], work, nprocs=4, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(work: Path, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """2 processes, in a directory inside the 4-rank run's: they resume its HSDP checkpoint."""
+    return run_workers(WORKER, ["--scenarios", "resume_on_2_ranks"], work / "two_ranks", nprocs=2, timeout=200)
 
 
 @pytest.mark.distributed
@@ -55,3 +68,39 @@ def test_hsdp_matches_pure_fsdp_on_the_same_ranks(ranks: list[dict[str, Any]]) -
         assert r["fsdp"]["losses"] == pytest.approx(r["hsdp"]["losses"], abs=1e-5)
         for name, values in r["fsdp"]["full"].items():
             torch.testing.assert_close(torch.tensor(r["hsdp"]["full"][name]), torch.tensor(values), rtol=0, atol=1e-5)
+
+
+def assert_resumed_exactly(report: dict[str, Any], hsdp: list[int] | None) -> None:
+    loaded = report["loaded_equals_saved"]
+    assert loaded["equal"], loaded  # every weight (student, EMA teacher, root scale), AdamW state, step counter
+    assert report["optimizer_entries"] == 2 * 5  # exp_avg, exp_avg_sq of the 5 trainable parameters
+    assert loaded["compared"] > 25, loaded
+    assert report["hsdp"] == hsdp
+    assert report["steps"][1] > report["steps"][0]  # it trained on
+    assert {"param/scale", "param/student.0.weight", "param/teacher.0.weight"} <= set(report["trained"])
+    assert report["losses"] and all(loss == loss and loss < 10 for loss in report["losses"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(330)
+def test_hsdp_checkpoint_resumes_under_pure_fsdp_and_back(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        resume = r["resume_across_shard_sizes"]
+        assert resume["saved_hsdp"] == [2, 2]
+        assert_resumed_exactly(resume["hsdp_to_fsdp"], None)
+        assert_resumed_exactly(resume["fsdp_to_hsdp"], [2, 2])
+        assert resume["hsdp_to_fsdp"]["warnings"] == [] and resume["fsdp_to_hsdp"]["warnings"] == []
+        assert resume["hsdp_to_fsdp"]["steps"] == [4, 8] and resume["fsdp_to_hsdp"]["steps"] == [8, 12]
+    # autoshard's DCP directory, as for pure FSDP: one file per rank, DCP's metadata, Lightning's meta.pt, the manifest.
+    layout = [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "autoshard-manifest.json", "meta.pt"]
+    assert ranks[0]["resume_across_shard_sizes"]["layout"] == layout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(450)
+def test_hsdp_checkpoint_on_4_ranks_resumes_under_fsdp_on_2(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        assert_resumed_exactly(r["resume_on_2_ranks"], None)
+        assert r["resume_on_2_ranks"]["steps"] == [4, 7]
+    warnings = two_ranks[0]["resume_on_2_ranks"]["warnings"]  # rank 0 warns
+    assert any("saved at world size 4, resumed at 2" in w and "per-rank RNG states cannot be mapped" in w for w in warnings), warnings

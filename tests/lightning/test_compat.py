@@ -46,12 +46,19 @@ def _model_parallel() -> Any:
     return ModelParallelStrategy()
 
 
+def _deepspeed() -> Any:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return DeepSpeedStrategy()
+
+
 # An instance of each owner of instance attributes: what its __init__ sets only an instance shows.
 INSTANCES: dict[str, Callable[[], Any]] = {
     "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector": _connector,
     "lightning.pytorch.core.optimizer.LightningOptimizer": _lightning_optimizer,
     "lightning.pytorch.LightningModule": _module,
     "lightning.pytorch.strategies.ModelParallelStrategy": _model_parallel,
+    "lightning.pytorch.strategies.DeepSpeedStrategy": _deepspeed,
 }
 
 

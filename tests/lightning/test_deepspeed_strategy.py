@@ -236,3 +236,115 @@ def test_import_autoshard_does_not_import_deepspeed_and_installs_the_guard() -> 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.split() == ["False", "GuardedDeepSpeedStrategy"], out
+
+
+class Temperature(Net):
+    """A learnable 0-dim temperature (CLIP, DINO): DeepSpeed 0.19.8 crashes on it in deepspeed.initialize."""
+
+    def __init__(self, shape: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(shape))
+        self.steps = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        return (self.head(self.body(batch[0])) / self.temperature).pow(2).mean()
+
+
+class ScaleBuiltInConfigureModel(Net):
+    """The 0-dim parameter comes from a submodule built in configure_model, i.e. under ZeRO-3's zero.Init."""
+
+    def configure_model(self) -> None:
+        self.scale = Temperature().requires_grad_(False)  # any module with a 0-dim parameter
+
+
+@pytest.mark.parametrize("strategy", ["autoshard-deepspeed", "deepspeed_stage_3", "deepspeed_stage_2"])
+def test_a_zero_dim_parameter_is_refused_by_name_before_the_engine(strategy: str) -> None:
+    trainer = make_trainer(strategy)
+    module = Temperature()
+    with pytest.raises(IncompatibleBackendError) as info:
+        trainer.fit(module, loader())
+    text = str(info.value)
+    assert text.startswith("Temperature has 0-dim parameter(s) 'temperature', so it cannot train under DeepSpeed ZeRO stage"), text
+    assert "'self.dim() cannot be 0 to view Float as Byte'" in text and "Backend that works: fsdp2" in text, text
+    assert text.endswith("Fix: use strategy='fsdp2' (it keeps 0-dim parameters whole on every rank), or give the parameter"
+                         " shape (1,): nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"), text
+    assert type(trainer.strategy.model).__name__ != "DeepSpeedEngine" and module.steps == 0
+
+
+def test_a_zero_dim_parameter_built_under_zero_init_is_refused_too() -> None:
+    with pytest.raises(IncompatibleBackendError) as info:
+        make_trainer("deepspeed_stage_3").fit(ScaleBuiltInConfigureModel(), loader())
+    text = str(info.value)
+    assert text.startswith("A 0-dim parameter built in configure_model under ZeRO-3's zero.Init"), text
+    assert "Fix: use strategy='fsdp2'" in text, text
+    assert isinstance(info.value.__cause__, RuntimeError)  # DeepSpeed's own error, kept as the cause
+
+
+def test_the_refusal_is_still_needed_deepspeed_itself_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autoshard's check DeepSpeed fails inside deepspeed.initialize: when a DeepSpeed release fixes it, this
+    fails, and the refusal (and its bad-inputs row) can go."""
+    monkeypatch.setattr(ds_lightning, "zero_dim_parameters", lambda module: [])
+    with pytest.raises(RuntimeError, match="cannot be 0 to view"):
+        make_trainer("autoshard-deepspeed").fit(Temperature(), loader())
+
+
+@pytest.mark.parametrize("strategy", ["autoshard-deepspeed", "deepspeed_stage_2"])
+def test_the_fix_a_shape_1_parameter_trains(strategy: str) -> None:
+    trainer = make_trainer(strategy)
+    module = Temperature(shape=(1,))
+    trainer.fit(module, loader())
+    assert trainer.global_step == 1 and module.steps == 1
+    assert type(trainer.strategy.model).__name__ == "DeepSpeedEngine"
+
+
+def test_sync_batchnorm_converts_in_place_and_one_rank_needs_nothing() -> None:
+    """Lightning's DeepSpeedStrategy ignores Trainer(sync_batchnorm=True); autoshard converts the layers in place
+    before the engine when there are several ranks (the global statistics: tests/distributed/test_deepspeed_hsdp.py,
+    4 ranks). One rank's batch is the global batch: the layers stay BatchNorm and the fit runs."""
+    from autoshard.batchnorm import SyncBatchNorm
+
+    class WithBN(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU())
+            self.seen: list[type] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.append(type(self.body[1]))
+            return super().training_step(batch, batch_idx)
+
+    module = WithBN()
+    weight, running = module.body[1].weight, module.body[1].running_mean
+    assert ds_lightning.sync_batchnorm(module) == 1
+    assert type(module.body[1]) is SyncBatchNorm and module.body[1].process_group is None  # None: the whole world
+    assert module.body[1].weight is weight and module.body[1].running_mean is running  # same objects: optimizer refs hold
+
+    module = WithBN()
+    trainer = make_trainer("autoshard-deepspeed", sync_batchnorm=True)
+    trainer.fit(module, loader())
+    assert module.seen == [nn.BatchNorm1d] and trainer.global_step == 1
+
+
+def test_shard_size_is_refused_at_construction_with_the_reason() -> None:
+    for shard_size in (2, "node"):
+        with pytest.raises(IncompatibleBackendError) as info:
+            AutoShardDeepSpeedStrategy(shard_size=shard_size)
+        text = str(info.value)
+        assert f"hybrid sharding (HSDP) [shard_size={shard_size!r}]" in text, text
+        assert "DeepSpeed 0.19.7 removed" in text and "zero_hpz_partition_size" in text, text
+        assert text.endswith("Fix: use strategy='fsdp2' (or strategy='auto-shard'), which shards within shard_size groups;"
+                             " or drop shard_size to shard over every rank under ZeRO-3"), text
+
+
+def test_auto_shard_never_picks_deepspeed_for_shard_size() -> None:
+    """offload='optimizer' alone would pick DeepSpeed (tests/test_bad_inputs.py, row 25); with shard_size the matrix
+    rules DeepSpeed out and auto-shard builds fsdp2; with NVMe offload as well nothing fits, and the refusal says why."""
+    from autoshard.lightning import AutoShardStrategy
+
+    assert not isinstance(make_trainer(AutoShardStrategy(offload="optimizer", shard_size=1)).strategy, GuardedDeepSpeedStrategy)
+    with pytest.raises(IncompatibleBackendError) as info:
+        AutoShardStrategy(offload="optimizer", offload_device="nvme", nvme_path="/tmp/nvme", shard_size=1)
+    text = str(info.value)
+    assert "deepspeed_zero3: hybrid sharding (HSDP) [shard_size=1]" in text and "fsdp2: NVMe offload" in text, text
+    assert "Fix: " in text, text

@@ -56,6 +56,8 @@ AIO_DEFAULTS: dict[str, Any] = {
     "overlap_events": True,
     "thread_count": 1,
 }
+# MiCS's keys (DeepSpeed <= 0.19.6, runtime/zero/mics.py): refused, see validate_deepspeed_config.
+_MICS_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather")
 _COMM_DTYPE = {Dtype.FLOAT32: "fp32", Dtype.BFLOAT16: "bf16", Dtype.FLOAT16: "fp16"}
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 # A pure config generator must not depend on what this machine has installed: the strategy checks that.
@@ -232,6 +234,17 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
                 "set train_batch_size to that product, or remove it and let DeepSpeed derive it",
             )
 
+    for key in _MICS_KEYS:
+        if key in zero:
+            # DeepSpeed >= 0.19.7 raises "MiCS ZeRO-3 sharding has been removed" only inside deepspeed.initialize, after
+            # every process started; older ones would partition over the MiCS group, which autoshard's memory
+            # estimate, consolidation and matrix (ZeRO-3 over every rank) do not describe.
+            _refuse(
+                f"zero_optimization.{key}",
+                "is MiCS, which DeepSpeed removed in 0.19.7 and autoshard does not drive (its estimate, checkpoints and"
+                " consolidation assume ZeRO-3 partitions over every rank)",
+                "remove it; for hybrid sharding use ShardingIntent(shard_size=N) with strategy='fsdp2'",
+            )
     for key in ("offload_optimizer", "offload_param"):
         block = zero.get(key)
         if block is None:

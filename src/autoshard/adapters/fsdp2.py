@@ -177,8 +177,11 @@ class FSDP2Plan:
         shard_mesh = hsdp_mesh(dp_mesh, self.hsdp)
         mp_policy, offload_policy = policies(self.precision_plan, self.intent)
         scalars = {id(p) for p in module.parameters() if p.dim() == 0}
+        names = {u.name for u in self.units}
         for unit in self.units:
             sub = module.get_submodule(unit.name)
+            if _outermost(unit.name, names) != unit.name:  # an inner unit: see clone_view_outputs
+                sub.register_forward_hook(clone_view_outputs, prepend=True)  # runs before fully_shard's own hook
             if unit.checkpointed:
                 from torch.distributed._composable import checkpoint
 
@@ -344,6 +347,24 @@ def hsdp_mesh(dp_mesh: DeviceMesh, sizes: tuple[int, int] | None) -> DeviceMesh:
     return init_device_mesh(dp_mesh.device_type, (replicas, shard), mesh_dim_names=HSDP_DIMS)
 
 
+def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """Inner units hand their outputs to the next unit: one that is a view (T5's position bias) would lose
+    fully_shard's pre-backward hook on an in-place op downstream, so FSDP2 warns; a copy has no such hazard.
+
+    Only inner units: their view outputs seen so far are small (T5: heads x tokens x tokens, independent of the
+    batch). An outermost unit's view output (BERT's logits) would cost a full copy at the peak, so FSDP2's warning
+    stands there: do not modify those outputs in place.
+    """
+    if not torch.is_grad_enabled():
+        return output
+    import torch.utils._pytree as pytree
+
+    is_view = lambda t: isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None  # noqa: E731
+    if not any(is_view(t) for t in pytree.tree_leaves(output)):
+        return output
+    return pytree.tree_map(lambda t: t.clone() if is_view(t) else t, output)
+
+
 def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh) -> int:
     """Keep every trainable parameter left unsharded (probes, root or 0-dim parameters) identical across ranks.
 
@@ -420,69 +441,6 @@ def sync_buffers(module: nn.Module, mesh: DeviceMesh) -> None:
 
     plain = [b.detach() for b in module.buffers() if not isinstance(b, DTensor)]
     _broadcast_from_first(plain, data_parallel_mesh(mesh).get_group())
-
-
-def _differentiable_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """All-reduce (sum) with autograd. torch.distributed.nn's has it on every torch >= 2.4; 2.13 deprecates it for
-    functional collectives, whose autograd is recent, so its FutureWarning is silenced here only."""
-    from torch.distributed.nn.functional import all_reduce
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return all_reduce(t, group=group)
-
-
-class SyncBatchNorm(nn.SyncBatchNorm):
-    """torch's SyncBatchNorm, plus a CPU path: torch refuses CPU input (its kernels are CUDA-only).
-
-    On CPU the batch mean and (biased) variance come from sums all-reduced over the group, through
-    torch.distributed.nn's differentiable all_reduce, so that gradients flow through the global statistics as in
-    torch's CUDA path; running statistics get the unbiased variance of the global batch, as torch's do.
-    """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        group = self.process_group or dist.group.WORLD
-        if input.device.type != "cpu" or not self.training or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return super().forward(input)
-        self._check_input_dim(input)
-        dims, shape = [0, *range(2, input.dim())], [1, -1] + [1] * (input.dim() - 2)
-        x = input.float()
-        sums = _differentiable_sum(torch.cat([x.sum(dims), x.new_tensor([x.numel() / x.size(1)])]), group)
-        count, mean = sums[-1], sums[:-1] / sums[-1]
-        centered = x - mean.view(shape)
-        var = _differentiable_sum(centered.square().sum(dims), group) / count
-        out = centered * (var + self.eps).rsqrt().view(shape)
-        if self.weight is not None:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        if self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
-                self.running_var.lerp_((var * count / (count - 1)).to(self.running_var.dtype), momentum)
-        return out.to(input.dtype)
-
-
-def convert_sync_batchnorm(module: nn.Module, group: Any) -> int:
-    """``Trainer(sync_batchnorm=True)``: every BatchNorm layer normalizes with the statistics of the global batch.
-
-    Lightning's ModelParallelStrategy never applies the flag (its setup ignores the Trainer's layer sync). Converted
-    in place, by class, not with torch's convert_sync_batchnorm, which builds new modules: fully_shard's state and
-    class, hooks and optimizer references survive, so it also works after sharding. Returns how many layers.
-    """
-    fsdp_module = fsdp2_api()[1]
-    count = 0
-    for m in module.modules():
-        if not isinstance(m, nn.modules.batchnorm._BatchNorm):
-            continue
-        if not isinstance(m, SyncBatchNorm):
-            sharded = isinstance(m, fsdp_module)  # keep fully_shard's FSDP<class> on top, as fully_shard builds it
-            m.__class__ = type(f"FSDP{SyncBatchNorm.__name__}", (fsdp_module, SyncBatchNorm), {}) if sharded else SyncBatchNorm
-        m.process_group = group
-        count += 1
-    return count
 
 
 class _PerShardCPURandom:

@@ -79,10 +79,15 @@ ROW = {
         " until ZeRO-3 partitions it)",
     ),
     Feature.HYBRID_SHARDING: no(
-        "autoshard does not map shard_size to DeepSpeed yet: MiCS (mics_shard_size) and ZeRO++ hpZ"
-        " (zero_hpz_partition_size) exist there, but hpZ groups parameters only (optimizer states stay sharded over"
-        " every rank) and neither is wired into autoshard's config",
-        TO_FSDP2,
+        "shard_size means parameters, gradients and optimizer state sharded within each group and replicated across"
+        " groups. In DeepSpeed that was MiCS (mics_shard_size: parameters partitioned over the shard group, gradients"
+        " reduce-scattered there then all-reduced across the replica groups, optimizer state per group), which"
+        " DeepSpeed 0.19.7 removed (its config now raises 'MiCS ZeRO-3 sharding has been removed'). What remains,"
+        " ZeRO++ hpZ (zero_hpz_partition_size), is not hybrid sharding: it adds a second copy of the parameters,"
+        " partitioned within the group for the backward all-gather only; the parameters' own partition, the"
+        " gradients and the optimizer states stay sharded over every rank (the forward gather and the gradient"
+        " reduce-scatter still span all of them)",
+        TO_FSDP2 + ", which shards within shard_size groups; or drop shard_size to shard over every rank under ZeRO-3",
     ),
 }
 
@@ -157,12 +162,23 @@ def memory(
     num_nodes: int,
     zero_init: bool,
 ) -> MemoryEstimate:
-    """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam)."""
-    from autoshard.errors import AutoShardError
+    """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam).
+
+    A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators
+    (``estimate_zero3_model_states_mem_needs`` and its ``_all_live`` / ``_all_cold`` forms) take no shard group,
+    and ZeRO-3's figures over every rank would describe a run that autoshard cannot start.
+    """
+    from autoshard.errors import AutoShardError, IncompatibleBackendError
     from autoshard.memory import MemoryEstimate, _n
 
     if world_size % num_nodes:
         raise AutoShardError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}. Fix: world size = num_nodes x devices per node")
+    if intent.hsdp_sizes(world_size, num_nodes) is not None:
+        cell = ROW[Feature.HYBRID_SHARDING]
+        raise IncompatibleBackendError(
+            f"no {BACKEND_NAME} memory estimate for shard_size={intent.shard_size!r} on {world_size} ranks: {cell.reason}."
+            f" Backend that works: fsdp2 (strategy='fsdp2'). Fix: {cell.remedy}"
+        )
     per_node = world_size // num_nodes
     total = sum(_n(p.shape) for p in layout.params.values())
     offload_opt = intent.offload in ("optimizer", "params")

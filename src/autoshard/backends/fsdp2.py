@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autoshard.backends import Availability, Backend, require
 from autoshard.capability import Feature, Format, no, partial, yes
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import MemoryEstimate, _Layout
+    from autoshard.memory import MemoryEstimate, Traffic, _Layout
     from autoshard.precision import PrecisionPlan
 
 BACKEND_NAME = "fsdp2"
@@ -96,10 +96,14 @@ def memory(
     num_nodes: int,
     zero_init: bool,
 ) -> MemoryEstimate:
-    """Exact per-rank bytes under FSDP2's Shard(0) (uneven shards included); ``num_nodes``, ``zero_init``: unused."""
+    """Exact per-rank bytes under FSDP2's Shard(0) (uneven shards included), over the world or, with
+    ``shard_size``, over the rank's shard group; ``num_nodes`` places ranks for 'node' and traffic; ``zero_init``: unused.
+    """
     from autoshard.memory import CATEGORIES, MemoryEstimate, UnshardedPart, _local_shape, _n, _optimizer_bytes, _outside_param, fmt_bytes
 
-    local = lambda p: _local_shape(p, world_size, rank)  # noqa: E731
+    hsdp = intent.hsdp_sizes(world_size, num_nodes)  # refuses a shard size that does not fit this world
+    group = hsdp[1] if hsdp else world_size
+    local = lambda p: _local_shape(p, group, rank % group)  # noqa: E731
     states, summaries, notes = _optimizer_bytes(sourced, layout, local, overrides)
     full_states, _, _ = _optimizer_bytes(sourced, layout, lambda p: p.shape, overrides)
     extra = {pid: _outside_param(sourced, pid) for pid in states if pid not in layout.params}
@@ -123,8 +127,8 @@ def memory(
             buckets["parameters"] += own
             buckets["gradients"] += grad
             buckets["optimizer_states"] += state
-    held = [(n, b) for n, b, reshard in layout.units if not reshard]
-    transient = [(n, b) for n, b, reshard in layout.units if reshard]
+    held = [(u.name, u.gathered) for u in layout.units if not u.reshard_after_forward]
+    transient = [(u.name, u.gathered) for u in layout.units if u.reshard_after_forward]
     largest = max(transient, key=lambda u: u[1], default=("", 0))
     gathered = sum(b for _, b in held) + largest[1]
     notes = list(layout.notes) + notes
@@ -144,15 +148,43 @@ def memory(
         precision=layout.precision.precision.value,
         gather_dtype=layout.precision.gather.value,
         gathered_block=gathered,
-        gathered_unit=max(layout.units, key=lambda u: u[1])[0] if layout.units else "",
+        gathered_unit=max(layout.units, key=lambda u: u.gathered).name if layout.units else "",
         full_model_states=full,
         offloaded=offloaded,
         host=sum(buckets[c] for c in offloaded),
         unsharded_parts=tuple(UnshardedPart(n, b, layout.whys.get(n, "")) for n, b in parts.items()),
         optimizers=tuple(summaries),
         notes=tuple(dict.fromkeys(notes)),
+        shard_group=group,
+        num_nodes=num_nodes,
+        traffic=traffic(layout, all_params, world_size, group, num_nodes),
         **buckets,
     )
+
+
+def traffic(layout: _Layout, params: Mapping[int, Any], world_size: int, group: int, num_nodes: int) -> tuple[Traffic, ...]:
+    """Bytes each rank sends per step, ring model: a unit is all-gathered in forward and again in backward unless
+    it stays gathered (teachers: forward only), its gradients are reduce-scattered within the shard group, and
+    under hybrid sharding each rank's 1/group slice is all-reduced across the replicas; parameters left whole
+    are all-reduced over every data-parallel rank. Ranks fill nodes in order, as Lightning numbers them.
+    """
+    from autoshard.memory import Traffic, _n
+
+    per_node = world_size // num_nodes
+    replicas = world_size // group
+    ring = lambda n, g: n * (g - 1) // g if g > 1 else 0  # noqa: E731
+    gathers = sum(u.gathered * (1 if u.teacher or not u.reshard_after_forward else 2) for u in layout.units)
+    reduced = sum(u.reduced for u in layout.units)
+    whole = sum(_n(p.shape) * p.elsize for p in params.values() if not p.sharded and p.trainable)
+    out = [
+        Traffic("all-gather of parameters (forward, backward)", group, ring(gathers, group), group > per_node),
+        Traffic("reduce-scatter of gradients", group, ring(reduced, group), group > per_node),
+    ]
+    if replicas > 1:
+        out.append(Traffic("all-reduce of gradient slices across replicas", replicas, 2 * ring(reduced // group, replicas), num_nodes > 1))
+    if whole and world_size > 1:
+        out.append(Traffic("all-reduce of parameters left whole", world_size, 2 * ring(whole, world_size), num_nodes > 1))
+    return tuple(t for t in out if t.bytes)
 
 
 BACKEND = Backend(

@@ -68,6 +68,8 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
             "read: Trainer(sync_batchnorm=True), which ModelParallelStrategy ignores and autoshard applies",
             on_instance=True),
     Private(_DEEPSPEED, "_configure_launcher", "lightning/base.py", "overridden, as for ModelParallelStrategy"),
+    Private(_DEEPSPEED, "_layer_sync", "lightning/deepspeed.py",
+            "read: Trainer(sync_batchnorm=True), which DeepSpeedStrategy ignores and autoshard applies", on_instance=True),
     Private(_DEEPSPEED, "_format_config", "lightning/deepspeed.py",
             "overridden: Lightning calls it lazily (setup, model_sharded_context) when the config must be final"),
     Private(_DEEPSPEED, "_auto_select_batch_size", "lightning/deepspeed.py",

@@ -61,6 +61,50 @@ def _lightning_init_distributed(strategy: DeepSpeedStrategy) -> None:
     strategy._init_deepspeed_distributed()
 
 
+def _lightning_layer_sync(strategy: DeepSpeedStrategy) -> Any:
+    """What Trainer(sync_batchnorm=True) set (Lightning's connector); DeepSpeedStrategy itself never applies it."""
+    return strategy._layer_sync
+
+
+# DeepSpeed sends every parameter as bytes, ``dist.broadcast(p.data.view(torch.uint8), ...)``: in the engine
+# (``DeepSpeedEngine._broadcast_model``, every stage) and in zero.Init (``Init._zero_init_param``). torch cannot view
+# a 0-dim tensor with another element size, so a 0-dim parameter fails with this text (deepspeed 0.19.8).
+_ZERO_DIM_ERROR = "cannot be 0 to view"
+_ZERO_DIM_FIX = (
+    "use strategy='fsdp2' (it keeps 0-dim parameters whole on every rank), or give the parameter shape (1,):"
+    " nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
+)
+
+
+def zero_dim_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of the 0-dim parameters DeepSpeed has not converted yet: each one would crash deepspeed.initialize.
+
+    Parameters built under zero.Init (``configure_model`` at stage 3) carry ``ds_id`` and were sent already.
+    """
+    return [name for name, p in module.named_parameters() if p.dim() == 0 and not hasattr(p, "ds_id")]
+
+
+def _zero_dim_refusal(where: str, label: str) -> IncompatibleBackendError:
+    return IncompatibleBackendError(
+        f"{where} cannot train under {label}: DeepSpeed sends every parameter as bytes"
+        f" (dist.broadcast(p.data.view(torch.uint8))) when it builds the engine or partitions under zero.Init, and"
+        f" torch cannot view a 0-dim tensor that way ('self.dim() cannot be 0 to view Float as Byte'); refused"
+        f" before the engine is built. Backend that works: fsdp2 (strategy='fsdp2'). Fix: {_ZERO_DIM_FIX}"
+    )
+
+
+def sync_batchnorm(module: torch.nn.Module) -> int:
+    """``Trainer(sync_batchnorm=True)`` under DeepSpeed: every BatchNorm layer normalizes with the global batch.
+
+    ZeRO (every stage) is data parallel over the whole world, so the layers synchronize over the default group.
+    The conversion is in place, by class (autoshard's SyncBatchNorm, which has a CPU path torch's lacks), before
+    the engine is built: parameters, buffers and optimizer references stay the same objects. Returns how many.
+    """
+    from autoshard.batchnorm import convert_sync_batchnorm
+
+    return convert_sync_batchnorm(module, None)
+
+
 class _LightningConfigHook(DeepSpeedStrategy):
     """Holds the private overrides, so subclasses never name a private Lightning member themselves."""
 
@@ -194,7 +238,8 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         return ShardingIntent()
 
     def check_method(self, trainer: pl.Trainer, optimizers: Sequence[Any] | None = None) -> Decision:
-        """inspect_needs + select_backend for this module and its callbacks; raises before any engine exists.
+        """inspect_needs + select_backend for this module and its callbacks, then its 0-dim parameters; raises before
+        any engine exists.
 
         ``optimizers``: what Lightning's own configure_optimizers call returned. No user hook is called here.
         """
@@ -214,6 +259,12 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
                 f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}"
             ) from None
         self.needs, self.decision = needs, decision
+        # After the matrix's refusals (an EMA teacher says more, and its fix, fsdp2, solves this too), and still
+        # before deepspeed.initialize, which would fail on it.
+        zero_dim = zero_dim_parameters(module)
+        if zero_dim:  # every rank sees the same module: every rank refuses, none waits in a collective
+            names = ", ".join(repr(n) for n in zero_dim)
+            raise _zero_dim_refusal(f"{type(module).__name__} has 0-dim parameter(s) {names}, so it", self._label())
         return decision
 
     # -- Lightning hooks --------------------------------------------------------------------------------------------
@@ -250,12 +301,31 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if _lightning_layer_sync(self) is not None and trainer.training and self.world_size > 1:
+            # Lightning's DeepSpeedStrategy ignores Trainer(sync_batchnorm=True): each rank would normalize with its
+            # own batch while the user asked for the global one. One rank's batch is the global batch: nothing to do.
+            # Lightning's teardown reverts it, as under DDP.
+            assert self.lightning_module is not None
+            count = sync_batchnorm(self.lightning_module)
+            rank_zero_info(f"autoshard: sync_batchnorm=True: {count} BatchNorm layer(s) normalize with the global batch")
         # The method is checked once, when all of it is known: callbacks' setup() and configure_model have run, and,
         # when fitting, Lightning's own configure_optimizers call (in _init_optimizers) has returned, so that probe
         # optimizers appended there are counted. Otherwise (no such call) it is checked here, from what exists.
         if not self._lightning_calls_configure_optimizers(trainer):
             rank_zero_info(self.check_method(trainer).describe())
         super().setup(trainer)
+
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Lightning's zero.Init context for configure_model, with DeepSpeed's 0-dim failure said in full."""
+        try:
+            with super().model_sharded_context():
+                yield
+        except RuntimeError as exc:
+            if _ZERO_DIM_ERROR not in str(exc):
+                raise
+            where = "A 0-dim parameter built in configure_model under ZeRO-3's zero.Init (its name is not known yet)"
+            raise _zero_dim_refusal(where, self._label()) from exc
 
     def _lightning_calls_configure_optimizers(self, trainer: pl.Trainer) -> bool:
         """Lightning calls it right before the engine when training, unless the DeepSpeed config names an optimizer."""
@@ -382,4 +452,6 @@ __all__ = [
     "LIGHTNING_DEEPSPEED_NAMES",
     "register_deepspeed_strategies",
     "require_deepspeed",
+    "sync_batchnorm",
+    "zero_dim_parameters",
 ]

@@ -21,7 +21,6 @@ from autoshard.adapters.fsdp2 import (
     average_unsharded_gradients,
     broadcast_unsharded,
     check_ema_alignment,
-    convert_sync_batchnorm,
     data_parallel_mesh,
     is_sharded,
     per_shard_random_init,
@@ -30,6 +29,7 @@ from autoshard.adapters.fsdp2 import (
 )
 from autoshard.backends import fsdp2 as fsdp2_backend
 from autoshard.backends import get_backend
+from autoshard.batchnorm import convert_sync_batchnorm
 from autoshard.backends.matrix import cell
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
@@ -80,25 +80,124 @@ def refuse_unsupported_precision(trainer_precision: object, strategy: FSDP2Strat
     )
 
 
-def check_slurm(num_processes: int, num_nodes: int) -> None:
-    """Under srun the world size comes from SLURM, not ``devices=``: a mismatch must stop before any process waits."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+def _tasks_per_node(spec: str) -> list[int]:
+    """SLURM's task-count lists, one count per node: ``"8"``, ``"2(x3)"`` (3 nodes of 2), ``"4,2"``, ``"2(x2),1"``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        count, _, repeat = part.strip().partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts
 
-    if not SLURMEnvironment.detect() or SLURMEnvironment.job_name() in ("bash", "interactive"):
+
+def _slurm_first(*names: str) -> tuple[str, str] | None:
+    """The first of ``names`` SLURM set, with its value: a step's own variable before the allocation's."""
+    return next(((name, os.environ[name]) for name in names if os.environ.get(name)), None)
+
+
+def check_slurm(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
+    """Under srun the world comes from SLURM, not ``devices=`` / ``num_nodes=``: a mismatch must stop before any
+    process waits, and it must stop here, as ModelParallelStrategy starts no launcher under SLURM, so Lightning's own
+    ``SLURMEnvironment.validate_settings`` never runs (and it reads ``SLURM_NTASKS_PER_NODE`` as a plain number).
+
+    ``environment``: the cluster environment Lightning chose (None: detected as Lightning does, torchrun first, so
+    torchrun started inside an srun allocation is checked by ``check_torchrun``, not here). Tasks per node are read
+    from the step (``SLURM_STEP_TASKS_PER_NODE``, what srun started), else ``SLURM_NTASKS_PER_NODE``, else the
+    allocation's ``SLURM_TASKS_PER_NODE`` (``"2(x3)"``, ``"4,2"``), else ``SLURM_NTASKS`` / nodes; nodes from the
+    step (``SLURM_STEP_NUM_NODES``), else ``SLURM_NNODES`` / ``SLURM_JOB_NUM_NODES``. ``shard_size='node'`` resolves
+    to ``devices``, so it is the tasks of one node once this check passes.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    if environment is not None and not isinstance(environment, SLURMEnvironment):
         return
-    per_node = os.environ.get("SLURM_NTASKS_PER_NODE")
-    tasks = int(per_node.split("(")[0]) if per_node else int(os.environ["SLURM_NTASKS"]) // max(num_nodes, 1)
+    if environment is None and (TorchElasticEnvironment.detect() or not SLURMEnvironment.detect()):
+        return
+    if SLURMEnvironment.job_name() in ("bash", "interactive"):
+        return
+    found = _slurm_first("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    nodes = int(found[1]) if found else None
+    spec = _slurm_first("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    if spec is not None:
+        counts = _tasks_per_node(spec[1])
+        if len(set(counts)) > 1:
+            raise IntentError(
+                f"SLURM started a different number of tasks on each node ({spec[0]}={spec[1]!r}), but every node must"
+                f" run the same number of tasks, one per device: Lightning takes the local ranks and the sharding takes"
+                f" its node groups from Trainer(devices=N) on every node. Fix: launch with `srun --nodes={nodes or len(counts)}"
+                f" --ntasks-per-node={num_processes} python train.py` and no --ntasks / -n: a total that is not nodes x tasks"
+                f" per node leaves a node short"
+            )
+        tasks = counts[0]
+        nodes = nodes or (len(counts) if "(x" in spec[1] or "," in spec[1] else None)
+    else:
+        total = int(os.environ["SLURM_NTASKS"])
+        tasks = total // (nodes or max(num_nodes, 1))
+    nodes = nodes if nodes is not None else num_nodes
     if tasks != num_processes:
+        both = f", num_nodes={nodes}" if nodes != num_nodes else ""
+        srun_nodes = f"--nodes={num_nodes} " if nodes != num_nodes else ""
         raise IntentError(
             f"SLURM started {tasks} task(s) per node but Trainer(devices={num_processes}): under srun Lightning takes"
             f" the world size from SLURM, so the two must be equal (one task per device). Fix: set"
-            f" Trainer(devices={tasks}), or launch with `srun --ntasks-per-node={num_processes}"
+            f" Trainer(devices={tasks}{both}), or launch with `srun {srun_nodes}--ntasks-per-node={num_processes}"
             f" --gres=gpu:{num_processes} python train.py`"
         )
-    nodes = os.environ.get("SLURM_NNODES")
-    if nodes is not None and int(nodes) != num_nodes:
+    if nodes != num_nodes:
         raise IntentError(
-            f"SLURM allocated {nodes} node(s) but Trainer(num_nodes={num_nodes}). Fix: set Trainer(num_nodes={nodes})"
+            f"SLURM allocated {nodes} node(s) but Trainer(num_nodes={num_nodes}): under srun the world is SLURM's"
+            f" {nodes} x {tasks} tasks, so the ranks and every node group (shard_size='node') would be wrong. Fix: set"
+            f" Trainer(num_nodes={nodes}), or launch with `srun --nodes={num_nodes} --ntasks-per-node={tasks}`"
+        )
+
+
+def check_torchrun(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
+    """Under torchrun the world comes from its ``--nnodes`` x ``--nproc-per-node``, not ``devices=`` / ``num_nodes=``.
+
+    Lightning never compares the two for ModelParallelStrategy (no launcher of its own when processes are started
+    outside), so a forgotten ``num_nodes=2`` only fails once the process group exists, with Lightning's "sizes ...
+    should equal the world size", and ``shard_size='node'`` would have resolved to the whole world (no hybrid
+    sharding). ``environment``: the cluster environment Lightning chose (None: detected).
+    """
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    if environment is not None and not isinstance(environment, TorchElasticEnvironment):
+        return
+    if environment is None and not TorchElasticEnvironment.detect():
+        return
+    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    nodes = world // per_node if per_node and world % per_node == 0 else None
+    if per_node != num_processes or world != num_processes * num_nodes:
+        fix = (
+            f"set Trainer(devices={per_node}, num_nodes={nodes}), or launch with `torchrun --nnodes={num_nodes}"
+            f" --nproc-per-node={num_processes} ...`"
+            if nodes
+            else f"start every node with the same `torchrun --nproc-per-node={num_processes}`"
+        )
+        raise IntentError(
+            f"torchrun started {world} processes, {per_node} on this node (WORLD_SIZE={world}, LOCAL_WORLD_SIZE="
+            f"{per_node}), but Trainer(devices={num_processes}, num_nodes={num_nodes}) describes"
+            f" {num_processes * num_nodes} ranks, {num_processes} per node: the ranks, the data-parallel mesh and"
+            f" every node group (shard_size='node') would be wrong. Fix: {fix}"
+        )
+
+
+def check_node_groups(node_ranks: list[int], shard: int) -> None:
+    """``shard_size='node'`` promises one node per shard group, and the groups are consecutive ranks (``hsdp_mesh``).
+
+    torchrun and SLURM's default block distribution number the ranks node by node; ``srun --distribution=cyclic``
+    deals them round-robin, and a group would then span nodes: every all-gather and reduce-scatter on the network.
+    ``node_ranks``: each global rank's node rank, in rank order (the same list on every rank, so the same error).
+    """
+    groups = [node_ranks[i : i + shard] for i in range(0, len(node_ranks), shard)]
+    spans = [(i, sorted(set(g))) for i, g in enumerate(groups) if len(set(g)) > 1]
+    if spans:
+        first, nodes = spans[0]
+        raise AutoShardError(
+            f"shard_size='node' needs each node's {shard} ranks to be consecutive, but ranks"
+            f" {first * shard}-{first * shard + shard - 1} (shard group {first}) are on nodes {nodes} (node rank of each"
+            f" rank: {node_ranks}): the launcher did not number the ranks node by node (SLURM's"
+            f" --distribution=cyclic does that), so each shard group would span nodes. Fix: launch with `srun"
+            f" --distribution=block` (SLURM's default) or torchrun, which number the ranks node by node"
         )
 
 
@@ -197,7 +296,8 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
     # -- Trainer construction (BackendMixin._configure_launcher): what can be refused before a process starts ----
     def _check_construction(self) -> None:
         self._select(MethodNeeds(), self._prefer_at_construction())
-        check_slurm(self.num_processes, self.num_nodes)
+        check_torchrun(self.num_processes, self.num_nodes, self.cluster_environment)
+        check_slurm(self.num_processes, self.num_nodes, self.cluster_environment)
         # Set before Lightning's setup_environment, which keeps sizes that are not "auto".
         self._data_parallel_size, self._tensor_parallel_size = self._mesh_sizes()
         tp = self.intent.tensor_parallel_size
@@ -268,6 +368,8 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
             self.plan = plan_fsdp2(module, self.intent, self.needs, self.precision_plan)
             self.plan.sync_batchnorm = self._layer_sync is not None
             self.plan.hsdp = self.hsdp_sizes
+            if self.intent.shard_size == "node" and self.hsdp_sizes is not None:
+                check_node_groups(self._all_gather(self.node_rank), self.hsdp_sizes[1])
             self.plan.apply(module, self.device_mesh)
             rank_zero_info(self.plan.describe(self.describe_mesh()))
         self._forwarded = track_forwards(module)

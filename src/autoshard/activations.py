@@ -1,0 +1,642 @@
+"""Activation memory of one training step, measured by running that step on fake tensors (no memory, no GPU).
+
+``memory.py`` counts model states exactly from shapes alone; activations depend on what ``training_step`` does with
+a batch, so here the step itself runs: the module is built on meta, sharded with the real FSDP2 plan (activation
+checkpointing, ``reshard_after_forward``, MixedPrecisionPolicy, offload policy) on a fake process group of
+``world_size`` ranks in this one process, materialized as fake CPU tensors, and one warm-up step then one measured
+step run in Lightning's order (``training_step`` under autocast as its precision plugin runs it, zero_grad, backward,
+optimizer step, then ``on_train_batch_end`` of the callbacks and the module), the measured one under torch's
+FSDPMemTracker, which sees every tensor storage created and freed. The peak is the bytes of live tensors at the
+step's highest point on this rank. ``benchmarks/activation_accuracy.py`` compares it with real 2-rank runs.
+
+Not modelled: the CUDA caching allocator (block rounding, fragmentation, reserved-but-free memory), CUDA/cuBLAS/NCCL
+workspaces and the CUDA context, and tensors created outside torch's dispatcher. The figures are tensor bytes, the
+quantity ``torch.cuda.max_memory_allocated`` approaches from below; leave headroom for the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import AutoShardError
+from autoshard.intent import ShardingIntent
+from autoshard.needs import held_optimizers, inspect_needs, returned_optimizers
+from autoshard.precision import Dtype, PrecisionPlan
+
+# FSDPMemTracker's categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType values), grouped as reported.
+MODEL_STATES = ("Sharded Param", "Sharded Grad", "OptState", "Buffer", "Inputs")
+GATHERED = ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter")
+ACTIVATIONS = ("Activation", "Temp")
+_NOT_A_MODULE = "autoshard: training_step"  # a pseudo-parent while the step runs (see StepTracker)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes of live tensors on one rank at the peak of one training step, by what they are.
+
+    ``peak = model_states + gathered + activations``: ``model_states`` are sharded parameters, their gradients,
+    optimizer states, buffers and the batch; ``gathered`` the all-gathered parameters, all-gather and
+    reduce-scatter buffers and gradients not yet reduce-scattered; ``activations`` everything else (saved for
+    backward, outputs, gradients of activations, the optimizer step's temporaries). ``by_kind`` keeps
+    FSDPMemTracker's own categories at the peak; ``at`` says where the peak happened.
+    """
+
+    world_size: int
+    rank: int
+    peak: int
+    activations: int
+    gathered: int
+    model_states: int
+    at: str
+    forward_only: bool
+    notes: tuple[str, ...] = ()
+    by_kind: tuple[tuple[str, int], ...] = ()
+    precision: str = ""
+    activation_checkpointing: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["notes"] = list(self.notes)
+        out["by_kind"] = dict(self.by_kind)
+        return out
+
+
+# -- the tracker: torch's FSDPMemTracker, for a LightningModule ---------------------------------------------------
+def _tracker_base() -> type:
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    except ImportError as exc:  # torch < 2.5
+        raise AutoShardError(
+            f"measuring activation memory needs torch's FSDPMemTracker (torch.distributed._tools), not importable here"
+            f" ({exc}). Fix: upgrade torch (2.6 or newer), or use autoshard explain without --batch (model states only)"
+        ) from None
+    return FSDPMemTracker
+
+
+def _make_tracker_class() -> type:
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType, _FSDPState
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor import DTensor
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    base = _tracker_base()
+
+    class StepTracker(base):  # type: ignore[misc, valid-type]
+        """FSDPMemTracker for a LightningModule whose root is not sharded (autoshard shards its children), with any
+        number of optimizers, Lightning's closure-style ``optimizer.step(closure)``, units called twice in one step
+        (two views through a student), parameters left unsharded, and the place of the peak in words.
+
+        torch's tracker insists on an FSDP root and one optimizer, and refuses a unit called twice at top level;
+        those are its bookkeeping limits, not the memory it sees, which is unchanged here.
+        """
+
+        def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+            MemTracker.__init__(self)
+            self._root_mod = module
+            self._optm = None
+            self._optimizers = list(optimizers)
+            self._fsdp_mod_to_saved_methods = WeakIdKeyDictionary()
+            self._fsdp_state = _FSDPState.PRE_FW
+            self._ref_class = _FSDPRefType
+            self._plain_handles: list[Any] = []
+            self._stepping = False
+            self.peak_at = ""
+            known, seen = self._mod_tracker._known_modules, self._mod_tracker._seen_modules
+            for name, m in module.named_modules():  # module paths as print(model) shows them, not type names
+                known[m] = name or type(module).__name__
+                seen.add(m)
+
+        # Units called more than once at top level in one step (torch raises "multiple iterative calls").
+        def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def pre_forward(*args: Any, **kwargs: Any) -> Any:
+                parents = self._mod_tracker.parents
+                added = _NOT_A_MODULE not in parents
+                parents.add(_NOT_A_MODULE)
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    if added:
+                        self._mod_tracker.parents.discard(_NOT_A_MODULE)
+
+            return pre_forward
+
+        # Every optimizer; temporaries of the step stay "Temp"-like activations, only states count as OptState.
+        def _instrument_optimizer(self) -> None:
+            handles = []
+            for optimizer in self._optimizers:
+                self._track_optimizer_states(_FSDPRefType.OPT, optimizer)
+                handles.append(optimizer.register_step_pre_hook(self._before_step))
+                handles.append(optimizer.register_step_post_hook(self._after_step))
+            self._optimizer_hook_handles = tuple(handles) or None
+
+        def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            self._stepping = True
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer itself
+            if closure is None:
+                return None
+
+            def closure_outside_step() -> Any:  # Lightning runs forward and backward inside optimizer.step
+                self._stepping = False
+                try:
+                    return closure()
+                finally:
+                    self._stepping = True
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_outside_step}
+            return (args[0], closure_outside_step, *args[2:]), kwargs
+
+        def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+            self._track_optimizer_states(_FSDPRefType.OPT, optimizer)
+            self._stepping = False
+
+        # Parameters no unit owns (0-dim, root, probes): model states too, and so are their gradients.
+        def _register_module_and_optimizer_hooks(self) -> None:
+            super()._register_module_and_optimizer_hooks()
+            for p in self._root_mod.parameters():
+                if isinstance(p, DTensor):
+                    continue
+                self._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
+                if p.grad is not None:
+                    self._update_and_maybe_create_winfos(p.grad, _FSDPRefType.SHARDED_GRAD)
+                if p.requires_grad:
+                    self._plain_handles.append(p.register_post_accumulate_grad_hook(self._plain_grad))
+
+        def _plain_grad(self, p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self._update_and_maybe_create_winfos(p.grad, _FSDPRefType.SHARDED_GRAD)
+
+        def _deregister_module_and_optimizer_hooks(self) -> None:
+            super()._deregister_module_and_optimizer_hooks()
+            for handle in self._plain_handles:
+                handle.remove()
+            self._plain_handles.clear()
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            before = sum(self._peak_mem.values())
+            super()._update_peak_stats(peak_state)
+            if sum(self._peak_mem.values()) > before:
+                self.peak_at = self._where()
+
+        def _where(self) -> str:
+            if self._stepping:
+                return "optimizer step"
+            names = [n for n in self._mod_tracker.parents if n not in ("Global", _NOT_A_MODULE)]
+            root = type(self._root_mod).__name__
+            names = [n for n in names if n != root]
+            deepest = max(names, key=lambda n: (n.count("."), len(n)), default="")
+            phase = "backward" if self._mod_tracker.is_bw else "forward"
+            if deepest:
+                return f"{phase} of {deepest}"
+            return "backward" if phase == "backward" else "training_step, outside any module (loss)"
+
+        def peak_by_kind(self) -> dict[str, int]:
+            """The peak snapshot of the device with the highest peak, by category name (and "Total")."""
+            snapshot = self.get_tracker_snapshot("peak")
+            if not snapshot:
+                return {"Total": 0}
+            device = max(snapshot, key=lambda d: snapshot[d].get("Total", 0))
+            return {getattr(k, "value", str(k)): int(v) for k, v in snapshot[device].items()}
+
+        def step_memory(self, world_size: int, rank: int, forward_only: bool = False, notes: Sequence[str] = (), **extra: Any) -> StepMemory:
+            kinds = self.peak_by_kind()
+            total = lambda names: sum(kinds.get(n, 0) for n in names)  # noqa: E731
+            return StepMemory(
+                world_size=world_size,
+                rank=rank,
+                peak=kinds.get("Total", 0),
+                activations=total(ACTIVATIONS),
+                gathered=total(GATHERED),
+                model_states=total(MODEL_STATES),
+                at=self.peak_at or "before the step",
+                forward_only=forward_only,
+                notes=tuple(dict.fromkeys(notes)),
+                by_kind=tuple((k, v) for k, v in kinds.items() if k != "Total" and v),
+                **extra,
+            )
+
+    return StepTracker
+
+
+_TRACKER: type | None = None
+
+
+def step_tracker(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Any:
+    """A tracker of every tensor of ``module``'s training step (real or fake tensors): enter it around one step.
+
+    Tensors alive before entering count only if they are the module's parameters, gradients and buffers, the
+    optimizers' states, or inputs given to ``track_inputs``. The real-run benchmark uses this very class, so the
+    estimate and the measurement count the same things.
+    """
+    global _TRACKER
+    if _TRACKER is None:
+        _TRACKER = _make_tracker_class()
+    return _TRACKER(module, optimizers)
+
+
+def measuring_callback(batch_index: int = 1) -> Any:
+    """A Lightning callback measuring a real run's training batch ``batch_index`` (0-based; the default, step 2,
+    follows the step that creates the optimizer states) with the tracker ``measure_step`` uses: to check an
+    estimate against a real run. After fit, its ``result`` is that step's StepMemory on this rank (None before).
+
+    The window opens at ``on_train_batch_start`` and closes at ``on_train_batch_end``: place it last among the
+    callbacks, so that earlier callbacks' batch-end work (a probe's step) is inside it.
+    """
+    import lightning.pytorch as pl
+
+    class MeasuredStep(pl.Callback):
+        def __init__(self) -> None:
+            self.tracker: Any = None
+            self.result: StepMemory | None = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx != batch_index:
+                return
+            optimizers = returned_optimizers(list(trainer.optimizers))
+            optimizers += [o for c in trainer.callbacks for o in held_optimizers(c) if o not in optimizers]
+            gc.collect()
+            self.tracker = step_tracker(pl_module, optimizers)
+            self.tracker.track_inputs((batch,))
+            self.tracker.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.tracker is None:
+                return
+            self.tracker.__exit__(None, None, None)
+            self.result = self.tracker.step_memory(trainer.world_size, trainer.global_rank)
+            self.tracker = None
+
+    return MeasuredStep()
+
+
+# -- the batch ------------------------------------------------------------------------------------------------------
+def load_batch(spec: str) -> Callable[..., Any]:
+    """``path/to/file.py:make_batch`` or ``package.module:make_batch``: a function returning one micro-batch per rank,
+    as the DataLoader yields it (the ``batch`` argument of ``training_step``)."""
+    from autoshard.target import load_attribute
+
+    example = "name a function after a colon, e.g. --batch train.py:make_batch (it returns one batch, as your DataLoader yields it)"
+    attr = str(spec).rpartition(":")[2]
+    obj = load_attribute(spec, "--batch", example, f"give the path of the file that defines {attr}, e.g. train.py:{attr}", "function")
+    if not callable(obj):
+        raise AutoShardError(f"--batch {spec!r} is a {type(obj).__name__}, not a function. Fix: {example}")
+    return obj
+
+
+# -- the fake world -------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks in this process (no communication), destroyed after, always."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise AutoShardError("measuring a sharded step needs torch.distributed, which this torch build lacks. Fix: install a torch build with distributed support")
+    if dist.is_initialized():
+        raise AutoShardError(
+            "measure_step runs the step on a fake process group of its own, but a process group is already initialized"
+            " in this process (a Trainer or init_process_group ran before). Fix: call it before any distributed setup,"
+            " or in a separate process (autoshard explain --batch runs in its own)"
+        )
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    excepthook = sys.excepthook  # init_process_group wraps it with a "[rank0]:" prefix, once per call
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+def _mesh(intent: ShardingIntent, world_size: int) -> Any:
+    """The 1-D data-parallel mesh the strategy's plan shards on (the plan makes HSDP's 2-D mesh from it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp, tp = intent.mesh_sizes(world_size)
+    if tp > 1:
+        raise AutoShardError(
+            f"tensor_parallel_size={tp} runs through your parallelize_fn, which measure_step does not run. Fix: measure"
+            f" with tensor_parallel_size=1 (the activations of a data-parallel rank), or measure on real devices"
+        )
+    return init_device_mesh("cpu", (dp,), mesh_dim_names=("data_parallel",))
+
+
+def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torch.dtype | None) -> None:
+    """Replace every parameter and buffer by a fake CPU tensor of its shape (tied weights stay tied); ``dtype``
+    converts floating ones as Lightning's "-true" precisions do. Callback optimizers are pointed at the new
+    parameters. Must run inside the FakeTensorMode."""
+    new: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=cast, device="cpu")
+
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                m._parameters[name] = new[id(p)]  # type: ignore[assignment]
+        for name, b in m._buffers.items():
+            if b is not None:
+                if id(b) not in new:
+                    new[id(b)] = fake(b)
+                m._buffers[name] = new[id(b)]
+    for callback in callbacks:
+        for optimizer in held_optimizers(callback):
+            for group in optimizer.param_groups:
+                group["params"] = [new.get(id(p), p) for p in group["params"]]
+
+
+def _convert_input(batch: Any, dtype: torch.dtype | None) -> Any:
+    """Lightning's "-true" precisions cast floating inputs to the module's dtype (HalfPrecision.convert_input)."""
+    if dtype is None:
+        return batch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+
+
+def _user_line(exc: BaseException) -> str:
+    """Where the user's code raised: the innermost frame outside torch, Lightning, transformers and autoshard."""
+    import lightning
+
+    import autoshard
+
+    libraries = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, lightning, autoshard))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(libraries) and "site-packages" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {os.path.basename(f.filename)}:{f.lineno} `{(f.line or '').strip()}`"
+
+
+def _why(exc: BaseException) -> str:
+    """An exception raised under fake tensors, in words: most are reads of values fake tensors do not have."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
+
+    where = _user_line(exc)
+    if isinstance(exc, DataDependentOutputException):
+        return f"it reads a tensor's value{where} (.item(), .tolist(), `if tensor:`), and fake tensors have no values"
+    if isinstance(exc, DynamicOutputShapeException):
+        return f"an op's output shape depends on tensor values{where} (nonzero, unique, boolean-mask indexing), unknown on fake tensors"
+    if isinstance(exc, UnsupportedOperatorException):
+        return f"an operator has no fake-tensor implementation{where} ({exc})"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:300]}{where}"
+
+
+# -- one step -------------------------------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    module: nn.Module
+    callbacks: list[Any]
+    optimizers: list[torch.optim.Optimizer]
+    batch: Any
+    notes: list[str] = field(default_factory=list)
+
+
+def _prepare(
+    factory: Any,
+    intent: ShardingIntent,
+    world_size: int,
+    precision: PrecisionPlan,
+    make_batch: Callable[[], Any] | None,
+    mode: Any,
+    num_nodes: int = 1,
+) -> _Run:
+    """Build on meta, make every tensor fake, shard as FSDP2Strategy.setup does with autoshard's plan, build the
+    optimizers and the batch.
+
+    The plan makes EMA teacher units reshard after forward itself; the strategy adds the guarantees of
+    ``autoshard.lightning.guarantees`` only to modules the user sharded, which measure_step refuses (below).
+    """
+    from autoshard.adapters.fsdp2 import is_sharded, plan_fsdp2
+    from autoshard.target import build_on_meta
+
+    built = build_on_meta(factory)
+    module, callbacks, notes = built.module, list(built.callbacks), list(built.notes)
+    notes += _configure_model(module)
+    if is_sharded(module):
+        raise AutoShardError(
+            f"{type(module).__name__} is already sharded when built (fully_shard in the factory or in"
+            f" configure_model): measure_step measures autoshard's own plan, applied to the unsharded module."
+            f" Fix: return the module unsharded and let strategy='auto-shard' shard it"
+        )
+    convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
+    with mode:
+        _fake_parameters(module, callbacks, convert)
+    needs = inspect_needs(module, callbacks=callbacks, call_hooks=False)
+    mesh = _mesh(intent, world_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_fsdp2(module, intent, needs, precision)
+        plan.hsdp = intent.hsdp_sizes(world_size, num_nodes)
+        plan.apply(module, mesh)  # outside the fake mode: it reads the mesh's real rank tensor
+    if intent.offload != "none":
+        notes.append(
+            f"offload={intent.offload!r}: everything here is CPU memory, so the offloaded states are inside this peak;"
+            f" on an accelerator they live in host memory (memory.py says which)"
+        )
+    notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    module.train()
+    optimizers: list[torch.optim.Optimizer] = []
+    with mode:
+        configure = getattr(module, "configure_optimizers", None)
+        if callable(configure):
+            try:
+                optimizers += returned_optimizers(configure())
+            except Exception as exc:
+                notes.append(
+                    f"configure_optimizers() raised ({_why(exc)}): no optimizer step, so optimizer states and the"
+                    f" step's temporaries are not in the peak (memory.py counts the states)"
+                )
+        for callback in callbacks:
+            optimizers += [o for o in held_optimizers(callback) if o not in optimizers]
+        batch = None
+        if make_batch is not None:
+            try:
+                batch = make_batch()
+            except Exception as exc:
+                raise AutoShardError(
+                    f"the batch function {getattr(make_batch, '__name__', make_batch)!r} raised {_why(exc)}. It runs under"
+                    f" torch's FakeTensorMode (tensors without memory): build the batch from shapes, e.g."
+                    f" `return torch.randn(32, 3, 224, 224), torch.randint(0, 1000, (32,))`. Fix: make it build tensors"
+                    f" of the batch's shapes instead of reading data"
+                ) from exc
+            batch = _convert_input(batch, convert)
+    return _Run(module, callbacks, optimizers, batch, notes)
+
+
+def _train_step(run: _Run, precision: PrecisionPlan) -> None:
+    """One step in the order of Lightning's automatic optimization (its Closure): training_step, then zero_grad
+    (so the previous step's gradients are still alive during the forward), backward, optimizer step; then the
+    batch-end hooks (callbacks', then the module's: EMA updates, probes)."""
+    module, batch = run.module, run.batch
+    with _autocast(precision):
+        out = module.training_step(batch, 0)
+    loss = out["loss"] if isinstance(out, Mapping) else out
+    if not isinstance(loss, torch.Tensor):  # manual optimization: the step is the user's, with self.optimizers()
+        raise ValueError(f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'")
+    for optimizer in run.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    del loss
+    for optimizer in run.optimizers:
+        optimizer.step()
+    for owner, args in [*((c, (None, module, out, batch, 0)) for c in run.callbacks), (module, (out, batch, 0))]:
+        hook = getattr(owner, "on_train_batch_end", None)
+        if callable(hook):
+            try:
+                hook(*args)
+            except Exception as exc:  # a probe that logs float(loss): what ran before the failure is measured
+                run.notes.append(f"{type(owner).__name__}.on_train_batch_end stopped on fake tensors: {_why(exc)}; what it does after that is not measured")
+    del out
+
+
+def _autocast(precision: PrecisionPlan) -> Any:
+    """Lightning's MixedPrecision.forward_context: autocast on the device, without its weight-cast cache."""
+    if not precision.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=precision.compute.torch, cache_enabled=False)
+
+
+def _configure_model(module: nn.Module) -> list[str]:
+    """Lightning calls an overridden ``configure_model`` before the strategy shards; so does this, on meta."""
+    import lightning.pytorch as pl
+
+    if not isinstance(module, pl.LightningModule) or type(module).configure_model is pl.LightningModule.configure_model:
+        return []
+    try:
+        with torch.device("meta"):
+            module.configure_model()
+    except Exception as exc:
+        return [f"{type(module).__name__}.configure_model() could not run without a Trainer ({_why(exc)}): what it builds is not measured"]
+    return []
+
+
+def _fake_example(example: Any, dtype: torch.dtype | None) -> Any:
+    """``example_input_array`` as fake CPU tensors (built in ``__init__`` under the meta device, it is meta);
+    inside the FakeTensorMode."""
+    from torch.utils._pytree import tree_map_only
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return torch.zeros(t.shape, dtype=cast, device="cpu") if t.is_meta else t.to(cast)
+
+    return tree_map_only(torch.Tensor, fake, example)
+
+
+def _forward(run: _Run, precision: PrecisionPlan) -> None:
+    example = run.batch
+    with _autocast(precision):
+        if isinstance(example, Mapping):
+            out = run.module(**example)
+        elif isinstance(example, tuple):
+            out = run.module(*example)
+        else:
+            out = run.module(example)
+    del out
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning's "self.log without a Trainer" warnings and torch's fake-mode chatter are not the user's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def measure_step(
+    factory: Any,
+    intent: ShardingIntent,
+    world_size: int,
+    precision: PrecisionPlan,
+    *,
+    make_batch: Callable[[], Any] | None = None,
+    rank: int = 0,
+    num_nodes: int = 1,
+) -> StepMemory:
+    """Peak bytes of live tensors on ``rank`` during one training step on ``world_size`` ranks, by kind.
+
+    ``factory`` is what ``autoshard.target.build_on_meta`` takes; it is called afresh (``fully_shard`` mutates the
+    module), twice if ``training_step`` cannot run without a Trainer and the step falls back to
+    ``forward(example_input_array)``. ``make_batch()`` returns one micro-batch as ``training_step`` receives it; it
+    runs under FakeTensorMode, so a batch of any size costs no memory. Without it, only the forward of
+    ``example_input_array`` runs (``forward_only``: no backward, no optimizer step, so the peak is a lower bound).
+
+    ``num_nodes``: the nodes the ranks fill, for ``shard_size='node'``.
+
+    CPU tensors only: CUDA allocator rounding and fragmentation, and CUDA/NCCL workspaces, are not modelled.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise AutoShardError(f"world size must be a positive integer, got {world_size!r}. Fix: e.g. world_size=8")
+    if not 0 <= rank < world_size:
+        raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
+    _tracker_base()
+    extra = {"precision": precision.precision.value, "activation_checkpointing": intent.activation_checkpointing}
+    convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
+    notes: list[str] = []
+    with fake_world(world_size, rank), _quiet():
+        if make_batch is not None:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            run = _prepare(factory, intent, world_size, precision, make_batch, mode, num_nodes)
+            try:
+                with mode:
+                    _train_step(run, precision)  # warm-up: optimizer states and lazy FSDP state exist after it
+                    gc.collect()
+                    tracker = step_tracker(run.module, run.optimizers)
+                    tracker.track_inputs((run.batch,))
+                    with tracker:
+                        _train_step(run, precision)
+                return tracker.step_memory(world_size, rank, False, run.notes, **extra)
+            except AutoShardError:
+                raise
+            except Exception as exc:
+                notes.append(f"training_step could not run outside a Trainer on fake tensors: {_why(exc)}; measured forward(example_input_array) only")
+            del run
+            gc.collect()
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        run = _prepare(factory, intent, world_size, precision, None, mode, num_nodes)
+        notes = run.notes + notes
+        if getattr(run.module, "example_input_array", None) is None:
+            raise AutoShardError(
+                f"no batch to measure activations with: {'; '.join(notes) + '; ' if notes else ''}"
+                f"{type(run.module).__name__} has no example_input_array. Fix: pass a batch function"
+                f" (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...)), or set"
+                f" self.example_input_array in __init__"
+            )
+        if make_batch is None:
+            notes.append("no batch function given: forward(example_input_array) only, no backward or optimizer step (a lower bound)")
+        try:
+            with mode:
+                run.batch = _fake_example(run.module.example_input_array, convert)
+                tracker = step_tracker(run.module, run.optimizers)
+                tracker.track_inputs((run.batch,))
+                with tracker:
+                    _forward(run, precision)
+        except Exception as exc:
+            raise AutoShardError(
+                f"activation memory could not be measured: forward(example_input_array) failed on fake tensors: {_why(exc)}."
+                f" Fix: avoid reading tensor values in forward (compute on tensors instead), or estimate on a real device"
+            ) from exc
+        return tracker.step_memory(world_size, rank, True, notes, **extra)
+
+
+__all__ = ["StepMemory", "fake_world", "load_batch", "measure_step", "measuring_callback", "step_tracker"]

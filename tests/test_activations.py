@@ -1,0 +1,199 @@
+"""Activation memory of one step on fake tensors: what grows with the batch, what checkpointing and bf16 save,
+what sharding does (model states / N, activations unchanged), and the fallbacks and refusals a user meets."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoshard.activations import StepMemory, load_batch, measure_step
+from autoshard.demo import DinoLike
+from autoshard.errors import AutoShardError
+from autoshard.intent import ShardingIntent
+from autoshard.precision import resolve_precision
+
+
+class GPT(pl.LightningModule):
+    """A tiny Hugging Face GPT-2 (2 blocks, width 64): blocks are the units activation checkpointing wraps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def tokens(batch: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 256, (batch, 64))]
+
+
+def blobs(batch: int) -> list[torch.Tensor]:
+    return [torch.randn(batch, 16), torch.randint(0, 4, (batch,))]
+
+
+@functools.lru_cache(maxsize=None)
+def measured(model: str, batch: int, ac: bool = False, precision: str = "bf16-mixed", world: int = 2) -> StepMemory:
+    """One measurement per configuration, shared by the tests that compare them."""
+    intent = ShardingIntent(activation_checkpointing=ac)
+    factory, make = (GPT, tokens) if model == "gpt2" else (lambda: DinoLike(dim=32, depth=2), blobs)
+    return measure_step(factory, intent, world, resolve_precision(precision, intent), make_batch=lambda: make(batch))
+
+
+def test_the_peak_adds_up_and_names_where_it_happened() -> None:
+    step = measured("gpt2", 8)
+    assert step.peak == step.model_states + step.gathered + step.activations
+    assert step.activations > 0 and step.gathered > 0 and step.model_states > 0
+    assert step.at.startswith(("forward of ", "backward of ", "optimizer step")), step.at
+    assert not step.forward_only
+    kinds = step.to_dict()["by_kind"]
+    assert kinds["OptState"] > 0, kinds  # the warm-up step created the optimizer states before the measured one
+
+
+def test_activations_grow_linearly_with_the_batch() -> None:
+    small, large = measured("gpt2", 8), measured("gpt2", 16)
+    assert 1.7 <= large.activations / small.activations <= 2.3, (small.activations, large.activations)
+    grown = large.activations - small.activations
+    assert abs(large.model_states - small.model_states) < 0.05 * grown  # what grows is activations, not states
+
+
+def test_activation_checkpointing_cuts_activations() -> None:
+    plain, checkpointed = measured("gpt2", 16), measured("gpt2", 16, ac=True)
+    assert checkpointed.activations < 0.75 * plain.activations, (plain.activations, checkpointed.activations)
+    assert checkpointed.activation_checkpointing and not plain.activation_checkpointing
+
+
+def test_bf16_mixed_activations_are_smaller_than_fp32() -> None:
+    bf16, fp32 = measured("gpt2", 16), measured("gpt2", 16, precision="32-true")
+    assert bf16.activations < 0.85 * fp32.activations, (bf16.activations, fp32.activations)
+
+
+def test_world_size_shards_model_states_not_activations() -> None:
+    two, four = measured("dino", 256, world=2), measured("dino", 256, world=4)
+    sharded = lambda s: dict(s.by_kind)["Sharded Param"]  # noqa: E731
+    assert 0.45 <= sharded(four) / sharded(two) <= 0.55, (sharded(two), sharded(four))
+    assert abs(four.activations - two.activations) <= 0.05 * two.activations, (two.activations, four.activations)
+    assert four.peak < two.peak
+
+
+class WithExample(pl.LightningModule):
+    """forward is defined and example_input_array is set; training_step needs a Trainer (it reads self.trainer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+        self.example_input_array = torch.zeros(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        scale = 1.0 / self.trainer.accumulate_grad_batches
+        return self(batch).pow(2).mean() * scale
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_without_a_batch_function_only_the_forward_of_the_example_runs() -> None:
+    intent = ShardingIntent()
+    step = measure_step(WithExample, intent, 2, resolve_precision("32-true", intent))
+    assert step.forward_only
+    assert step.activations >= 2 * 64 * 64 * 4  # each block's GELU input is saved for backward (64 x 64 fp32)
+    assert any("forward(example_input_array) only" in n for n in step.notes), step.notes
+
+
+def test_a_training_step_that_needs_a_trainer_falls_back_to_the_forward_with_the_reason() -> None:
+    intent = ShardingIntent()
+    step = measure_step(WithExample, intent, 2, resolve_precision("32-true", intent), make_batch=lambda: torch.zeros(64, 32))
+    assert step.forward_only
+    assert any("could not run outside a Trainer" in n and "trainer" in n.lower() for n in step.notes), step.notes
+    assert not dist.is_initialized()
+
+
+class ReadsValues(WithExample):
+    """Branches on a tensor's value in forward: fake tensors have none."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.blocks[0](x)
+        return self.blocks[1](x)
+
+
+def test_a_model_fake_tensors_cannot_run_is_refused_in_words_and_the_group_is_gone() -> None:
+    intent = ShardingIntent()
+    with pytest.raises(AutoShardError, match=r"reads a tensor's value .*`if x\.sum\(\) > 0:`.*Fix:"):
+        measure_step(ReadsValues, intent, 2, resolve_precision("32-true", intent), make_batch=lambda: torch.zeros(64, 32))
+    assert not dist.is_initialized()  # the fake process group is destroyed on error too
+
+
+def test_a_process_group_already_running_is_refused() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        intent = ShardingIntent()
+        with pytest.raises(AutoShardError, match="already initialized.*Fix:"):
+            measure_step(WithExample, intent, 2, resolve_precision("32-true", intent))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_load_batch_reads_a_file_function(tmp_path: Path) -> None:
+    path = tmp_path / "batches.py"
+    path.write_text("import torch\n\ndef make_batch():\n    return torch.zeros(3, 2)\n")
+    assert load_batch(f"{path}:make_batch")().shape == (3, 2)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("batches.py", "not path/to/file.py:function or package.module:function"),
+        ("missing_dir/batches.py:make_batch", "does not exist"),
+        ("autoshard.demo:no_such_function", "could not load --batch"),
+        ("autoshard.demo:BUFFER", "could not load --batch"),
+        ("autoshard.activations:MODEL_STATES", "not a function"),
+    ],
+)
+def test_a_bad_batch_spec_is_refused_with_the_fix(spec: str, message: str) -> None:
+    with pytest.raises(AutoShardError, match=f"{message}.*Fix:"):
+        load_batch(spec)
+
+
+def test_callbacks_batch_end_runs_and_what_fake_tensors_stop_is_noted() -> None:
+    from autoshard.demo import dino_with_probe
+
+    intent = ShardingIntent()
+    step = measure_step(dino_with_probe, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: blobs(32))
+    assert not step.forward_only  # the probe's own forward, backward and step ran; its float(loss) log could not
+    assert any(n.startswith("OnlineProbe.on_train_batch_end stopped") and "tensor's value" in n for n in step.notes), step.notes
+
+
+def test_units_kept_gathered_after_forward_raise_the_gathered_bytes_at_the_peak() -> None:
+    intent = ShardingIntent(reshard_after_forward=False)
+    kept = measure_step(GPT, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: tokens(8))
+    resharded = measured("gpt2", 8)
+    assert kept.gathered > resharded.gathered, (resharded.gathered, kept.gathered)
+    assert kept.activations == pytest.approx(resharded.activations, rel=0.05)
+
+
+def test_hybrid_sharding_shards_over_the_group_in_the_simulated_step() -> None:
+    intent = ShardingIntent(shard_size=2)
+    hybrid = measure_step(lambda: DinoLike(dim=32, depth=2), intent, 4, resolve_precision("bf16-mixed", intent), make_batch=lambda: blobs(256))
+    pure_on_two = measured("dino", 256, world=2)
+    sharded = lambda s: dict(s.by_kind)["Sharded Param"]  # noqa: E731
+    assert sharded(hybrid) == sharded(pure_on_two)  # states / shard_size, not / world size

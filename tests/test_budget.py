@@ -1,0 +1,126 @@
+"""``autoshard explain --batch --budget``: the peak includes activations, and a run that does not fit gets the
+settings that do, each estimated again in full."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from autoshard import cli
+from autoshard.demo import DinoLike, make_batch
+from autoshard.errors import AutoShardError, IntentError
+from autoshard.explain import Report, explain
+from autoshard.intent import ShardingIntent
+from autoshard.memory import parse_size
+
+TARGET = "autoshard.demo:DinoLike"
+BATCH = "autoshard.demo:make_batch"
+
+
+@pytest.fixture(scope="module")
+def table() -> Report:
+    return explain(TARGET, world_sizes=(2, 8), batch=BATCH)
+
+
+def test_the_peak_includes_activations(table: Report) -> None:
+    for e in table.memory:
+        assert e.activations > 0 and e.step_peak == e.total and not e.forward_only
+        assert e.total > e.model_states + e.step_gathered  # activations are part of the peak
+        assert e.total == e.model_states + e.step_gathered + e.activations + e.other_at_peak
+    two, eight = table.memory
+    assert two.activations == eight.activations  # ranks shard states, not activations
+    assert eight.model_states < two.model_states / 3
+    text = table.text()
+    assert "activations + temporaries at the peak" in text and "= peak per rank (simulated training step)" in text
+
+
+def test_json_memory_entries_carry_activations_and_the_total_includes_them(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["explain", TARGET, "--world-sizes", "2", "--batch", BATCH, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    (entry,) = out["memory"]
+    assert entry["activations"] > 0
+    assert entry["total"] == entry["model_states"] + entry["step_gathered"] + entry["activations"] + entry["other_at_peak"]
+
+
+def test_a_bigger_micro_batch_needs_more_activation_memory(table: Report) -> None:
+    bigger = explain(TARGET, world_sizes=(2,), batch=lambda: make_batch(128))
+    ratio = bigger.memory[0].activations / table.memory[0].activations
+    # 4x the rows: about 4x the activations at the peak (the peak's moment can move, so not exactly)
+    assert 3.0 < ratio < 5.0, ratio
+
+
+def test_a_run_that_fits_says_so_and_proposes_nothing(table: Report) -> None:
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=2 * table.memory[1].total)
+    assert report.budget is not None and report.budget.fits and report.budget.changes == ()
+    assert "fits" in report.text() and "does NOT fit" not in report.text()
+
+
+def test_a_run_that_does_not_fit_gets_changes_that_do(table: Report) -> None:
+    budget = int(table.memory[1].total * 0.85)
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=budget)
+    verdict = report.budget
+    assert verdict is not None and not verdict.fits and verdict.peak == table.memory[1].device
+    fitting = {c.change.split(" ")[0]: c for c in verdict.changes if c.fits}
+    assert {"activation_checkpointing=True", "micro-batch", "offload='params'"} <= set(fitting), verdict.changes
+    assert all(c.peak <= budget for c in fitting.values())
+    # Each change is a full estimate: the same figure explain gives with that setting.
+    checkpointed = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(activation_checkpointing=True))
+    assert fitting["activation_checkpointing=True"].peak == checkpointed.memory[0].device
+    assert checkpointed.memory[0].activations < table.memory[1].activations
+    assert "changes that fit, cheapest first:" in report.text()
+
+
+def test_nothing_fits_a_tiny_budget_and_it_says_what_was_tried() -> None:
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget="8KiB")
+    assert report.budget is not None and not any(c.fits for c in report.budget.changes)
+    text = report.budget.text()
+    assert "nothing autoshard tried fits" in text and "activation_checkpointing=True" in text
+
+
+def test_without_a_batch_example_input_array_is_forwarded() -> None:
+    class WithExample(DinoLike):
+        def __init__(self) -> None:
+            super().__init__()
+            self.example_input_array = torch.randn(4, 16)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return self.student(x)
+
+    report = explain(WithExample, world_sizes=(2,))
+    (e,) = report.memory
+    assert e.forward_only and e.activations > 0
+    assert "simulated forward" in report.text()
+
+
+def test_no_batch_and_no_example_counts_states_only_and_says_how_to_add_activations() -> None:
+    report = explain(TARGET, world_sizes=(2,))
+    assert report.memory[0].activations == 0 and report.memory[0].step_peak == 0
+    assert "activations are not counted: pass --batch FILE.py:make_batch" in report.text()
+
+
+@pytest.mark.parametrize("text", ["80 gigs", "0GiB", "-1"])
+def test_a_budget_that_is_not_a_size_is_refused(text: str) -> None:
+    with pytest.raises(AutoShardError, match=r"--budget .* Fix: .*80GiB"):
+        parse_size(text)
+
+
+def test_sizes_read_like_people_write_them() -> None:
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("5GB") == 5 * 10**9 and parse_size("1.5KiB") == 1536
+
+
+def test_world_sizes_the_shard_size_does_not_divide_are_left_out_with_a_note() -> None:
+    report = explain(TARGET, world_sizes=(2, 4, 8), intent=ShardingIntent(shard_size=4), simulate=False)
+    assert [e.world_size for e in report.memory] == [4, 8]
+    assert any("world size(s) 2 left out: shard_size=4" in n for n in report.notes)
+    with pytest.raises(IntentError, match=r"fits none of the world sizes 2, 3\. Fix: .*--world-sizes 4,8,32"):
+        explain(TARGET, world_sizes=(2, 3), intent=ShardingIntent(shard_size=4), simulate=False)
+
+
+def test_more_ranks_are_proposed_in_whole_nodes() -> None:
+    from autoshard.budget import _whole_nodes
+
+    assert [_whole_nodes(n, 8) for n in (4, 8, 12, 16, 20)] == [4, 8, 16, 16, 24]
