@@ -124,3 +124,40 @@ def test_more_ranks_are_proposed_in_whole_nodes() -> None:
     from autoshard.budget import _whole_nodes
 
     assert [_whole_nodes(n, 8) for n in (4, 8, 12, 16, 20)] == [4, 8, 16, 16, 24]
+
+
+def test_under_hybrid_sharding_a_bigger_shard_group_is_proposed(table: Report) -> None:
+    by_four = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=4)).memory[0].device
+    hybrid = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=by_four)
+    verdict = hybrid.budget
+    assert verdict is not None and not verdict.fits
+    groups = [c for c in verdict.changes if c.change.startswith("shard_size=")]
+    assert [(c.change, c.fits, c.peak) for c in groups] == [("shard_size=4 (was 2)", True, by_four)], verdict.changes
+    assert not any(c.change.endswith("ranks (Trainer num_nodes x devices)") for c in verdict.changes)  # ranks do not help
+    # Past the last group size that divides the world, sharding over every rank is what is left.
+    tight = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=table.memory[1].total)
+    assert [c.change for c in tight.budget.changes if c.change.startswith("shard_size=")] == ["shard_size=None (shard over every rank)"]
+
+
+def test_deepspeed_peak_adds_the_simulated_activations_to_its_own_estimate() -> None:
+    import textwrap
+
+    report = explain(SingleOptimizer, backend="deepspeed", world_sizes=(2,), batch=lambda: (torch.randn(64, 64),))
+    (e,) = report.memory
+    assert e.activations > 0 and e.step_peak == 0  # the step ran FSDP2's plan: only its activations are DeepSpeed's
+    assert e.total == e.model_states + e.gathered_block + e.activations
+    assert "activations + temporaries (simulated training step)" in report.text()
+    assert any("simulated FSDP2 step" in n for n in report.notes), textwrap.shorten(str(report.notes), 300)
+
+
+class SingleOptimizer(DinoLike.__mro__[1]):  # a plain LightningModule: one optimizer, no EMA, so DeepSpeed can run it
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.body(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())

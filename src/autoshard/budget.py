@@ -118,8 +118,18 @@ def check_budget(
             ranks = _whole_nodes(ranks * 2, devices_per_node)
         else:
             notes.append(f"no world size up to {MAX_RANKS} fits: activations and what stays whole do not shrink with ranks")
-    else:
-        add("shard_size=None (shard over every rank)", "gathers and reduce-scatters cross nodes", Option(intent.replace(shard_size=None), world_size))
+    else:  # a bigger shard group, up to every rank: states shrink, and more of the gathers cross nodes
+        group = devices_per_node if intent.shard_size == "node" else int(intent.shard_size)
+        size = group * 2
+        while size < world_size:
+            if world_size % size == 0:
+                made = add(f"shard_size={size} (was {intent.shard_size!r})", f"gathers span {size} ranks", Option(intent.replace(shard_size=size), world_size))
+                if made.fits:
+                    break
+                changes.pop()
+            size *= 2
+        else:
+            add("shard_size=None (shard over every rank)", "gathers and reduce-scatters cross nodes", Option(intent.replace(shard_size=None), world_size))
     # 2. Activation checkpointing: about a third more compute, same results.
     if not intent.activation_checkpointing:
         add("activation_checkpointing=True", "~1/3 more compute (forward recomputed in backward)", Option(intent.replace(activation_checkpointing=True), world_size))

@@ -429,6 +429,11 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
         if any(e.other_at_peak for e in estimates):
             rows.append(("other at the peak (+inputs, buffers; -states not yet made)", [_signed(e.other_at_peak) for e in estimates]))
         rows.append((f"= peak per rank (simulated {step})", [fmt_bytes(e.total) for e in estimates]))
+    elif all(e.activations for e in estimates):  # the backend's own states and buffers + a simulated step's activations
+        step = "forward" if first.forward_only else "training step"
+        rows.append((f"largest gathered block (transient, {first.gather_dtype})", [fmt_bytes(e.gathered_block) for e in estimates]))
+        rows.append((f"activations + temporaries (simulated {step})", [fmt_bytes(e.activations) for e in estimates]))
+        rows.append(("= peak per rank", [fmt_bytes(e.total) for e in estimates]))
     else:
         rows.append((f"largest gathered block (transient, {first.gather_dtype})", [fmt_bytes(e.gathered_block) for e in estimates]))
         rows.append(("= peak per rank (without activations)", [fmt_bytes(e.total) for e in estimates]))
@@ -450,7 +455,7 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     for e in estimates:
         if e.step_at:
             lines.append(f"  world size {e.world_size}: the peak is at {e.step_at}")
-    if not any(e.step_peak for e in estimates):
+    if not any(e.step_peak or e.activations for e in estimates):
         lines.append("  activations are not counted: pass --batch FILE.py:make_batch (or set example_input_array) to simulate a step")
     lines += [f"  optimizer {o}" for o in first.optimizers]
     if first.unsharded_parts:
