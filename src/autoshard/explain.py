@@ -228,6 +228,7 @@ def explain(
     batch: str | Callable[[], Any] | None = None,
     budget: str | int | None = None,
     simulate: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``.
 
@@ -235,6 +236,7 @@ def explain(
     simulated on fake tensors per world size, so the peak includes activations. Without it the module's
     ``example_input_array`` is forwarded (no backward); ``simulate=False`` skips the simulation. ``budget``:
     device bytes per rank (``80GiB``); the report says whether the largest world size fits and what would.
+    ``progress``: called with a line before each simulated step (seconds each on big models); the CLI prints it.
     """
     intent = intent or ShardingIntent()
     budget_bytes = parse_size(budget) if budget is not None else None
@@ -295,6 +297,10 @@ def explain(
             )[0]
         if simulate and option.simulate:
             table = option.intent == intent and option.batch_divisor == 1  # not a budget candidate
+            if progress is not None:
+                changed = {k: v for k, v in option.intent.to_dict().items() if v != intent.to_dict()[k]}
+                what = ", ".join(f"{k}={v!r}" for k, v in changed.items()) + (f", micro-batch / {option.batch_divisor}" if option.batch_divisor > 1 else "")
+                progress(f"simulating one step on {option.world_size} fake ranks{' (' + what.lstrip(', ') + ')' if what else ''}")
             try:
                 step = measure_step(
                     factory, option.intent, option.world_size, precision,
@@ -433,6 +439,7 @@ def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
             batch=args.batch,
             budget=args.budget,
             simulate=not args.no_step,
+            progress=lambda line: print(f"autoshard explain: {line}", file=sys.stderr, flush=True),
         )
     except AutoShardError as exc:
         if not args.json:
