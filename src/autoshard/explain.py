@@ -298,9 +298,10 @@ def explain(
         if simulate and option.simulate:
             table = option.intent == intent and option.batch_divisor == 1  # not a budget candidate
             if progress is not None:
-                changed = {k: v for k, v in option.intent.to_dict().items() if v != intent.to_dict()[k]}
-                what = ", ".join(f"{k}={v!r}" for k, v in changed.items()) + (f", micro-batch / {option.batch_divisor}" if option.batch_divisor > 1 else "")
-                progress(f"simulating one step on {option.world_size} fake ranks{' (' + what.lstrip(', ') + ')' if what else ''}")
+                base = intent.to_dict()
+                parts = [f"{k}={v!r}" for k, v in option.intent.to_dict().items() if v != base[k]]
+                parts += [f"micro-batch / {option.batch_divisor}"] if option.batch_divisor > 1 else []
+                progress(f"simulating one step on {option.world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
             try:
                 step = measure_step(
                     factory, option.intent, option.world_size, precision,
