@@ -91,9 +91,9 @@ def check_budget(
 
     ``batch_rows``: the micro-batch's size when it can be cut along dim 0 (None: it cannot, or no batch given).
     """
-    base = evaluate(Option(intent, world_size)).device
-    if base <= budget:
-        return BudgetReport(budget, world_size, base, True)
+    current = evaluate(Option(intent, world_size))
+    if current.device <= budget:
+        return BudgetReport(budget, world_size, current.device, True)
     changes: list[Change] = []
     notes: list[str] = []
 
@@ -107,11 +107,10 @@ def check_budget(
     #    search predicts from the model states alone, then one simulated step confirms. Under hybrid sharding
     #    states divide by the shard group, not the world, so the group grows instead.
     if intent.shard_size is None:
-        first = evaluate(Option(intent, world_size))
         ranks = _whole_nodes(world_size * 2, devices_per_node)
         while ranks <= MAX_RANKS:
             states = evaluate(Option(intent, ranks, simulate=False))
-            if first.device - _states_on_device(first) + _states_on_device(states) <= budget:
+            if current.device - _states_on_device(current) + _states_on_device(states) <= budget:
                 if add(f"{ranks} ranks (Trainer num_nodes x devices)", f"{ranks / world_size:g}x the devices", Option(intent, ranks)).fits:
                     break
                 changes.pop()
@@ -129,21 +128,21 @@ def check_budget(
                 changes.pop()
             size *= 2
         else:
-            add("shard_size=None (shard over every rank)", "gathers and reduce-scatters cross nodes", Option(intent.replace(shard_size=None), world_size))
+            if group < world_size:  # a group of every rank is already pure FSDP
+                add("shard_size=None (shard over every rank)", "gathers and reduce-scatters cross nodes", Option(intent.replace(shard_size=None), world_size))
     # 2. Activation checkpointing: about a third more compute, same results.
     if not intent.activation_checkpointing:
         add("activation_checkpointing=True", "~1/3 more compute (forward recomputed in backward)", Option(intent.replace(activation_checkpointing=True), world_size))
     # 3. A smaller micro-batch: same global batch with gradient accumulation. Activations shrink about linearly:
     #    the prediction picks the largest micro-batch expected to fit, and one simulated step checks it.
     if batch_rows is not None and batch_rows > 1:
-        first = evaluate(Option(intent, world_size))
         divisor = 2
         while True:
-            while batch_rows // divisor > 1 and first.device - first.activations * (1 - 1 / divisor) > budget:
+            while batch_rows // divisor > 1 and current.device - current.activations * (1 - 1 / divisor) > budget:
                 divisor *= 2
             made = add(
                 f"micro-batch {batch_rows // divisor} (was {batch_rows})",
-                f"Trainer(accumulate_grad_batches={divisor}) keeps the global batch; {divisor}x the steps",
+                f"{divisor}x Trainer(accumulate_grad_batches=...) keeps the global batch; {divisor}x the steps",
                 Option(intent, world_size, divisor),
             )
             if made.fits or batch_rows // divisor <= 1:
@@ -161,7 +160,7 @@ def check_budget(
         divisor = batch_rows if batch_rows else 1
         what = f"{ranks} ranks + activation_checkpointing=True + offload='params'" + (", micro-batch 1" if divisor > 1 else "")
         add(what, "all of the costs above", Option(combined, ranks, divisor))
-    return BudgetReport(budget, world_size, base, False, tuple(changes), tuple(notes))
+    return BudgetReport(budget, world_size, current.device, False, tuple(changes), tuple(notes))
 
 
 def _whole_nodes(ranks: int, devices_per_node: int) -> int:
