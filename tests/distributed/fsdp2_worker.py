@@ -275,6 +275,16 @@ def max_diff(sharded: nn.Module, reference: nn.Module) -> float:
     return max(float((got[n] - p.detach()).abs().max()) for n, p in reference.named_parameters())
 
 
+def estimated_sent(factory: Any, precision: str) -> dict[str, int]:
+    """explain's bytes sent per step by this rank (memory.Traffic), on a meta-device copy."""
+    from autoshard.intent import ShardingIntent
+    from autoshard.memory import estimate_memory
+    from autoshard.target import build_on_meta
+
+    estimate = estimate_memory(build_on_meta(factory).module, ShardingIntent(precision=precision), world_size=WORLD, rank=RANK)
+    return {t.collective: t.bytes for t in estimate.traffic}
+
+
 def scenario_bf16_mixed() -> dict[str, Any]:
     """bf16-mixed under fsdp2: what is all-gathered and reduced, and 2 ranks vs 1 process under the same autocast."""
     pl.seed_everything(1, verbose=False)
@@ -304,6 +314,9 @@ def scenario_bf16_mixed() -> dict[str, Any]:
         "full_loss": [loss_before, loss_after],
         "forward_weight_dtypes": sorted(forward_dtypes),
         "collectives": {kind: sorted(by_dtype) for kind, by_dtype in collectives.items()},
+        "collective_bytes": collectives,
+        "steps": steps,
+        "estimated_sent": estimated_sent(Stack, "bf16-mixed"),
         "sharded_weight": [type(weight).__name__, str(weight.dtype), str(weight.grad.dtype)],
         "losses": log.losses,
         "max_diff_vs_single_process": max_diff(model, reference),

@@ -162,6 +162,18 @@ def test_bf16_mixed_all_gathers_in_bf16_reduces_in_fp32_and_trains(ranks: list[d
 
 
 @pytest.mark.timeout(450)
+def test_estimated_traffic_is_what_fully_shard_sends(ranks: list[dict[str, Any]]) -> None:
+    """explain's bytes per step (memory.Traffic) against the all-gathers and reduce-scatters counted in the run."""
+    for rank in ranks:
+        run = rank["bf16_mixed"]
+        sent = run["estimated_sent"]
+        # Ring collectives on 2 ranks: each rank sends half of the full tensors fully_shard gathers and reduces.
+        gathered, reduced = 2 * sent["all-gather of parameters (forward, backward)"], 2 * sent["reduce-scatter of gradients"]
+        expected = {"all_gather": {"bfloat16": run["steps"] * gathered}, "reduce_scatter": {"float32": run["steps"] * reduced}}
+        assert run["collective_bytes"] == expected
+
+
+@pytest.mark.timeout(450)
 def test_ema_teacher_stays_exact_under_bf16_all_gathers(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
         run = rank["ema_bf16"]

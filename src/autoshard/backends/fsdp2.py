@@ -166,7 +166,9 @@ def traffic(layout: _Layout, params: Mapping[int, Any], world_size: int, group: 
     """Bytes each rank sends per step, ring model: a unit is all-gathered in forward and again in backward unless
     it stays gathered (teachers: forward only), its gradients are reduce-scattered within the shard group, and
     under hybrid sharding each rank's 1/group slice is all-reduced across the replicas; parameters left whole
-    are all-reduced over every data-parallel rank. Ranks fill nodes in order, as Lightning numbers them.
+    are all-reduced over every data-parallel rank. Ranks fill nodes in order, as Lightning numbers them. One forward
+    per unit per step: a method that forwards a unit k times (two views) gathers it k times. Uneven dim-0 shards are
+    padded by fully_shard, which this leaves out (a fraction of a percent).
     """
     from autoshard.memory import Traffic, _n
 
