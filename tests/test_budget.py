@@ -38,9 +38,10 @@ def test_the_peak_includes_activations(table: Report) -> None:
 
 
 def test_json_memory_entries_carry_activations_and_the_total_includes_them(capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["explain", TARGET, "--world-sizes", "2", "--batch", BATCH, "--json"])
+    code = cli.main(["explain", TARGET, "--world-sizes", "2", "--batch", BATCH, "--budget", "80GiB", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
+    assert out["budget"] == {"budget": 80 * 2**30, "world_size": 2, "peak": out["memory"][0]["device"], "fits": True, "changes": [], "notes": []}
     (entry,) = out["memory"]
     assert entry["activations"] > 0
     assert entry["total"] == entry["model_states"] + entry["step_gathered"] + entry["activations"] + entry["other_at_peak"]
