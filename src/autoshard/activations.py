@@ -12,6 +12,9 @@ step's highest point on this rank. ``benchmarks/activation_accuracy.py`` compare
 Not modelled: the CUDA caching allocator (block rounding, fragmentation, reserved-but-free memory), CUDA/cuBLAS/NCCL
 workspaces and the CUDA context, and tensors created outside torch's dispatcher. The figures are tensor bytes, the
 quantity ``torch.cuda.max_memory_allocated`` approaches from below; leave headroom for the rest.
+
+It leans on private torch members (FSDPMemTracker's hooks, the "fake" process group): tests/test_torch_compat.py
+lists each, with what it is for, so a torch upgrade that moves one fails there by name.
 """
 
 from __future__ import annotations
