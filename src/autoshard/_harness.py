@@ -13,10 +13,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def _project_root(script: Path) -> Path:
@@ -66,26 +66,31 @@ def _run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int, time
         }
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(script), *args, "--out", str(out_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir), log))
-    deadline = time.monotonic() + timeout
-    failed = None
-    for rank, (proc, log) in enumerate(procs):
+    wait_for([(f"rank {rank}", proc, log) for rank, (proc, log) in enumerate(procs)], timeout)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def wait_for(procs: Sequence[tuple[str, subprocess.Popen[Any], IO[str]]], timeout: float, stop: Callable[[subprocess.Popen[Any]], None] | None = None) -> None:
+    """Wait for every (label, process, log file) until one deadline; at the first failure stop the rest (``stop``:
+    how, default kill) and raise with each log's tail. Log files are closed here."""
+    deadline, failed = time.monotonic() + timeout, None
+    for label, proc, _ in procs:
         try:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            failed = f"rank {rank} still running after {timeout:.0f} s (a collective missing on one rank?)"
-        if proc.returncode not in (0, None) and failed is None:
-            failed = f"rank {rank} exited with {proc.returncode}"
+            failed = f"{label} still running after {timeout:.0f} s (a collective missing on one rank?)"
+        if failed is None and proc.returncode != 0:
+            failed = f"{label} exited with {proc.returncode}"
         if failed:
             break
-    for proc, log in procs:
+    for _, proc, log in procs:
         if proc.poll() is None:
-            proc.kill()
+            (stop or subprocess.Popen.kill)(proc)
             proc.wait()
         log.close()
     if failed:
-        tails = "\n".join(f"--- rank {r} log tail ---\n" + (out_dir / f"rank{r}.log").read_text()[-4000:] for r in range(nprocs))
+        tails = "\n".join(f"--- {label} log tail ---\n" + Path(log.name).read_text()[-4000:] for label, _, log in procs)
         raise AssertionError(f"{failed}\n{tails}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
 def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:

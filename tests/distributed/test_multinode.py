@@ -11,13 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from autoshard._harness import wait_for
 from tests.distributed.harness import ROOT, free_port
 
 pytestmark = pytest.mark.distributed
@@ -49,24 +49,8 @@ def launch(out: Path, timeout: float = TIMEOUT) -> list[dict[str, Any]]:
         log = open(out / f"node{node}.log", "w")
         proc = subprocess.Popen(torchrun(node, port, out), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out, start_new_session=True)
         nodes.append((proc, log))
-    deadline, failed = time.monotonic() + timeout, None
-    for node, (proc, _) in enumerate(nodes):
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            failed = f"node {node}'s torchrun still running after {timeout:.0f} s (a collective missing on one rank?)"
-        if failed is None and proc.returncode != 0:
-            failed = f"node {node}'s torchrun exited with {proc.returncode}"
-        if failed:
-            break
-    for proc, log in nodes:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started: torchrun and its workers
-            proc.wait()
-        log.close()
-    if failed:
-        tails = "\n".join(f"--- node {n} log tail ---\n" + (out / f"node{n}.log").read_text()[-4000:] for n in range(NODES))
-        raise AssertionError(f"{failed}\n{tails}")
+    # A hang is ended with the whole session this test started: torchrun and its workers.
+    wait_for([(f"node {n}'s torchrun", proc, log) for n, (proc, log) in enumerate(nodes)], timeout, lambda proc: os.killpg(proc.pid, signal.SIGKILL))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(NODES * PER_NODE)]
 
 
