@@ -283,18 +283,25 @@ def explain(
     simulate = simulate and (make_batch is not None or getattr(module, "example_input_array", None) is not None)
     whole_step = bool(engine.plan)  # the simulated step runs this backend's own plan: its peak is the run's
 
-    done: dict[str, MemoryEstimate] = {}  # a simulated step costs seconds: the budget search reuses the table's
+    def states(asked: ShardingIntent, world_sizes: Sequence[int]) -> list[MemoryEstimate]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # already reported above
+            return estimate_memory_many(
+                module, asked, needs, world_sizes, chosen, callbacks=built.callbacks, sourced=sourced,
+                devices_per_node=devices_per_node, precision=precision,
+            )
+
+    # A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
+    # plan (one estimate_memory_many call), and the budget search reuses every estimate made before it.
+    done: dict[str, MemoryEstimate] = {repr(Option(intent, n, simulate=False)): e for n, e in zip(sizes, states(intent, sizes))}
 
     def estimate(option: Option) -> MemoryEstimate:
         key = repr(option)
         if key in done:
             return done[key]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # already reported above
-            est = estimate_memory_many(
-                module, option.intent, needs, [option.world_size], chosen, callbacks=built.callbacks, sourced=sourced,
-                devices_per_node=devices_per_node, precision=precision,
-            )[0]
+        plain = repr(Option(option.intent, option.world_size, simulate=False))  # model states: batch-independent
+        est = done.get(plain) or states(option.intent, [option.world_size])[0]
+        done[plain] = est
         if simulate and option.simulate:
             table = option.intent == intent and option.batch_divisor == 1  # not a budget candidate
             if progress is not None:
