@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from autoshard.demo import DinoLike, OnlineProbe
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import collect_optimizers, estimate_memory, estimate_memory_many, shard_rows, zero3_model_states
+from autoshard.memory import collect_optimizers, estimate_memory, estimate_memory_many, memory_table, shard_rows, zero3_model_states
 from autoshard.needs import MethodNeeds, inspect_needs
 
 NO_NEEDS = MethodNeeds(optimizer_sources=())
@@ -177,7 +177,7 @@ def test_exact_bytes_per_rank_against_real_fully_shard(world: int, rank: int) ->
         optimizer = torch.optim.AdamW(model.parameters())
         with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed, as the estimate assumes: bf16 all-gathers
             one_step(model, optimizer, inputs=8)
-        assert estimate.model_states == held(model, optimizer), estimate.table()
+        assert estimate.model_states == held(model, optimizer), memory_table([estimate])
         with pytest.raises(AutoShardError, match="already sharded"):
             collect_optimizers(model)
 
@@ -189,8 +189,8 @@ def test_precision_policy_offload_and_resharding_change_what_they_should() -> No
     half = estimate_memory(model, {"precision": "bf16-true"}, needs, 8, callbacks=[probe])
     assert half.parameters * 2 == base.parameters and half.gradients * 2 == base.gradients
     # bf16-mixed (the default) all-gathers in bf16: half the gathered block of the fp32 opt-out, same model states
-    assert base.gather_dtype == "bfloat16" and "largest gathered block (transient, bfloat16)" in base.table()
-    assert f"largest unit: '{base.gathered_unit}', all-gathered in bfloat16" in base.table()
+    assert base.gather_dtype == "bfloat16" and "largest gathered block (transient, bfloat16)" in memory_table([base])
+    assert f"largest unit: '{base.gathered_unit}', all-gathered in bfloat16" in memory_table([base])
     gathered_fp32 = estimate_memory(model, {"param_dtype": "float32"}, needs, 8, callbacks=[probe])
     assert gathered_fp32.gathered_block == 2 * base.gathered_block and gathered_fp32.model_states == base.model_states
     assert estimate_memory(model, {"precision": "32-true"}, needs, 8, callbacks=[probe]).gathered_block == gathered_fp32.gathered_block
@@ -199,7 +199,7 @@ def test_precision_policy_offload_and_resharding_change_what_they_should() -> No
     offload = estimate_memory(model, {"offload": "params"}, needs, 8, callbacks=[probe])
     assert offload.host == offload.parameters + offload.gradients + offload.optimizer_states + offload.ema_teacher
     assert offload.device == offload.unsharded + offload.gathered_block
-    assert "=" in base.table() and "\x1b" not in base.table()
+    assert "=" in memory_table([base]) and "\x1b" not in memory_table([base])
 
 
 def test_configure_optimizers_that_needs_a_trainer_gets_a_fix() -> None:

@@ -12,7 +12,9 @@ import torch
 from autoshard import Feature, IntentError, MethodNeeds, ShardingIntent, Support, matrix, select_backend
 from autoshard.adapters.fsdp2 import plan_fsdp2, policies
 from autoshard.backends import Availability
-from autoshard.precision import Dtype, Precision, on_backend, precision_table, resolve_precision
+from autoshard.backends import on_backend
+from autoshard.backends.matrix import precision_table
+from autoshard.precision import Dtype, Precision, resolve_precision
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide.md"
 ALL_INSTALLED = {name: Availability(True, "installed (test)") for name in ("fsdp2", "deepspeed_zero3", "fsdp1")}
@@ -111,7 +113,7 @@ def test_where_numerics_differ_the_matrix_says_so() -> None:
 def test_the_guide_table_is_the_generated_one() -> None:
     page = GUIDE.read_text()
     block = re.search(
-        r"<!-- BEGIN GENERATED PRECISION TABLE: autoshard\.precision\.precision_table\(\) -->\n(.*?)\n<!-- END GENERATED PRECISION TABLE -->",
+        r"<!-- BEGIN GENERATED PRECISION TABLE: autoshard\.backends\.matrix\.precision_table\(\) -->\n(.*?)\n<!-- END GENERATED PRECISION TABLE -->",
         page,
         flags=re.S,
     )

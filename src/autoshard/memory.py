@@ -7,109 +7,35 @@ are DeepSpeed's own estimator formulas, so the two tools never disagree.
 
 from __future__ import annotations
 
-import math
-import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoshard.backends import BACKENDS, get_backend, load
+from autoshard.adapters.fsdp2 import Unsharded
+from autoshard.backends import BACKENDS, get_backend, load, on_backend
 from autoshard.backends.deepspeed import zero3_model_states  # re-exported: public here before it moved
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent, as_intent
+from autoshard.memory_model import (
+    CATEGORIES,
+    LABELS,
+    OPTIMIZER_STATES,
+    Layout,
+    MemoryEstimate,
+    Param,
+    Traffic,
+    UnshardedPart,
+    Unit,
+    shard_rows,
+)
 from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
-from autoshard.precision import Dtype, PrecisionPlan, on_backend, resolve_precision
-
-CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "ema_teacher", "unsharded")
-_LABELS = {
-    "parameters": "parameters (sharded)",
-    "gradients": "gradients (sharded)",
-    "optimizer_states": "optimizer states (sharded)",
-    "ema_teacher": "EMA teacher (sharded)",
-    "unsharded": "unsharded (whole on every rank)",
-}
-
-
-# -- optimizer states ---------------------------------------------------------------------------------------------
-StateFn = Callable[[Mapping[str, Any], tuple[int, ...]], tuple[int, int]]
-"""(param group, local shape) -> (elements of state in the parameter's dtype, number of float32 scalar tensors)."""
-
-
-def _n(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _per_param(tensors: int, scalars: int = 1) -> StateFn:
-    return lambda group, shape: (tensors * _n(shape), scalars)
-
-
-def _adam(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
-    return (3 if group.get("amsgrad") else 2) * _n(shape), 1  # exp_avg, exp_avg_sq (+ max_exp_avg_sq), step
-
-
-def _sgd(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
-    return (_n(shape) if group.get("momentum", 0) else 0), 0  # momentum_buffer only when momentum != 0
-
-
-def _rmsprop(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
-    k = 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))  # square_avg (+ momentum_buffer, grad_avg)
-    return k * _n(shape), 1
-
-
-def _adafactor(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, int]:
-    if len(shape) > 1:  # factored second moment: one row vector and one column vector per matrix
-        return _n(shape[:-1]) + _n(shape[:-2]) * shape[-1], 1
-    return _n(shape), 1
-
-
-# torch.optim classes by name, matched along the MRO so subclasses inherit their parent's count.
-OPTIMIZER_STATES: dict[str, StateFn] = {
-    "Adam": _adam,
-    "AdamW": _adam,
-    "SparseAdam": _per_param(2),
-    "NAdam": _per_param(2, scalars=2),  # + mu_product
-    "RAdam": _per_param(2),
-    "Adamax": _per_param(2),  # exp_avg, exp_inf
-    "Adadelta": _per_param(2),  # square_avg, acc_delta
-    "Adagrad": _per_param(1),  # sum
-    "ASGD": _per_param(1, scalars=3),  # ax; step, eta, mu
-    "Rprop": _per_param(2),  # prev, step_size
-    "RMSprop": _rmsprop,
-    "SGD": _sgd,
-    "Muon": _per_param(1, scalars=0),  # momentum_buffer
-    "Adafactor": _adafactor,
-}
-UNKNOWN_OPTIMIZER_STATES = 2  # like Adam: the common case for optimizers autoshard has no entry for
-
-
-def _state_fn(optimizer: torch.optim.Optimizer, overrides: Mapping[str, int]) -> tuple[StateFn | None, str | None]:
-    """The state model for this optimizer; a note when the count is a guess."""
-    for cls in type(optimizer).__mro__:
-        if cls.__name__ in overrides:
-            return _per_param(int(overrides[cls.__name__]), scalars=0), None
-        if cls.__name__ == "LBFGS" and cls.__module__.startswith("torch.optim"):
-            return None, None  # group-level flat history, handled apart
-        if cls.__name__ in OPTIMIZER_STATES and cls.__module__.startswith("torch.optim"):
-            return OPTIMIZER_STATES[cls.__name__], None
-    name = type(optimizer).__name__
-    note = (
-        f"optimizer {name} is not in autoshard's table: assumed {UNKNOWN_OPTIMIZER_STATES} state tensors per"
-        f" parameter (like Adam); pass state_tensors={{'{name}': K}} for its real count"
-    )
-    return _per_param(UNKNOWN_OPTIMIZER_STATES, scalars=0), note
-
-
-def _describe_states(optimizer: torch.optim.Optimizer, fn: StateFn | None) -> str:
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    if fn is None:
-        return f"{type(optimizer).__name__}: 2 + 2 x history_size ({group.get('history_size')}) flat copies (upper bound)"
-    tensors, scalars = fn(group, (1,))
-    scalar = f" + {scalars} scalar{'s' if scalars > 1 else ''}" if scalars else ""
-    return f"{type(optimizer).__name__}: {tensors} state tensor{'s' if tensors != 1 else ''} per parameter{scalar}"
+from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
+from autoshard.select import AUTO, select_backend
+from autoshard.units import fmt_bytes, parse_size
 
 
 # -- which optimizers (found by autoshard.needs' rules) ---------------------------------------------------------
@@ -145,48 +71,6 @@ def collect_optimizers(module: nn.Module, callbacks: Sequence[object] | None = N
 
 
 # -- the layout of one module under a plan --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Param:
-    name: str
-    shape: tuple[int, ...]
-    elsize: int  # bytes per element while training
-    gather_elsize: int  # bytes per element of the all-gathered copy (the precision's gather dtype)
-    sharded: bool
-    teacher: bool
-    trainable: bool
-    part: str  # the sharded unit, or the plan's "not sharded" entry it belongs to
-
-
-@dataclass(frozen=True)
-class UnshardedPart:
-    """One entry of the plan's "not sharded" list, with all its bytes (params + grads + optimizer states)."""
-
-    name: str
-    bytes: int
-    why: str
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """One sharded unit as memory and traffic see it: bytes all-gathered, gradient bytes reduced."""
-
-    name: str
-    gathered: int  # bytes of its parameters in the gather dtype
-    reduced: int  # bytes of its trainable parameters' gradients in the reduce dtype
-    reshard_after_forward: bool
-    teacher: bool  # forwarded without backward: gathered once, nothing reduced
-
-
-@dataclass
-class _Layout:
-    params: dict[int, _Param]
-    units: list[_Unit]
-    whys: dict[str, str]
-    notes: list[str]
-    largest_layer_params: int  # DeepSpeed's notion: most parameters owned directly by one module
-    precision: PrecisionPlan  # as the backend runs it (autoshard.precision.on_backend)
-
-
 def _elsize(p: torch.Tensor, precision: PrecisionPlan) -> int:
     """Bytes per element in training: "-true" low precisions convert every floating parameter (Lightning)."""
     converted = not precision.autocast and precision.master is not Dtype.FLOAT32
@@ -202,14 +86,12 @@ def _gather_elsize(p: torch.Tensor, precision: PrecisionPlan, elsize: int) -> in
     return elsize
 
 
-def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str, precision: PrecisionPlan) -> _Layout:
-    from autoshard.adapters.fsdp2 import Unsharded
-
+def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str, precision: PrecisionPlan) -> Layout:
     plan_fn = get_backend(backend).plan
     precision = on_backend(precision, backend)
     notes: list[str] = []
     owner: dict[int, tuple[str, str]] = {}  # param id -> (unit name, role)
-    units: list[_Unit] = []
+    units: list[Unit] = []
     whys: dict[str, str] = {}
     replicated: list[str] = []
     gathered: dict[str, int] = {}
@@ -229,7 +111,7 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
         replicated = sorted(whys, key=len, reverse=True)
         gathered = {u.name: 0 for u in plan.units}
         reduced = {u.name: 0 for u in plan.units}
-    params: dict[int, _Param] = {}
+    params: dict[int, Param] = {}
     for name, p in module.named_parameters():
         elsize = _elsize(p, precision)
         gather = _gather_elsize(p, precision, elsize)
@@ -243,141 +125,11 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
             part = next((r for r in replicated if name == r or name.startswith(r + ".")), name)
             whys.setdefault(part, Unsharded.OUTSIDE.value)
             teacher = False
-        params[id(p)] = _Param(name, tuple(p.shape), elsize, gather, unit is not None, teacher, p.requires_grad, part)
+        params[id(p)] = Param(name, tuple(p.shape), elsize, gather, unit is not None, teacher, p.requires_grad, part)
     if plan_fn:
-        units = [_Unit(u.name, gathered[u.name], reduced[u.name], u.reshard_after_forward, u.role == "teacher") for u in plan.units]
+        units = [Unit(u.name, gathered[u.name], reduced[u.name], u.reshard_after_forward, u.role == "teacher") for u in plan.units]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
-    return _Layout(params, units, whys, notes, largest, precision)
-
-
-def shard_rows(rows: int, world_size: int, rank: int) -> int:
-    """Rows of dim 0 that ``rank`` holds under FSDP2's Shard(0): chunks of ceil(rows / N), the tail short or empty."""
-    chunk = -(-rows // world_size)
-    return max(0, min(chunk, rows - rank * chunk))
-
-
-def _local_shape(p: _Param, world_size: int, rank: int) -> tuple[int, ...]:
-    if not p.sharded or not p.shape:
-        return p.shape
-    return (shard_rows(p.shape[0], world_size, rank), *p.shape[1:])
-
-
-# -- the estimate ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes one rank sends in one collective kind per training step (ring algorithms: (g - 1) / g of the data).
-
-    ``group``: the ranks taking part; ``inter_node``: the group spans nodes, so these bytes cross the slower
-    inter-node links. Hybrid sharding moves the gathers and reduce-scatters inside a node and leaves only the
-    all-reduce of each rank's 1/shard_size gradient slice across nodes.
-    """
-
-    collective: str
-    group: int
-    bytes: int
-    inter_node: bool
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank holds, by category; ``offloaded`` names the categories that live in CPU memory.
-
-    ``total`` is everything at the step's peak (model states + the transient all-gather); ``device`` is the part
-    on the accelerator. For ZeRO-3, ``device`` and ``host`` are DeepSpeed's own estimator figures.
-    """
-
-    backend: str
-    world_size: int
-    rank: int
-    precision: str
-    parameters: int
-    gradients: int
-    optimizer_states: int
-    ema_teacher: int
-    unsharded: int
-    gathered_block: int
-    gathered_unit: str
-    full_model_states: int  # the same states with nothing sharded: ideal per rank is this / world_size
-    offloaded: tuple[str, ...] = ()
-    gather_dtype: str = ""  # the dtype the gathered block is all-gathered in (bfloat16 under bf16-mixed)
-    host: int = 0
-    unsharded_parts: tuple[UnshardedPart, ...] = ()
-    optimizers: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    shard_group: int = 0  # ranks one parameter is sharded over (the world size, or shard_size under HSDP); 0: n/a
-    num_nodes: int = 1
-    traffic: tuple[Traffic, ...] = ()
-    # From one simulated training step (autoshard.activations.measure_step); 0 / "" when none ran.
-    activations: int = 0  # activations and temporaries live at the step's peak
-    step_peak: int = 0  # every tensor live at the step's peak: the real peak, where the table's total comes from
-    step_gathered: int = 0  # all-gathered parameters and collective buffers live at that peak
-    step_at: str = ""  # where in the step the peak was
-    forward_only: bool = False  # no batch function: forward(example_input_array) only, no backward
-
-    @property
-    def inter_node_bytes(self) -> int:
-        return sum(t.bytes for t in self.traffic if t.inter_node)
-
-    @property
-    def intra_node_bytes(self) -> int:
-        return sum(t.bytes for t in self.traffic if not t.inter_node)
-
-    @property
-    def model_states(self) -> int:
-        """Persistent bytes: what DTensor.to_local() of params, grads and optimizer states adds up to."""
-        return sum(getattr(self, c) for c in CATEGORIES)
-
-    @property
-    def total(self) -> int:
-        """The peak per rank: the simulated step's when one ran (activations included), else states + gathered."""
-        return self.step_peak or self.model_states + self.gathered_block + self.activations
-
-    @property
-    def other_at_peak(self) -> int:
-        """What the simulated peak holds beyond states + gathered + activations: inputs and buffers (> 0), or
-        gradients and optimizer states not yet allocated at that moment (< 0)."""
-        return self.step_peak - self.model_states - self.step_gathered - self.activations if self.step_peak else 0
-
-    @property
-    def device(self) -> int:
-        return self.total - sum(getattr(self, c) for c in self.offloaded)
-
-    @property
-    def ideal(self) -> float:
-        """Unsharded states / the ranks they are sharded over (shard_size under hybrid sharding)."""
-        return self.full_model_states / (self.shard_group or self.world_size)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(
-            model_states=self.model_states, total=self.total, device=self.device, ideal=self.ideal,
-            other_at_peak=self.other_at_peak,
-            inter_node_bytes=self.inter_node_bytes, intra_node_bytes=self.intra_node_bytes,
-        )
-        return out
-
-    def table(self) -> str:
-        """Plain text for logs: one row per category, then the totals and what stays whole."""
-        return memory_table([self])
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int, option: str = "--budget", example: str = "80GiB", error: type[AutoShardError] = AutoShardError) -> int:
-    """``80GiB`` (binary), ``5GB`` (decimal, as Hugging Face and disk vendors count), or a number of bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        size = text
-    else:
-        m = _SIZE.match(str(text))
-        if not m:
-            raise error(f"{option} {text!r} is not a size. Fix: write it as {example}, 500MB, 2GiB or a number of bytes")
-        number, unit = float(m.group(1)), m.group(2).upper()
-        power = "BKMGT".index(unit[0]) if unit and unit[0] in "KMGT" else 0
-        size = int(number * (1024 if "I" in unit else 1000) ** power)
-    if size < 1:
-        raise error(f"{option} {text!r} must be at least one byte. Fix: e.g. {option} {example}")
-    return size
+    return Layout(params, units, whys, notes, largest, precision)
 
 
 def with_step(estimate: MemoryEstimate, step: Any, whole_step: bool) -> MemoryEstimate:
@@ -398,14 +150,6 @@ def _signed(n: int) -> str:
     return ("-" if n < 0 else "+") + fmt_bytes(abs(n))
 
 
-def fmt_bytes(n: float) -> str:
-    """Binary units, three significant figures: the resolution a memory budget needs."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     """Estimates side by side, one column per world size (same module, backend and intent)."""
     if not estimates:
@@ -419,7 +163,7 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     if hybrid:
         rows.append(("shard group (shard_size) x replicas", [f"{e.shard_group} x {e.world_size // e.shard_group}" for e in estimates]))
     for c in CATEGORIES:
-        rows.append((_LABELS[c] + (" [CPU]" if c in first.offloaded else ""), [fmt_bytes(getattr(e, c)) for e in estimates]))
+        rows.append((LABELS[c] + (" [CPU]" if c in first.offloaded else ""), [fmt_bytes(getattr(e, c)) for e in estimates]))
     rows.append(("= model states", [fmt_bytes(e.model_states) for e in estimates]))
     rows.append((f"  vs ideal (unsharded / {'shard group' if hybrid else 'N'})", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates]))
     if all(e.step_peak for e in estimates):
@@ -466,8 +210,6 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
 
 
 def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent, precision: PrecisionPlan) -> str:
-    from autoshard.select import AUTO, select_backend
-
     if isinstance(backend, str) and backend.strip().lower() in AUTO:
         return select_backend(needs, intent, precision=precision).backend
     chosen = get_backend(backend)
@@ -575,54 +317,6 @@ def nodes_for(world_size: int, devices_per_node: int) -> int:
             f" or set the devices per node to what your nodes have"
         )
     return world_size // devices_per_node
-
-
-def _scalar_bytes() -> int:
-    return 8 if torch.get_default_dtype() == torch.float64 else 4  # torch.optim's _get_scalar_dtype
-
-
-def _optimizer_bytes(
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
-    layout: _Layout,
-    local: Callable[[_Param], tuple[int, ...]],
-    overrides: Mapping[str, int],
-) -> tuple[dict[int, int], list[str], list[str]]:
-    """State bytes per parameter id on this rank; states exist only for parameters that get a gradient."""
-    per_param: dict[int, int] = {}
-    summaries, notes = [], []
-    scalar = _scalar_bytes()
-    for source, optimizer in sourced:
-        fn, note = _state_fn(optimizer, overrides)
-        summaries.append(f"{_describe_states(optimizer, fn)} ({source})")
-        if note:
-            notes.append(note)
-        for group in optimizer.param_groups:
-            infos = [layout.params.get(id(p)) or _outside(p) for p in group["params"]]
-            infos = [(id(p), info) for p, info in zip(group["params"], infos) if info.trainable]
-            if fn is None:  # LBFGS: flat copies of all of the group's parameters, on the first one
-                flat = sum(_n(local(i)) for _, i in infos)
-                if infos:
-                    pid, info = infos[0]
-                    per_param[pid] = per_param.get(pid, 0) + (2 + 2 * int(group.get("history_size", 100))) * flat * info.elsize
-                continue
-            for pid, info in infos:
-                elements, scalars = fn(group, local(info))
-                per_param[pid] = per_param.get(pid, 0) + elements * info.elsize + scalars * scalar
-    return per_param, summaries, notes
-
-
-def _outside(p: torch.Tensor) -> _Param:
-    """A parameter an optimizer holds that the module does not own: whole on every rank."""
-    return _Param("<not in the module>", tuple(p.shape), p.element_size(), p.element_size(), False, False, p.requires_grad, "<not in the module>")
-
-
-def _outside_param(sourced: Sequence[tuple[str, torch.optim.Optimizer]], pid: int) -> _Param | None:
-    for _, optimizer in sourced:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) == pid:
-                    return _outside(p)
-    return None
 
 
 __all__ = [

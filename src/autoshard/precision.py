@@ -5,20 +5,27 @@ all-gathered, what gradients are reduced in, and what the optimizer updates. ``r
 that turns the one into the other, where both the Trainer's precision and the intent are known; each backend then
 translates the plan (``adapters.fsdp2.policies``: a MixedPrecisionPolicy; ``adapters.deepspeed.precision_config``:
 its bf16/fp16 blocks). ``on_backend`` says where a backend runs the plan differently, and ``precision_table``
-prints that for the docs. Torch-free, like ``autoshard.intent``: ``import autoshard`` stays fast.
+prints that for the docs (both in ``backends/``, above this module). Torch-free, like ``autoshard.intent``: ``import autoshard`` stays fast.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from autoshard.capability import Feature
 from autoshard.errors import IntentError, closest, did_you_mean
 
-if TYPE_CHECKING:
-    from autoshard.intent import ShardingIntent
+
+
+class DtypeRequest(Protocol):
+    """The three fields of a ``ShardingIntent`` that precision reads; a Protocol, so this module sits below
+    ``intent`` (which imports it to validate those fields) without importing it back."""
+
+    precision: str | None
+    param_dtype: str | None
+    reduce_dtype: str | None
 
 
 class Dtype(str, Enum):
@@ -118,7 +125,7 @@ class PrecisionPlan:
     loss_scaling: bool = False
 
 
-def resolve_precision(trainer_precision: object | None, intent: ShardingIntent) -> PrecisionPlan:
+def resolve_precision(trainer_precision: object | None, intent: DtypeRequest) -> PrecisionPlan:
     """The one precision of a run, from the Trainer's (the source of truth) and the intent's; then its dtypes.
 
     ``trainer_precision=None`` means no Trainer (``autoshard explain``, a DeepSpeed config on its own): the
@@ -156,42 +163,6 @@ def resolve_precision(trainer_precision: object | None, intent: ShardingIntent) 
     )
 
 
-def on_backend(plan: PrecisionPlan, backend: str) -> PrecisionPlan:
-    """What ``backend`` actually runs for ``plan``: each Backend's ``precision`` rule (FSDP2 runs it as is; ZeRO-3
-    has no autocast and keeps an fp32 master copy: ``backends/deepspeed.precision``)."""
-    from autoshard.backends import BACKENDS
-
-    rules = BACKENDS[backend].precision if backend in BACKENDS else None
-    if rules is None:
-        raise ValueError(f"no precision rules for backend {backend!r}")
-    return rules(plan)
-
-
-def precision_table() -> str:
-    """For each precision and backend, the dtypes that run (no intent overrides); the guide embeds this table."""
-    from autoshard.backends import BACKENDS
-    from autoshard.backends.matrix import cell
-    from autoshard.intent import ShardingIntent
-
-    lines = [
-        "| precision | backend | compute | all-gather | gradient reduce | weights the optimizer updates |",
-        "|---|---|---|---|---|---|",
-    ]
-    for precision in Precision:
-        plan = resolve_precision(precision, ShardingIntent())
-        for backend in (name for name, b in BACKENDS.items() if b.precision is not None):
-            if not cell(backend, precision.feature).support.usable:
-                lines.append(f"| {precision} | {backend} | refused | - | - | - |")
-                continue
-            run = on_backend(plan, backend)
-            compute = f"{run.compute}, " + ("autocast" if run.autocast else "every op")
-            # ZeRO-3 stores the model in the low dtype and the fp32 weights apart; FSDP2's shards are the weights.
-            master = f"{run.master}" + (" master copy" if run.master is not run.gather else "")
-            master += " + dynamic loss scaling" if run.loss_scaling else ""
-            lines.append(f"| {precision} | {backend} | {compute} | {run.gather} | {run.reduce} | {master} |")
-    return "\n".join(lines)
-
-
 __all__ = [
     "DEFAULT_PRECISION",
     "PRECISIONS",
@@ -199,7 +170,5 @@ __all__ = [
     "Precision",
     "PrecisionPlan",
     "normalize_precision",
-    "on_backend",
-    "precision_table",
     "resolve_precision",
 ]

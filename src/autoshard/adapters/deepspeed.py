@@ -9,12 +9,12 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from autoshard.backends import Availability
+from autoshard.backends import Availability, on_backend
 from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.needs import MethodNeeds
-from autoshard.precision import Dtype, PrecisionPlan, on_backend, resolve_precision
+from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import select_backend
 
 # ZeRO-3 knobs, in elements. DeepSpeed's own defaults for the stage-3 ones; Lightning's 2e8 for the buckets
@@ -68,7 +68,7 @@ def precision_config(precision: PrecisionPlan) -> dict[str, Any]:
     """DeepSpeed's keys for the run's precision: the bf16 / fp16 block (32-true gets neither) and the reduce dtype.
 
     ``communication_data_type`` is always written: DeepSpeed's own default reduces in the low dtype, so without it
-    bf16-mixed would reduce in bf16 here and in fp32 under FSDP2 (see ``autoshard.precision.on_backend``).
+    bf16-mixed would reduce in bf16 here and in fp32 under FSDP2 (see ``autoshard.backends.on_backend``).
     """
     run = on_backend(precision, DEEPSPEED_BACKEND.name)  # refuses a param_dtype ZeRO-3 cannot gather in
     block: dict[str, Any] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoshard.backends import Availability, Backend
+from autoshard.backends.base import Availability, Backend
 from autoshard.capability import Cell, Feature, Support
 
 REASON = (

@@ -5,21 +5,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autoshard.backends import Availability, Backend, require
+from autoshard.backends.base import Availability, Backend, require
 from autoshard.capability import Feature, Format, no, partial, yes
 
 if TYPE_CHECKING:
     import torch
 
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import MemoryEstimate, Traffic, _Layout
+    from autoshard.memory_model import Layout, MemoryEstimate, Traffic
     from autoshard.precision import PrecisionPlan
 
 BACKEND_NAME = "fsdp2"
 
 MIN_TORCH = "2.4"
 INSTALL = f'pip install "torch>={MIN_TORCH}"'  # Lightning's range: autoshard.lightning.compat
-DEEPSPEED_IF_ALLOWED = "strategy='autoshard-deepspeed' if the method has one optimizer, no EMA teacher and one forward per step"
+DEEPSPEED_IF_ALLOWED = "strategy='autoshard-deepspeed' if the method has one optimizer and no EMA teacher"
 
 ROW = {
     Feature.MULTIPLE_OPTIMIZERS: yes("each optimizer sees its own sharded DTensor parameters"),
@@ -86,7 +86,7 @@ def precision(plan: PrecisionPlan) -> PrecisionPlan:
 
 
 def memory(
-    layout: _Layout,
+    layout: Layout,
     sourced: Sequence[tuple[str, torch.optim.Optimizer]],
     intent: ShardingIntent,
     world_size: int,
@@ -99,23 +99,24 @@ def memory(
     """Exact per-rank bytes under FSDP2's Shard(0) (uneven shards included), over the world or, with
     ``shard_size``, over the rank's shard group; ``num_nodes`` places ranks for 'node' and traffic; ``zero_init``: unused.
     """
-    from autoshard.memory import CATEGORIES, MemoryEstimate, UnshardedPart, _local_shape, _n, _optimizer_bytes, _outside_param, fmt_bytes
+    from autoshard.memory_model import CATEGORIES, MemoryEstimate, UnshardedPart, local_shape, numel, optimizer_bytes, outside_param
+    from autoshard.units import fmt_bytes
 
     hsdp = intent.hsdp_sizes(world_size, num_nodes)  # refuses a shard size that does not fit this world
     group = hsdp[1] if hsdp else world_size
-    local = lambda p: _local_shape(p, group, rank % group)  # noqa: E731
-    states, summaries, notes = _optimizer_bytes(sourced, layout, local, overrides)
-    full_states, _, _ = _optimizer_bytes(sourced, layout, lambda p: p.shape, overrides)
-    extra = {pid: _outside_param(sourced, pid) for pid in states if pid not in layout.params}
+    local = lambda p: local_shape(p, group, rank % group)  # noqa: E731
+    states, summaries, notes = optimizer_bytes(sourced, layout, local, overrides)
+    full_states, _, _ = optimizer_bytes(sourced, layout, lambda p: p.shape, overrides)
+    extra = {pid: outside_param(sourced, pid) for pid in states if pid not in layout.params}
     all_params = {**layout.params, **{pid: p for pid, p in extra.items() if p is not None}}
     buckets = dict.fromkeys(CATEGORIES, 0)
     parts: dict[str, int] = {}
     full = 0
     for pid, p in all_params.items():
-        own = _n(local(p)) * p.elsize
+        own = numel(local(p)) * p.elsize
         grad = own if p.trainable else 0
         state = states.get(pid, 0)
-        full += _n(p.shape) * p.elsize * (2 if p.trainable else 1) + full_states.get(pid, 0)
+        full += numel(p.shape) * p.elsize * (2 if p.trainable else 1) + full_states.get(pid, 0)
         if not p.sharded:
             buckets["unsharded"] += own + grad + state
             parts[p.part] = parts.get(p.part, 0) + own + grad + state
@@ -162,7 +163,7 @@ def memory(
     )
 
 
-def traffic(layout: _Layout, params: Mapping[int, Any], world_size: int, group: int, num_nodes: int) -> tuple[Traffic, ...]:
+def traffic(layout: Layout, params: Mapping[int, Any], world_size: int, group: int, num_nodes: int) -> tuple[Traffic, ...]:
     """Bytes each rank sends per step, ring model: a unit is all-gathered in forward and again in backward unless
     it stays gathered (teachers: forward only), its gradients are reduce-scattered within the shard group, and
     under hybrid sharding each rank's 1/group slice is all-reduced across the replicas; parameters left whole
@@ -170,14 +171,14 @@ def traffic(layout: _Layout, params: Mapping[int, Any], world_size: int, group: 
     per unit per step: a method that forwards a unit k times (two views) gathers it k times. Uneven dim-0 shards are
     padded by fully_shard, which this leaves out (a fraction of a percent).
     """
-    from autoshard.memory import Traffic, _n
+    from autoshard.memory_model import Traffic, numel
 
     per_node = world_size // num_nodes
     replicas = world_size // group
     ring = lambda n, g: n * (g - 1) // g if g > 1 else 0  # noqa: E731
     gathers = sum(u.gathered * (1 if u.teacher or not u.reshard_after_forward else 2) for u in layout.units)
     reduced = sum(u.reduced for u in layout.units)
-    whole = sum(_n(p.shape) * p.elsize for p in params.values() if not p.sharded and p.trainable)
+    whole = sum(numel(p.shape) * p.elsize for p in params.values() if not p.sharded and p.trainable)
     out = [
         Traffic("all-gather of parameters (forward, backward)", group, ring(gathers, group), group > per_node),
         Traffic("reduce-scatter of gradients", group, ring(reduced, group), group > per_node),

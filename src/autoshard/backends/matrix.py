@@ -12,8 +12,10 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-from autoshard.backends import BACKENDS, get_backend
+from autoshard.backends import BACKENDS, get_backend, on_backend
 from autoshard.capability import Cell, Feature, Row, Support
+from autoshard.intent import ShardingIntent
+from autoshard.precision import Precision, resolve_precision
 
 MATRIX_BEGIN = "<!-- BEGIN GENERATED MATRIX: python -m autoshard.explain --write-matrix docs/matrix.md -->"
 MATRIX_END = "<!-- END GENERATED MATRIX -->"
@@ -113,3 +115,24 @@ def write_matrix(path: str | Path) -> None:
             "Generated from `autoshard.backends` (the same data the selector decides with).\n\n" + matrix_markdown() + "\n"
         )
     path.write_text(text)
+
+
+def precision_table() -> str:
+    """For each precision and backend, the dtypes that run (no intent overrides); the guide embeds this table."""
+    lines = [
+        "| precision | backend | compute | all-gather | gradient reduce | weights the optimizer updates |",
+        "|---|---|---|---|---|---|",
+    ]
+    for precision in Precision:
+        plan = resolve_precision(precision, ShardingIntent())
+        for backend in (name for name, b in BACKENDS.items() if b.precision is not None):
+            if not cell(backend, precision.feature).support.usable:
+                lines.append(f"| {precision} | {backend} | refused | - | - | - |")
+                continue
+            run = on_backend(plan, backend)
+            compute = f"{run.compute}, " + ("autocast" if run.autocast else "every op")
+            # ZeRO-3 stores the model in the low dtype and the fp32 weights apart; FSDP2's shards are the weights.
+            master = f"{run.master}" + (" master copy" if run.master is not run.gather else "")
+            master += " + dynamic loss scaling" if run.loss_scaling else ""
+            lines.append(f"| {precision} | {backend} | {compute} | {run.gather} | {run.reduce} | {master} |")
+    return "\n".join(lines)
