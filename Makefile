@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: demo test venv bench clean spt-check
+.PHONY: demo test lint venv bench clean spt-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m autoshard.demo
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
+
+# ruff (lint + format) and the layers contract in pyproject.toml: an upward import or an import circle fails here.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/lint-imports
 
 # Opt-in: autoshard under real stable-pretraining 0.1.8 code (docs/guide.md). Installs it, and the part of its
 # dependencies that it imports, into $(SPT_SITE) without --deps: the venv's torch stays as it is.

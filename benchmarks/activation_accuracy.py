@@ -55,7 +55,7 @@ def table(ranks: list[dict[str, Any]]) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--models", default="gpt2,vit,dino")
     parser.add_argument("--precisions", default="bf16-mixed,32-true")
     parser.add_argument("--json", help="write every rank's estimates and measurements here")

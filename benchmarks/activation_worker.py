@@ -142,7 +142,7 @@ def measure(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--models", default="gpt2,vit,dino")
     parser.add_argument("--precisions", default="bf16-mixed,32-true")
     parser.add_argument("--out", required=True)

@@ -72,7 +72,7 @@ def run_variant(label: str, fields: dict[str, Any], steps: int) -> dict[str, Any
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

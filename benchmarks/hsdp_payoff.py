@@ -41,7 +41,7 @@ def tiny_llama() -> object:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--world-sizes", default="16,64,256")
     parser.add_argument("--devices-per-node", type=int, default=8)
     args = parser.parse_args()

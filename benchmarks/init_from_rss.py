@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=32000)

@@ -216,7 +216,7 @@ def step(run: dict[str, Any]) -> tuple[float, float]:
 
 
 def worker() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--archs", default="gpt2,llama,t5,bert,vit,convnext,resnet")

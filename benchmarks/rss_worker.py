@@ -55,7 +55,7 @@ class AtTrainStart(pl.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--mode", choices=("meta", "naive"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

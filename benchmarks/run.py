@@ -190,7 +190,7 @@ def bench_rss(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None, allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="fewer steps, repeats and tree shapes (about a minute)")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every measurement as JSON")

@@ -20,7 +20,15 @@ def _no_process_group_leaks_between_modules() -> object:
     """Single-process Trainer tests leave a 1-rank process group (Lightning never destroys it); drop it per module
     so that tests needing their own (fake) process group run instead of skipping."""
     yield
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        # A DeepSpeed engine caches the world group inside DeepSpeed: its own destroy releases that cache as well,
+        # where torch's alone would leave it stale for the next module's engine ("Group ... is not registered").
+        deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+        if deepspeed_comm is not None and deepspeed_comm.cdb is not None:
+            deepspeed_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()

@@ -123,7 +123,9 @@ def test_a_training_step_that_needs_a_trainer_falls_back_to_the_forward_with_the
     intent = ShardingIntent()
     step = measure_step(WithExample, intent, 2, resolve_precision("32-true", intent), make_batch=lambda: torch.zeros(64, 32))
     assert step.forward_only
-    assert any("could not run outside a Trainer" in n and "trainer" in n.lower() for n in step.notes), step.notes
+    assert step.incomplete.startswith("training_step could not run on the batch from <lambda>"), step.incomplete
+    assert "float32[64, 32]" in step.incomplete and "is not attached to a `Trainer`" in step.incomplete
+    assert "self.trainer.accumulate_grad_batches" in step.incomplete and "Fix:" in step.incomplete
     assert not dist.is_initialized()
 
 
@@ -197,3 +199,78 @@ def test_hybrid_sharding_shards_over_the_group_in_the_simulated_step() -> None:
     pure_on_two = measured("dino", 256, world=2)
     sharded = lambda s: dict(s.by_kind)["Sharded Param"]  # noqa: E731
     assert sharded(hybrid) == sharded(pure_on_two)  # states / shard_size, not / world size
+
+
+class TwoOptimizersManual(pl.LightningModule):
+    """A GAN-shaped manual step: two optimizers and their schedulers, a closure, manual_backward, self.log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 32))
+        self.disc = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        sched_g, sched_d = self.lr_schedulers()
+        z, real = batch
+        g_loss = self.disc(self.gen(z)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+
+        def closure() -> torch.Tensor:
+            d_loss = self.disc(real).mean() - self.disc(self.gen(z).detach()).mean()
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            return d_loss
+
+        opt_d.step(closure=closure)
+        sched_g.step()
+        sched_d.step()
+        self.log_dict({"g_loss": g_loss})
+
+    def configure_optimizers(self) -> Any:
+        g, d = torch.optim.Adam(self.gen.parameters()), torch.optim.Adam(self.disc.parameters())
+        return [g, d], [torch.optim.lr_scheduler.StepLR(g, 1), {"scheduler": torch.optim.lr_scheduler.StepLR(d, 1)}]
+
+
+def test_a_manual_step_runs_with_lightning_optimizers_schedulers_and_a_closure() -> None:
+    intent = ShardingIntent()
+    step = measure_step(TwoOptimizersManual, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: (torch.randn(32, 16), torch.randn(32, 32)))
+    assert not step.forward_only and step.incomplete == "" and step.activations > 0
+    numel = sum(p.numel() for p in TwoOptimizersManual().parameters())
+    # Both optimizers stepped through LightningOptimizer: Adam's two fp32 states of every parameter, half per rank.
+    assert dict(step.by_kind)["OptState"] >= 2 * 4 * numel // 2, step.by_kind
+    assert not dist.is_initialized()
+
+
+class ReadsTheDatamodule(TwoOptimizersManual):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.classes = self.trainer.datamodule.num_classes
+        super().training_step(batch, batch_idx)
+
+
+def test_a_manual_step_reading_what_the_stand_in_trainer_lacks_names_it() -> None:
+    intent = ShardingIntent()
+    with pytest.raises(AutoShardError) as info:
+        measure_step(ReadsTheDatamodule, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: (torch.randn(32, 16), torch.randn(32, 32)))
+    message = str(info.value)
+    assert "self.trainer.datamodule is not available in autoshard's simulated step" in message
+    assert "`self.classes = self.trainer.datamodule.num_classes`" in message and "measuring_callback()" in message
+
+
+def test_the_private_lightning_member_the_manual_step_uses() -> None:
+    """LightningOptimizer._to_lightning_optimizer: how Lightning itself wraps an optimizer for self.optimizers()."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    class Strategy:
+        def optimizer_step(self, optimizer: Any, closure: Any, **kwargs: Any) -> Any:
+            return optimizer.step(closure=closure, **kwargs)
+
+    p = nn.Parameter(torch.ones(2))
+    strategy = Strategy()
+    wrapped = LightningOptimizer._to_lightning_optimizer(torch.optim.SGD([p], lr=1.0), strategy)  # type: ignore[arg-type]
+    p.grad = torch.ones(2)
+    wrapped.step()
+    assert isinstance(wrapped, LightningOptimizer) and torch.equal(p.detach(), torch.zeros(2))

@@ -118,9 +118,13 @@ def test_01_fsdp1_by_name() -> None:
 
 
 def test_02_fsdp1_by_class() -> None:
+    """Refused where the run is configured, the Trainer: the class itself stays constructible (other libraries'
+    tests build it, stable-pretraining's to test its own refusal)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    refused(IncompatibleBackendError, FSDPStrategy, "FSDP1", "Backend that works: fsdp2", "Fix: use strategy='fsdp2'")
+    strategy = FSDPStrategy()
+    assert type(strategy) is FSDPStrategy
+    refused(IncompatibleBackendError, lambda: trainer(strategy=strategy), "FSDP1", "Backend that works: fsdp2", "Fix: use strategy='fsdp2'")
 
 
 # -- 3: precision -------------------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ def test_the_peak_includes_activations(table: Report) -> None:
 def test_json_memory_entries_carry_activations_and_the_total_includes_them(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["explain", TARGET, "--world-sizes", "2", "--batch", BATCH, "--budget", "80GiB", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0
-    assert out["budget"] == {"budget": 80 * 2**30, "world_size": 2, "peak": out["memory"][0]["device"], "fits": True, "changes": [], "notes": []}
+    assert code == 0 and out["error"] is None and out["incomplete"] is None
+    assert out["budget"] == {"budget": 80 * 2**30, "world_size": 2, "peak": out["memory"][0]["device"], "fits": True, "changes": [], "notes": [], "missing": ""}
     (entry,) = out["memory"]
     assert entry["activations"] > 0
     assert entry["total"] == entry["model_states"] + entry["step_gathered"] + entry["activations"] + entry["other_at_peak"]
@@ -162,3 +162,23 @@ class SingleOptimizer(DinoLike.__mro__[1]):  # a plain LightningModule: one opti
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters())
+
+
+class NeedsThirtyTwoRows(SingleOptimizer):
+    """Its step only runs on the micro-batch given (a fixed reshape): a smaller one cannot be simulated."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.body(x.reshape(32, 2, 64).sum(1)).pow(2).mean()
+
+
+def test_a_change_whose_step_cannot_be_simulated_is_never_said_to_fit() -> None:
+    full = explain(NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),))
+    (e,) = full.memory
+    assert e.activations > 0 and not full.incomplete
+    report = explain(NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),), budget=e.device - 1)
+    verdict = report.budget
+    assert verdict is not None and verdict.fits is False and report.exit_code == 0
+    (smaller,) = [c for c in verdict.changes if c.change.startswith("micro-batch")]
+    assert smaller.change == "micro-batch 32 (was 64)" and not smaller.fits and smaller.missing == "activations"
+    assert "not estimated in full (its simulated step could not run), so no verdict:" in verdict.text()

@@ -102,7 +102,7 @@ def test_markdown_details_layout():
     text = render_matrix("markdown", details=True)
     assert (
         "- **fsdp2**, NVMe offload: *no*: FSDP2 can offload to CPU memory only. Fix: use offload_device='cpu', or"
-        " strategy='autoshard-deepspeed' if the method has one optimizer, no EMA teacher and one forward per step."
+        " strategy='autoshard-deepspeed' if the method has one optimizer and no EMA teacher."
     ) in text.splitlines()
 
 

@@ -269,16 +269,24 @@ def test_consolidate_refuses_an_existing_output_unless_forced(tmp_path: Path, dc
     assert main(["consolidate", str(dcp_dir), str(out)]) == 1
     err = capsys.readouterr().err
     assert f"refusing to overwrite {str(out)!r}: it already exists (a single torch.save file)" in err
-    assert err.rstrip().endswith("Fix: choose another output path, or pass --force (force=True) to replace it")
-    assert out.read_bytes() == before
-    assert main(["consolidate", str(dcp_dir), str(out), "--force"]) == 0
-    assert set(torch.load(out, weights_only=True)) == set(model().state_dict())
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dcp_dir.name, out.name])  # no staging left
+    assert err.rstrip().endswith(f"Fix: choose another output path, or move {str(out)!r} away first")  # not --force:
+    assert main(["consolidate", str(dcp_dir), str(out), "--force"]) == 1  # --force replaces only what consolidate wrote
+    assert "even with --force" in capsys.readouterr().err and out.read_bytes() == before
+    weights = tmp_path / "weights.pt"
+    assert main(["consolidate", str(dcp_dir), str(weights)]) == 0
+    assert main(["consolidate", str(dcp_dir), str(weights)]) == 1
+    assert capsys.readouterr().err.rstrip().endswith("Fix: choose another output path, or pass --force (force=True) to replace it")
+    assert main(["consolidate", str(dcp_dir), str(weights), "--force"]) == 0
+    assert set(torch.load(weights, weights_only=True)) == set(model().state_dict())
+    expected = [dcp_dir.name, out.name, weights.name, weights.name + ".autoshard-manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)  # no staging, no lock file left
 
 
 def test_a_failed_forced_write_leaves_the_old_output_whole(tmp_path: Path, dcp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "weights.pt"
     out.write_bytes(b"PK\x03\x04 the previous weights")
+    sidecar = tmp_path / "weights.pt.autoshard-manifest.json"  # written by consolidate: --force may replace it
+    ckpt_io.write_manifest(sidecar, ckpt_io.describe_files(tmp_path, [out.name]), "autoshard consolidate")
 
     def disk_full(obj: object, f: str | os.PathLike[str]) -> None:
         Path(f).write_bytes(b"PK\x03\x04 half")
@@ -287,7 +295,8 @@ def test_a_failed_forced_write_leaves_the_old_output_whole(tmp_path: Path, dcp_d
     monkeypatch.setattr(ckpt.torch, "save", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
         consolidate(dcp_dir, out, force=True)
-    assert out.read_bytes() == b"PK\x03\x04 the previous weights" and not staging_path(out).exists()
+    assert out.read_bytes() == b"PK\x03\x04 the previous weights" and ckpt.check_integrity(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dcp_dir.name, out.name, sidecar.name])  # no staging
 
 
 def test_consolidate_never_writes_over_its_own_source(tmp_path: Path) -> None:

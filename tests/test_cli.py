@@ -220,3 +220,41 @@ def test_explain_finds_a_module_target_in_the_current_directory(tmp_path, monkey
             sys.modules.pop(name, None)
     assert code == 0 and data["module"] == "DinoLike"
     assert str(tmp_path) not in sys.path
+
+
+def test_json_answers_json_even_for_an_unexpected_exception(capsys, monkeypatch):
+    """A bug is not a refusal, but a script reading --json still gets one object; without --json, the traceback."""
+    from autoshard import cli
+
+    def broken(args):
+        raise KeyError("format")
+
+    monkeypatch.setattr(cli, "cmd_matrix", broken)
+    assert main(["matrix", "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "KeyError" and error["message"].startswith("KeyError: 'format'. This is not a refusal autoshard knows")
+    assert error["message"].endswith("Fix: run the same command without --json for the traceback, and report it")
+    with pytest.raises(KeyError):
+        main(["matrix"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["matrix", "--json"], True), (["matrix", "--format", "json"], True), (["matrix", "--format=json"], True),
+        (["explain", "x", "--", "--json"], False), (["explain", "x"], False), (["matrix", "--format", "text"], False),
+    ],
+)
+def test_json_is_read_from_the_words_typed(argv, expected):
+    from autoshard.cli import wants_json
+
+    assert wants_json(argv) is expected
+
+
+def test_matrix_format_json_with_a_bad_option_answers_json(capsys):
+    assert main(["matrix", "--format", "json", "--detials"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["message"] == (
+        "unrecognized arguments: --detials. Fix: --details (not --detials); options are never abbreviated"
+        " (`autoshard matrix --help` lists them)"
+    )

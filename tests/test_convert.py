@@ -158,13 +158,19 @@ def test_refuses_an_existing_output_and_the_source_itself(dcp: tuple[Path, Train
     src, _ = dcp
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "mine.txt").write_text("keep me")
-    with pytest.raises(ConvertError, match=r"refusing to overwrite .*taken'.*Fix: choose a new output path, or pass --force"):
+    # Not written by convert: never replaced, and the refusal does not point at --force (it would be refused too).
+    with pytest.raises(ConvertError, match=r"refusing to overwrite .*taken': it already exists \(a directory holding mine.txt.*Fix: choose a new output path, e\.g\. .*, or move .* away first$"):
         convert(src, tmp_path / "taken", "safetensors")
+    with pytest.raises(ConvertError, match=r"even with --force: .*autoshard did not write it"):
+        convert(src, tmp_path / "taken", "safetensors", force=True)
     assert (tmp_path / "taken" / "mine.txt").read_text() == "keep me"
     with pytest.raises(ConvertError, match="it is the checkpoint being converted. Fix: choose another output path"):
         convert(src, src, "safetensors", force=True)
-    convert(src, tmp_path / "taken", "safetensors", force=True)  # replaced only once the new one is complete
-    assert (tmp_path / "taken" / "model.safetensors").is_file() and not (tmp_path / "taken" / "mine.txt").exists()
+    convert(src, tmp_path / "hf", "safetensors")
+    with pytest.raises(ConvertError, match=r"refusing to overwrite .*hf'.*Fix: choose a new output path, or pass --force"):
+        convert(src, tmp_path / "hf", "safetensors")
+    convert(src, tmp_path / "hf", "safetensors", force=True)  # its own output: replaced only once the new one is complete
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_refuses_an_optimizer_keyed_by_position(tmp_path: Path) -> None:

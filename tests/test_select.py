@@ -225,6 +225,32 @@ def test_describe_and_to_dict():
     assert data["ruled_out"]["fsdp1"][0]["feature"] is None
 
 
+def test_each_caveat_is_a_warning_text_and_can_leave_the_info_lines() -> None:
+    """A strategy logs the decision without its caveats and warns each one (tests/lightning: as a real warning)."""
+    decision = select_backend(MethodNeeds(), ShardingIntent(offload="optimizer"), prefer="fsdp2", available=ALL_INSTALLED)
+    cell = matrix()["fsdp2"][Feature.CPU_OFFLOAD_OPTIMIZER]
+    assert decision.warnings() == [
+        (
+            f"autoshard: partial support on fsdp2 for CPU offload of optimizer state only [offload='optimizer']:"
+            f" {cell.reason}. Fix: {cell.remedy}"
+        )
+    ]
+    assert "caveat:" not in decision.describe(caveats=False) and "caveat:" in decision.describe()
+    assert select_backend(MethodNeeds(), prefer="fsdp2", available=ALL_INSTALLED).warnings() == []
+
+
+def test_several_forwards_run_on_deepspeed_with_the_measured_caveat() -> None:
+    """The matrix and the behaviour agree: the cell is partial (measured in tests/distributed/
+    test_deepspeed_multi_forward.py), so a declared multi-forward method is not refused on ZeRO-3, and warned."""
+    decision = select_backend(MethodNeeds(multi_forward=True), prefer="deepspeed_zero3", available=ALL_INSTALLED)
+    assert decision.backend == "deepspeed_zero3"
+    (warning,) = decision.warnings()
+    assert "several forwards per step [declared multi_forward=True]: trains correctly" in warning
+    assert "invalidates its parameter prefetch trace" in warning and "Fix: use strategy='fsdp2'" in warning
+    # auto never leaves fsdp2 for it: a method need that fsdp2 runs fully
+    assert select_backend(MethodNeeds(multi_forward=True), available=ALL_INSTALLED).backend == "fsdp2"
+
+
 # -- bad input -----------------------------------------------------------------------------------------------
 
 

@@ -5,9 +5,11 @@ a batch, so here the step itself runs: the module is built on meta, sharded with
 checkpointing, ``reshard_after_forward``, MixedPrecisionPolicy, offload policy) on a fake process group of
 ``world_size`` ranks in this one process, materialized as fake CPU tensors, and one warm-up step then one measured
 step run in Lightning's order (``training_step`` under autocast as its precision plugin runs it, zero_grad, backward,
-optimizer step, then ``on_train_batch_end`` of the callbacks and the module), the measured one under torch's
-FSDPMemTracker, which sees every tensor storage created and freed. The peak is the bytes of live tensors at the
-step's highest point on this rank. ``benchmarks/activation_accuracy.py`` compares it with real 2-rank runs.
+optimizer step, then ``on_train_batch_end`` of the callbacks and the module; under manual optimization
+``training_step`` is the step, with ``self.optimizers()`` and ``manual_backward`` served by a stand-in Trainer as in
+fit), the measured one under torch's FSDPMemTracker, which sees every tensor storage created and freed. The peak is
+the bytes of live tensors at the step's highest point on this rank. ``benchmarks/activation_accuracy.py`` compares
+it with real 2-rank runs.
 
 Not modelled: the CUDA caching allocator (block rounding, fragmentation, reserved-but-free memory), CUDA/cuBLAS/NCCL
 workspaces and the CUDA context, and tensors created outside torch's dispatcher. The figures are tensor bytes, the
@@ -23,7 +25,6 @@ import contextlib
 import gc
 import os
 import sys
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,7 @@ from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
 from autoshard.needs import held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan
+from autoshard.tracebacks import user_frames
 
 # FSDPMemTracker's categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType values), grouped as reported.
 MODEL_STATES = ("Sharded Param", "Sharded Grad", "OptState", "Buffer", "Inputs")
@@ -52,7 +54,9 @@ class StepMemory:
     optimizer states, buffers and the batch; ``gathered`` the all-gathered parameters, all-gather and
     reduce-scatter buffers and gradients not yet reduce-scattered; ``activations`` everything else (saved for
     backward, outputs, gradients of activations, the optimizer step's temporaries). ``by_kind`` keeps
-    FSDPMemTracker's own categories at the peak; ``at`` says where the peak happened.
+    FSDPMemTracker's own categories at the peak; ``at`` says where the peak happened. ``incomplete`` says why a
+    ``forward_only`` peak lacks the backward and the optimizer step, with a Fix, so that no caller presents a lower
+    bound as the whole step's peak.
     """
 
     world_size: int
@@ -67,6 +71,7 @@ class StepMemory:
     by_kind: tuple[tuple[str, int], ...] = ()
     precision: str = ""
     activation_checkpointing: bool = False
+    incomplete: str = ""  # forward_only: why the whole step did not run, with its Fix ("" when it did)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -82,7 +87,7 @@ def _tracker_base() -> type:
     except ImportError as exc:  # torch < 2.5
         raise AutoShardError(
             f"measuring activation memory needs torch's FSDPMemTracker (torch.distributed._tools), not importable here"
-            f" ({exc}). Fix: upgrade torch (2.6 or newer), or use autoshard explain without --batch (model states only)"
+            f" ({exc}). Fix: upgrade torch (2.6 or newer), or use autoshard explain --no-step (model states only)"
         ) from None
     return FSDPMemTracker
 
@@ -299,6 +304,48 @@ def load_batch(spec: str) -> Callable[..., Any]:
     return obj
 
 
+def where_defined(fn: Any) -> str:
+    """``name (file.py:line)`` of a function (a callable object: its class name), for messages about the user's code."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    name = name.rpartition("<locals>.")[2]  # a function defined inside another: its own name
+    code = getattr(getattr(fn, "func", fn), "__code__", None)  # functools.partial: the wrapped function
+    if code is None:
+        return name
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+def call_batch(make_batch: Callable[[], Any]) -> Any:
+    """``make_batch()``, refused in words when it raises: the function (file:line), the line that raised, the
+    exception and a Fix. Callers choose the device context (explain: meta; the simulated step: FakeTensorMode)."""
+    try:
+        return make_batch()
+    except Exception as exc:
+        raise AutoShardError(
+            f"the batch function {where_defined(make_batch)} raised {_why(exc)}. explain calls it with no arguments"
+            f" under the meta device and FakeTensorMode (tensors without memory or values), so it cannot read data."
+            f" Fix: make it build tensors of one micro-batch's shapes, e.g."
+            f" `return torch.randn(32, 3, 224, 224), torch.randint(0, 1000, (32,))`"
+        ) from exc
+
+
+def describe_batch(batch: Any, limit: int = 240) -> str:
+    """A batch's structure with each tensor's dtype and shape, ``(float32[32, 65], int64[32])``: what a user compares
+    with what training_step expects."""
+    def one(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"{str(x.dtype).removeprefix('torch.')}[{', '.join(map(str, x.shape))}]"
+        if isinstance(x, Mapping):
+            return "{" + ", ".join(f"{k!r}: {one(v)}" for k, v in x.items()) + "}"
+        if isinstance(x, tuple):
+            return "(" + ", ".join(one(v) for v in x) + ("," if len(x) == 1 else "") + ")"
+        if isinstance(x, list):
+            return "[" + ", ".join(one(v) for v in x) + "]"
+        return type(x).__name__
+
+    text = one(batch)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # -- the fake world -------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
@@ -376,12 +423,7 @@ def _convert_input(batch: Any, dtype: torch.dtype | None) -> Any:
 
 def _user_line(exc: BaseException) -> str:
     """Where the user's code raised: the innermost frame outside torch, Lightning, transformers and autoshard."""
-    import lightning
-
-    import autoshard
-
-    libraries = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, lightning, autoshard))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(libraries) and "site-packages" not in f.filename]
+    frames = user_frames(exc, skip_site_packages=True)
     if not frames:
         return ""
     f = frames[-1]
@@ -399,7 +441,7 @@ def _why(exc: BaseException) -> str:
         return f"an op's output shape depends on tensor values{where} (nonzero, unique, boolean-mask indexing), unknown on fake tensors"
     if isinstance(exc, UnsupportedOperatorException):
         return f"an operator has no fake-tensor implementation{where} ({exc})"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text[:300]}{where}"
 
 
@@ -411,6 +453,67 @@ class _Run:
     optimizers: list[torch.optim.Optimizer]
     batch: Any
     notes: list[str] = field(default_factory=list)
+    manual: bool = False  # automatic_optimization = False: the step is the user's (self.optimizers(), manual_backward)
+
+
+class _StandInStrategy:
+    """What a manual-optimization step reaches through ``self.trainer.strategy``, doing what Lightning's strategy does
+    with its precision plugin: ``manual_backward`` calls the module's ``backward`` hook (``loss.backward()``), and a
+    LightningOptimizer's ``step`` runs ``optimizer.step(closure=...)``. No Fabric: the module stays a plain
+    LightningModule, so ``self.optimizers()`` takes Lightning's own Trainer path."""
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        self.lightning_module = module
+        self._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, self) for o in optimizers]
+
+    def backward(self, loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        self.lightning_module.backward(loss, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return optimizer.step(closure=closure, **kwargs)
+
+
+class _StandInTrainer:
+    """``self.trainer`` of the module copy a manual-optimization step runs on: its optimizers (``self.optimizers()``
+    returns them wrapped in LightningOptimizer, as in fit), its LR schedulers, step 0 of epoch 0 on the measured rank, and
+    ``barebones`` so that ``self.log`` returns at once. Anything else is not there, and says so by name."""
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], world_size: int, rank: int) -> None:
+        from lightning.pytorch.plugins.precision import Precision
+        from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+        self.strategy = _StandInStrategy(module, optimizers)
+        self.optimizers = list(optimizers)
+        self.lr_scheduler_configs = [LRSchedulerConfig(s) for s in schedulers]
+        self.precision_plugin = Precision()
+        self.world_size, self.global_rank, self.local_rank, self.node_rank = world_size, rank, rank, 0
+        self.is_global_zero = rank == 0
+        self.global_step = self.current_epoch = 0
+        self.accumulate_grad_batches = 1
+        self.gradient_clip_val = self.gradient_clip_algorithm = None
+        self.barebones = True
+        self.logger, self.loggers, self.progress_bar_callback = None, [], None
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"self.trainer.{name} is not available in autoshard's simulated step (a stand-in Trainer holding the"
+            f" optimizers, schedulers, step and rank)"
+        )
+
+
+def _returned_schedulers(configured: Any) -> list[Any]:
+    """The LR schedulers in ``configure_optimizers``'s return shapes (a dict with "lr_scheduler", or
+    ``([optimizers], [schedulers])``), each unwrapped from its ``{"scheduler": ...}`` config."""
+    unwrap = lambda s: s.get("scheduler") if isinstance(s, Mapping) else s  # noqa: E731
+    if isinstance(configured, Mapping):
+        return [unwrap(configured["lr_scheduler"])] if configured.get("lr_scheduler") is not None else []
+    if isinstance(configured, (list, tuple)):
+        if len(configured) == 2 and all(isinstance(part, (list, tuple)) for part in configured):
+            return [unwrap(s) for s in configured[1]]
+        return [s for item in configured if isinstance(item, Mapping) for s in _returned_schedulers(item)]
+    return []
 
 
 def _prepare(
@@ -421,6 +524,7 @@ def _prepare(
     make_batch: Callable[[], Any] | None,
     mode: Any,
     num_nodes: int = 1,
+    rank: int = 0,
 ) -> _Run:
     """Build on meta, make every tensor fake, shard as FSDP2Strategy.setup does with autoshard's plan, build the
     optimizers and the batch.
@@ -458,49 +562,49 @@ def _prepare(
     notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     module.train()
     optimizers: list[torch.optim.Optimizer] = []
+    schedulers: list[Any] = []
     with mode:
         configure = getattr(module, "configure_optimizers", None)
         if callable(configure):
             try:
-                optimizers += returned_optimizers(configure())
+                configured = configure()
+                optimizers += returned_optimizers(configured)
+                schedulers += _returned_schedulers(configured)
             except Exception as exc:
                 notes.append(
                     f"configure_optimizers() raised ({_why(exc)}): no optimizer step, so optimizer states and the"
                     f" step's temporaries are not in the peak (memory.py counts the states)"
                 )
+        own = list(optimizers)  # the module's own: what self.optimizers() returns in fit
         for callback in callbacks:
             optimizers += [o for o in held_optimizers(callback) if o not in optimizers]
         batch = None
         if make_batch is not None:
-            try:
-                batch = make_batch()
-            except Exception as exc:
-                raise AutoShardError(
-                    f"the batch function {getattr(make_batch, '__name__', make_batch)!r} raised {_why(exc)}. It runs under"
-                    f" torch's FakeTensorMode (tensors without memory): build the batch from shapes, e.g."
-                    f" `return torch.randn(32, 3, 224, 224), torch.randint(0, 1000, (32,))`. Fix: make it build tensors"
-                    f" of the batch's shapes instead of reading data"
-                ) from exc
-            batch = _convert_input(batch, convert)
-    return _Run(module, callbacks, optimizers, batch, notes)
+            batch = _convert_input(call_batch(make_batch), convert)
+    manual = getattr(module, "automatic_optimization", True) is False
+    if manual:  # attach the optimizers as Lightning does, on this copy only: the user's step calls them itself
+        module.trainer = _StandInTrainer(module, own, schedulers, world_size, rank)
+    return _Run(module, callbacks, optimizers, batch, notes, manual)
 
 
 def _train_step(run: _Run, precision: PrecisionPlan) -> None:
     """One step in the order of Lightning's automatic optimization (its Closure): training_step, then zero_grad
     (so the previous step's gradients are still alive during the forward), backward, optimizer step; then the
-    batch-end hooks (callbacks', then the module's: EMA updates, probes)."""
+    batch-end hooks (callbacks', then the module's: EMA updates, probes). Under manual optimization training_step
+    is the whole step (its zero_grad, manual_backward and step), as in Lightning's manual loop."""
     module, batch = run.module, run.batch
     with _autocast(precision):
         out = module.training_step(batch, 0)
-    loss = out["loss"] if isinstance(out, Mapping) else out
-    if not isinstance(loss, torch.Tensor):  # manual optimization: the step is the user's, with self.optimizers()
-        raise ValueError(f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'")
-    for optimizer in run.optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    del loss
-    for optimizer in run.optimizers:
-        optimizer.step()
+    if not run.manual:
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'")
+        for optimizer in run.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+        for optimizer in run.optimizers:
+            optimizer.step()
     for owner, args in [*((c, (None, module, out, batch, 0)) for c in run.callbacks), (module, (out, batch, 0))]:
         hook = getattr(owner, "on_train_batch_end", None)
         if callable(hook):
@@ -558,10 +662,20 @@ def _forward(run: _Run, precision: PrecisionPlan) -> None:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Lightning's "self.log without a Trainer" warnings and torch's fake-mode chatter are not the user's."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    """Lightning's "self.log without a Trainer" warnings and torch's fake-mode chatter are not the user's: FakeTensorMode
+    logs the full traceback of every op that fails (a wrong-shaped batch: 20 lines per op, each prefixed with the
+    rank), and the error reported afterwards says it in one line. Only for the simulation: restored after."""
+    import logging
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    was = fake_log.disabled
+    fake_log.disabled = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        fake_log.disabled = was
 
 
 def measure_step(
@@ -596,10 +710,11 @@ def measure_step(
     extra = {"precision": precision.precision.value, "activation_checkpointing": intent.activation_checkpointing}
     convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
     notes: list[str] = []
+    failed = ""  # why the training step could not run on make_batch's batch, with its Fix
     with fake_world(world_size, rank), _quiet():
         if make_batch is not None:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            run = _prepare(factory, intent, world_size, precision, make_batch, mode, num_nodes)
+            run = _prepare(factory, intent, world_size, precision, make_batch, mode, num_nodes, rank)
             try:
                 with mode:
                     _train_step(run, precision)  # warm-up: optimizer states and lazy FSDP state exist after it
@@ -612,21 +727,28 @@ def measure_step(
             except AutoShardError:
                 raise
             except Exception as exc:
-                notes.append(f"training_step could not run outside a Trainer on fake tensors: {_why(exc)}; measured forward(example_input_array) only")
+                failed = _step_failed(exc, make_batch, run.batch)  # said once, in ``incomplete`` (or refused below)
             del run
             gc.collect()
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        run = _prepare(factory, intent, world_size, precision, None, mode, num_nodes)
+        run = _prepare(factory, intent, world_size, precision, None, mode, num_nodes, rank)
         notes = run.notes + notes
         if getattr(run.module, "example_input_array", None) is None:
+            if failed:  # the user gave a batch: say why it did not run, never "pass a batch function"
+                raise AutoShardError(failed)
             raise AutoShardError(
                 f"no batch to measure activations with: {'; '.join(notes) + '; ' if notes else ''}"
                 f"{type(run.module).__name__} has no example_input_array. Fix: pass a batch function"
                 f" (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...)), or set"
                 f" self.example_input_array in __init__"
             )
+        incomplete = failed
         if make_batch is None:
             notes.append("no batch function given: forward(example_input_array) only, no backward or optimizer step (a lower bound)")
+            incomplete = (
+                "no batch function given, so only forward(example_input_array) ran (no backward, no optimizer step)."
+                " Fix: pass a batch function (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...))"
+            )
         try:
             with mode:
                 run.batch = _fake_example(run.module.example_input_array, convert)
@@ -635,11 +757,45 @@ def measure_step(
                 with tracker:
                     _forward(run, precision)
         except Exception as exc:
+            if _reads_values(exc):
+                fix = "avoid reading tensor values in forward (compute on tensors instead), or estimate on a real device"
+            else:
+                fix = f"make example_input_array, {describe_batch(run.batch)}, what forward takes, or estimate on a real device"
             raise AutoShardError(
                 f"activation memory could not be measured: forward(example_input_array) failed on fake tensors: {_why(exc)}."
-                f" Fix: avoid reading tensor values in forward (compute on tensors instead), or estimate on a real device"
+                f" Fix: {fix}"
             ) from exc
-        return tracker.step_memory(world_size, rank, True, notes, **extra)
+        return tracker.step_memory(world_size, rank, True, notes, incomplete=incomplete, **extra)
 
 
-__all__ = ["StepMemory", "fake_world", "load_batch", "measure_step", "measuring_callback", "step_tracker"]
+def _reads_values(exc: BaseException) -> bool:
+    """An op fake tensors cannot run (a value read, a value-dependent shape, no fake kernel), not a wrong input."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
+
+    return isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException))
+
+
+def _step_failed(exc: BaseException, make_batch: Callable[[], Any], batch: Any) -> str:
+    """Why training_step did not run on the user's batch, in one sentence with the batch's shapes and a Fix that
+    is not "pass a batch" (they did)."""
+    head = f"training_step could not run on the batch from {where_defined(make_batch)}, {describe_batch(batch)}: {_why(exc)}."
+    if _reads_values(exc):
+        fix = (
+            "keep training_step's values on tensors (no .item(), no `if tensor:`), or measure a real run with"
+            " autoshard.activations.measuring_callback()"
+        )
+    else:
+        name = getattr(make_batch, "__name__", "<lambda>").replace("<lambda>", "the batch function")
+        fix = (
+            f"make {name} return one micro-batch exactly as your DataLoader yields it to training_step (compare the shapes"
+            f" above with the line that failed); if it already does, that line fails under the same FSDP2 plan in"
+            f" training too, or needs what the simulated step lacks: a few real steps with"
+            f" autoshard.activations.measuring_callback() tell which"
+        )
+    return f"{head} Fix: {fix}"
+
+
+__all__ = [
+    "StepMemory", "call_batch", "describe_batch", "fake_world", "load_batch", "measure_step", "measuring_callback",
+    "step_tracker", "where_defined",
+]

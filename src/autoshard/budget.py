@@ -42,30 +42,44 @@ class Change:
     change: str  # what to set, as the user writes it
     cost: str  # what the run pays for it
     peak: int  # device bytes per rank with the change
-    fits: bool
+    fits: bool  # never True when ``missing``: a lower bound under the budget proves nothing
+    missing: str = ""  # the part of the step its estimate lacks (its simulated step could not run), "" when whole
 
 
 @dataclass(frozen=True)
 class BudgetReport:
+    """The verdict. ``missing`` names the part of the step the peak lacks ("" when the whole step was simulated):
+    then the peak is a lower bound, so ``fits`` is None ("cannot tell") unless even that bound is over the budget,
+    and no change is estimated (each would lack the same part)."""
+
     budget: int
     world_size: int
     peak: int
-    fits: bool
+    fits: bool | None
     changes: tuple[Change, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    missing: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def text(self) -> str:
-        head = (
-            f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak {fmt_bytes(self.peak)}"
-            f" ({self.peak / self.budget:.0%} of the budget): {'fits' if self.fits else 'does NOT fit'}"
-        )
+        if self.missing:
+            verdict = "cannot tell whether it fits" if self.fits is None else "does NOT fit, even without them"
+            head = (
+                f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak at least {fmt_bytes(self.peak)}"
+                f" ({self.peak / self.budget:.0%} of the budget) with {self.missing} not counted: {verdict}"
+            )
+        else:
+            head = (
+                f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak {fmt_bytes(self.peak)}"
+                f" ({self.peak / self.budget:.0%} of the budget): {'fits' if self.fits else 'does NOT fit'}"
+            )
         lines = [head]
-        if not self.fits:
+        if self.fits is False and not self.missing:
             fitting = [c for c in self.changes if c.fits]
-            short = [c for c in self.changes if not c.fits]
+            short = [c for c in self.changes if not c.fits and not c.missing]
+            unknown = [c for c in self.changes if c.missing]
             if fitting:
                 lines.append("changes that fit, cheapest first:")
                 lines += [f"  {c.change:<52} peak {fmt_bytes(c.peak):>11}; costs {c.cost}" for c in fitting]
@@ -74,6 +88,9 @@ class BudgetReport:
             if short:
                 lines.append("estimated, not enough on its own:")
                 lines += [f"  {c.change:<52} peak {fmt_bytes(c.peak):>11}" for c in short]
+            if unknown:
+                lines.append("not estimated in full (its simulated step could not run), so no verdict:")
+                lines += [f"  {c.change:<52} peak at least {fmt_bytes(c.peak)}, {c.missing} not counted" for c in unknown]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -86,20 +103,30 @@ def check_budget(
     *,
     devices_per_node: int,
     batch_rows: int | None,
+    lacks: Callable[[MemoryEstimate], str] = lambda estimate: "",
 ) -> BudgetReport:
     """The verdict for ``world_size`` and, when it does not fit, every single change that does.
 
     ``batch_rows``: the micro-batch's size when it can be cut along dim 0 (None: it cannot, or no batch given).
+    ``lacks``: the part of the step an estimate's simulated step could not cover ("activations"; "" when whole).
+    A partial estimate is never "fits": for the run itself the verdict is then "cannot tell" (unless the lower
+    bound is already over the budget) and no change is tried; a change estimated in part is listed as such.
     """
     current = evaluate(Option(intent, world_size))
+    missing = lacks(current)
+    if missing:
+        fits = None if current.device <= budget else False
+        why = f"no change is estimated: each estimate would lack {missing} too"
+        return BudgetReport(budget, world_size, current.device, fits, (), (why,), missing)
     if current.device <= budget:
         return BudgetReport(budget, world_size, current.device, True)
     changes: list[Change] = []
     notes: list[str] = []
 
     def add(change: str, cost: str, option: Option) -> Change:
-        peak = evaluate(option).device
-        made = Change(change, cost, peak, peak <= budget)
+        estimate = evaluate(option)
+        peak, gap = estimate.device, lacks(estimate)
+        made = Change(change, cost, peak, peak <= budget and not gap, gap)
         changes.append(made)
         return made
 
@@ -145,7 +172,7 @@ def check_budget(
                 f"{divisor}x Trainer(accumulate_grad_batches=...) keeps the global batch; {divisor}x the steps",
                 Option(intent, world_size, divisor),
             )
-            if made.fits or batch_rows // divisor <= 1:
+            if made.fits or made.missing or batch_rows // divisor <= 1:  # a step that cannot run: no smaller one either
                 break
             changes.pop()
             divisor *= 2

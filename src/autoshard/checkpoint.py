@@ -4,14 +4,23 @@ Everything here works in one process, without a GPU and without the world size t
 neighbours do the rest: ``checkpoint_io`` swaps saves in atomically and records / checks their manifests;
 ``consolidate`` writes one file of full weights (``autoshard consolidate CKPT OUT.pt``, meant to run on a laptop
 after the job is gone).
+
+The one reader: ``open_checkpoint`` (detect, recover an interrupted save, verify the manifest, settle a DeepSpeed
+tag) is where every command that reads a whole checkpoint starts, and ``load_torch_file`` is how each unpickles a
+file: ``torch.load(weights_only=True)`` with exactly the types in ``TRUSTED_TYPES`` allowed, so a file never runs code.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
+import re
+import sys
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +30,16 @@ from autoshard.backends import get_backend
 from autoshard.capability import Format
 from autoshard.checkpoint_io import (
     DIGEST,
+    MANIFEST,
     aside_path,
     fsync_dir,
     integrity_problems,
+    orphan_sidecar,
     remove,
     sidecar_path,
+    staged_siblings,
     staging_path,
+    unverified_warning,
 )
 from autoshard.errors import AutoShardError
 
@@ -35,6 +48,9 @@ LIGHTNING_META = "meta.pt"  # Lightning's trainer state (loops, callbacks, sched
 DEEPSPEED_LATEST = "latest"  # DeepSpeed's pointer to the tag directory
 LIGHTNING_DEEPSPEED_PREFIX = "_forward_module."  # Lightning's DeepSpeed wrapper around the LightningModule
 CONSOLIDATE = "autoshard consolidate {path} weights.pt"
+DEEPSPEED_MODEL_FILES = "*mp_rank_*_model_states.pt"  # every DeepSpeed tag directory holds one (ZeRO-3: one per rank)
+ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
+TRUST_PICKLE = "--trust-pickle (trust_pickle=True)"
 
 
 class CheckpointFormatError(AutoShardError, ValueError):
@@ -55,7 +71,7 @@ class CheckpointInfo:
         return self.format in (Format.DCP, Format.DCP_RAW, Format.FULL, Format.DEEPSPEED)
 
 
-def _is_torch_file(path: Path) -> bool:
+def is_torch_file(path: Path) -> bool:
     """torch.save writes a zip (PK) since 1.6, a pickle (0x80) before: anything else is not a torch file."""
     try:
         with open(path, "rb") as f:
@@ -65,17 +81,33 @@ def _is_torch_file(path: Path) -> bool:
     return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
-def _deepspeed_tag(path: Path) -> str | None:
-    """The tag of a DeepSpeed ZeRO checkpoint directory, or None when ``path`` is not one."""
+def deepspeed_tags(path: Path) -> list[str]:
+    """The tag directories of a DeepSpeed checkpoint (those holding model states), oldest first."""
+    subs = [sub for sub in path.iterdir() if sub.is_dir() and any(sub.glob(DEEPSPEED_MODEL_FILES))]
+    return [sub.name for sub in sorted(subs, key=lambda sub: (sub.stat().st_mtime, sub.name))]
+
+
+def latest_tag(path: Path) -> str:
+    """What DeepSpeed's ``latest`` file names ("" when there is none): the tag DeepSpeed itself loads."""
     latest = path / DEEPSPEED_LATEST
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if tag and (path / tag).is_dir():
-            return tag
-    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
-        if any(sub.glob("*mp_rank_*_model_states.pt")):
-            return sub.name
-    return None
+    return latest.read_text().strip() if latest.is_file() else ""
+
+
+def _deepspeed_layout(path: Path) -> tuple[str | None, str] | None:
+    """(tag, detail) of a DeepSpeed ZeRO checkpoint directory, or None when ``path`` is not one. The tag is None
+    when ``latest`` does not settle it (it names a missing tag, or is absent beside several): never a guess."""
+    named = latest_tag(path)
+    if named and (path / named).is_dir():
+        return named, f"a DeepSpeed ZeRO checkpoint (tag '{named}')"
+    tags = deepspeed_tags(path)
+    if not tags and not (path / DEEPSPEED_LATEST).is_file():
+        return None
+    if not named and len(tags) == 1:
+        return tags[0], f"a DeepSpeed ZeRO checkpoint (tag '{tags[0]}')"
+    present = f"tags present: {', '.join(tags)}" if tags else "no tag directory with model states is"
+    if named:
+        return None, f"a DeepSpeed ZeRO checkpoint whose 'latest' names tag '{named}', which is not there ({present})"
+    return None, f"a DeepSpeed ZeRO checkpoint without a 'latest' naming one of its tags ({present})"
 
 
 def torn_shard(path: Path) -> str | None:
@@ -83,11 +115,11 @@ def torn_shard(path: Path) -> str | None:
 
     Only .metadata is read (offsets and lengths), never the tensors.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # a torn .metadata cannot happen with DCP's tmp + rename, but say so if it does
+        metadata = read_dcp_metadata(path)
+    except UntrustedPickleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a torn .metadata cannot happen with DCP's tmp + rename, but say so if it does
         return f".metadata cannot be read ({type(exc).__name__})"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -113,11 +145,11 @@ def detect_format(path: str | os.PathLike[str], verify: bool = True) -> Checkpoi
     if not p.exists():
         if p.is_symlink():
             return CheckpointInfo(p, Format.MISSING, f"a symlink to {os.readlink(p)!r}, which does not exist")
-        return CheckpointInfo(p, Format.MISSING, "nothing exists at this path")
+        return CheckpointInfo(p, Format.MISSING, "missing: nothing exists at this path")
     if p.is_file():
         if p.stat().st_size == 0:
             return CheckpointInfo(p, Format.UNKNOWN, "an empty file")
-        if _is_torch_file(p):
+        if is_torch_file(p):
             return CheckpointInfo(p, Format.FULL, "a single torch.save file")
         return CheckpointInfo(p, Format.UNKNOWN, "a file that torch.save did not write (neither zip nor pickle)")
     if not p.is_dir():
@@ -135,10 +167,10 @@ def detect_format(path: str | os.PathLike[str], verify: bool = True) -> Checkpoi
         return CheckpointInfo(p, Format.DCP_RAW, f"DCP shards ({len(shards)} file(s)) and .metadata, but no meta.pt (no trainer state)")
     if shards or has_meta:
         found = ", ".join(shards[:4] + (["meta.pt"] if has_meta else []))
-        return CheckpointInfo(p, Format.INCOMPLETE, f"has {found} but no .metadata: the save did not finish on every rank")
-    tag = _deepspeed_tag(p)
-    if tag is not None:
-        return CheckpointInfo(p, Format.DEEPSPEED, f"a DeepSpeed ZeRO checkpoint (tag '{tag}')", tag=tag)
+        return CheckpointInfo(p, Format.INCOMPLETE, f"a distributed checkpoint that has {found} but no .metadata: the save did not finish on every rank")
+    deepspeed = _deepspeed_layout(p)
+    if deepspeed is not None:
+        return CheckpointInfo(p, Format.DEEPSPEED, deepspeed[1], tag=deepspeed[0])
     entries = sorted(x.name for x in p.iterdir())
     listing = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "") if entries else "nothing"
     return CheckpointInfo(
@@ -149,18 +181,23 @@ def detect_format(path: str | os.PathLike[str], verify: bool = True) -> Checkpoi
 def interrupted_save(path: str | os.PathLike[str]) -> Path | None:
     """The complete checkpoint an interrupted save left beside ``path`` (the newer one first), or None.
 
-    A staged directory counts only with both .metadata (every rank wrote) and meta.pt (renamed in last); a staged
-    file never does (it may be torn). What stands aside was committed before, so it is complete.
+    A staged directory (any writer's: each stages under its own name) counts only when its last file is in: DCP with
+    both .metadata (every rank wrote) and meta.pt (renamed in last), DeepSpeed with its manifest (written after
+    ``latest``); a staged file never does (it may be torn). What stands aside was committed before, so it is complete.
     """
-    staged, aside = staging_path(path), aside_path(path)
-    if staged.is_dir() and detect_format(staged).format is Format.DCP:
-        return staged
+    aside = aside_path(path)
+    for staged in staged_siblings(path):  # newest first
+        if staged.is_dir() and not staged.is_symlink():
+            info = detect_format(staged)
+            if info.format is Format.DCP or (info.format is Format.DEEPSPEED and (staged / MANIFEST).is_file()):
+                return staged
     if (aside.exists() or aside.is_symlink()) and detect_format(aside).complete:
         return aside
     return None
 
 
-def _describe(info: CheckpointInfo) -> str:
+def describe(info: CheckpointInfo) -> str:
+    """``'PATH' is DETAIL``: how every refusal names the path it was given."""
     return f"{str(info.path)!r} is {info.detail}"
 
 
@@ -175,12 +212,29 @@ def checkpoints_inside(path: Path) -> list[str]:
     )
 
 
-def _pick_one(path: Path) -> str:
+def pick_one(path: Path) -> str:
+    """The fix for a path that is not a checkpoint: the checkpoints inside it, when it is their directory."""
     inside = checkpoints_inside(path)
     if inside:
         shown = ", ".join(inside[:3]) + (", ..." if len(inside) > 3 else "")
         return f"it holds checkpoints ({shown}): pass one of them, e.g. {str(path / inside[-1])!r}"
     return "pass the .ckpt path ModelCheckpoint printed (e.g. checkpoints/last.ckpt)"
+
+
+def _complete(path: Path) -> bool:
+    try:
+        return detect_format(path).complete  # .metadata read too: a torn sibling is no fix either
+    except CheckpointFormatError:
+        return False
+
+
+def earlier_checkpoint(path: Path, action: str) -> str:
+    """The fix for an incomplete checkpoint: a complete one beside it, by name, where there is one (the path the
+    user just passed is no fix)."""
+    others = [name for name in checkpoints_inside(path.parent) if name != path.name and _complete(path.parent / name)]
+    if others:
+        return f"{action} an earlier complete checkpoint, e.g. {str(path.parent / others[-1])!r}"
+    return f"{action} an earlier complete checkpoint, or restore this one from a backup"
 
 
 def _consolidate_fix(path: Path) -> str:
@@ -190,11 +244,12 @@ def _consolidate_fix(path: Path) -> str:
     )
 
 
-def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2") -> Path:
+def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2", world_size: int | None = None) -> Path:
     """The path to load for ``backend``, or CheckpointFormatError before anything is loaded.
 
     A swap interrupted between its two renames leaves ``path`` missing and a complete sibling: that one is used,
-    with a warning, so a crash at any instant of a save still resumes.
+    with a warning, so a crash at any instant of a save still resumes. ``world_size`` (the resuming run's) is
+    checked against a DeepSpeed ZeRO-3 checkpoint's partitions, which DeepSpeed cannot reshard.
     """
     info = detect_format(path)
     p = info.path
@@ -202,45 +257,47 @@ def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2") -> Pa
         recovered = interrupted_save(p) if info.format is not Format.UNKNOWN else None
         if recovered is not None:
             warnings.warn(
-                f"{_describe(info)}; a save to it was interrupted and left the complete checkpoint {str(recovered)!r},"
+                f"{describe(info)}; a save to it was interrupted and left the complete checkpoint {str(recovered)!r},"
                 f" which is loaded instead. The next save to {str(p)!r} puts it back in place",
                 stacklevel=2,
             )
-            return resolve_for_load(recovered, backend)
+            return resolve_for_load(recovered, backend, world_size)
         if info.format is Format.MISSING:
-            partial = staging_path(p)
-            why = f" (the first save to it was interrupted: {str(partial)!r} is partial)" if partial.exists() else ""
+            partial = staged_siblings(p)
+            why = f" (the first save to it was interrupted: {str(partial[0])!r} is partial)" if partial else ""
             raise CheckpointFormatError(
-                f"cannot resume: {_describe(info)}{why}. Fix: pass the path of an existing checkpoint (a .ckpt directory or file)"
+                f"cannot resume: {describe(info)}{why}. Fix: pass the path of an existing checkpoint (a .ckpt directory or file)"
             )
         if info.format is Format.INCOMPLETE:
             raise CheckpointFormatError(
-                f"cannot resume: {_describe(info)}. autoshard never leaves a partial save under the final name, so this one"
-                f" was written without autoshard or copied partially. Fix: resume from an earlier complete checkpoint"
+                f"cannot resume: {describe(info)}. autoshard never leaves a partial save under the final name, so this one"
+                f" was written without autoshard or copied partially. Fix: {earlier_checkpoint(p, 'resume from')}"
             )
         raise CheckpointFormatError(
-            f"cannot resume: {_describe(info)}, so it is not a checkpoint. {backend} resumes from a directory written by"
-            f" torch.distributed.checkpoint with Lightning's meta.pt, or from one torch.save file. Fix: {_pick_one(p)}"
+            f"cannot resume: {describe(info)}, so it is not a checkpoint. {backend} resumes from a directory written by"
+            f" torch.distributed.checkpoint with Lightning's meta.pt, or from one torch.save file. Fix: {pick_one(p)}"
         )
     resumes = get_backend(backend).resumes
     if info.format is Format.DEEPSPEED and Format.DEEPSPEED not in resumes:
         raise CheckpointFormatError(
-            f"cannot resume with {backend}: {_describe(info)}. {backend} cannot read DeepSpeed's partitioned files;"
+            f"cannot resume with {backend}: {describe(info)}. {backend} cannot read DeepSpeed's partitioned files;"
             f" backend that reads it: DeepSpeed (strategy='autoshard-deepspeed', the strategy that wrote it). Fix: resume"
             f" with that strategy; or convert it, optimizer state, step and schedulers included, with `autoshard convert"
             f" {p} {p}-fsdp2 --to dcp` and resume from {str(p) + '-fsdp2'!r}; or {_consolidate_fix(p)}"
         )
     if info.format in (Format.DCP, Format.DCP_RAW) and Format.DCP not in resumes:
         raise CheckpointFormatError(
-            f"cannot resume with DeepSpeed: {_describe(info)}, written by fsdp2 (torch.distributed.checkpoint)."
+            f"cannot resume with DeepSpeed: {describe(info)}, written by fsdp2 (torch.distributed.checkpoint)."
             f" Backend that reads it: fsdp2 (strategy='fsdp2', at any world size). Fix: resume with strategy='fsdp2';"
             f" or convert it, optimizer state, step and schedulers included, with `autoshard convert {p} {p}-deepspeed"
             f" --to deepspeed --world-size N --precision P` (devices x nodes, the Trainer's precision) and resume from"
             f" {str(p) + '-deepspeed'!r}; or {_consolidate_fix(p)}"
         )
+    if info.format is Format.DEEPSPEED:
+        _check_deepspeed_resume(info, world_size)
     if info.format is Format.DCP_RAW:
         raise CheckpointFormatError(
-            f"cannot resume: {_describe(info)}: it holds tensors but no Lightning trainer state (loops, callbacks),"
+            f"cannot resume: {describe(info)}: it holds tensors but no Lightning trainer state (loops, callbacks),"
             f" so it was written by torch.distributed.checkpoint directly. Fix: {_consolidate_fix(p)}"
         )
     if info.format is Format.FULL:
@@ -248,12 +305,45 @@ def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2") -> Pa
     return p
 
 
+def _check_deepspeed_resume(info: CheckpointInfo, world_size: int | None) -> None:
+    """DeepSpeed loads the tag ``latest`` names, one ZeRO-3 partition file per rank: say so before it fails."""
+    p = info.path
+    tags = deepspeed_tags(p)
+    if info.tag is None or latest_tag(p) != info.tag:
+        tag = info.tag or (tags[-1] if tags else "TAG")
+        raise CheckpointFormatError(
+            f"cannot resume: {describe(info)}. DeepSpeed resumes the tag its 'latest' file names, and autoshard never"
+            f" picks another. Fix: write the tag to resume into it, e.g. `echo {tag} > {str(p / DEEPSPEED_LATEST)!r}`"
+            f"{' (the newest tag)' if tags and tag == tags[-1] else ''}"
+        )
+    saved = deepspeed_world_size(p, info.tag)
+    if world_size is not None and saved is not None and saved != world_size:
+        out = f"{p}-world{world_size}"
+        raise CheckpointFormatError(
+            f"cannot resume: {describe(info)}, whose ZeRO-3 partitions are for {saved} ranks (zero_pp_rank_0 ..."
+            f" zero_pp_rank_{saved - 1}), and this run has {world_size} (devices x nodes). DeepSpeed loads one partition"
+            f" file per rank and cannot reshard them. Fix: `autoshard convert {p} {out} --to deepspeed --world-size"
+            f" {world_size}` and resume from {out!r} (optimizer state, step and schedulers included); or resume with"
+            f" devices x nodes = {saved}"
+        )
+
+
+def deepspeed_world_size(path: Path, tag: str) -> int | None:
+    """The ranks a ZeRO-3 tag directory was written for (one model_states file each); None for ZeRO-1/2 layouts."""
+    ranks = {int(m.group(1)) for f in (path / tag).iterdir() if (m := ZERO3_MODEL_FILE.match(f.name))}
+    return len(ranks) or None
+
+
 def _check_full_file(path: Path) -> None:
-    """A bare state dict (what consolidate writes) is weights, not a Lightning checkpoint: say how to use it."""
+    """A bare state dict (what consolidate writes) is weights, not a Lightning checkpoint: say how to use it; a
+    truncated file is named here rather than in Lightning's traceback."""
     try:
-        keys = set(torch.load(path, mmap=True, map_location="cpu", weights_only=True))
-    except Exception:  # custom objects inside: let Lightning's own loader judge it
+        loaded = load_torch_file(path, action="resume")
+    except UntrustedPickleError:  # custom objects inside: Lightning's own loader judges them, as it always did
         return
+    if not isinstance(loaded, Mapping):
+        return
+    keys = set(loaded)
     if "state_dict" not in keys:
         shown = ", ".join(sorted(map(str, keys))[:4])
         raise CheckpointFormatError(
@@ -266,7 +356,7 @@ def _check_full_file(path: Path) -> None:
 def check_replaceable(path: str | os.PathLike[str]) -> None:
     """Saving swaps ``path`` out: refuse when it holds something that is not a checkpoint (a user directory)."""
     info = detect_format(path, verify=False)
-    if info.format is Format.MISSING or info.format in (Format.DCP, Format.DCP_RAW, Format.FULL, Format.INCOMPLETE):
+    if info.format is Format.MISSING or info.complete or info.format is Format.INCOMPLETE:
         return
     p = info.path
     if info.format is Format.UNKNOWN and p.is_dir() and not any(p.iterdir()):
@@ -281,8 +371,8 @@ def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
     """Before a new save: if a crash between the two renames left ``path`` missing, put the newest complete
     sibling back under ``path`` (so the new save's staging can be cleared without losing it). Rank 0 only."""
     p = Path(path)
-    staged_sidecar = staging_path(sidecar_path(p))
-    if p.is_file() and staged_sidecar.is_file() and not staging_path(p).exists():
+    staged_sidecar = orphan_sidecar(p) if p.is_file() else None
+    if staged_sidecar is not None:
         os.replace(staged_sidecar, sidecar_path(p))  # the file was swapped in, its sidecar not yet
         fsync_dir(p.parent)
     if p.exists() or p.is_symlink():
@@ -294,17 +384,20 @@ def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
     return recovered
 
 
-def prepare_staging(path: str | os.PathLike[str]) -> Path:
-    """Clear what earlier interrupted saves left and return the empty staging path. Rank 0 only."""
+def prepare_staging(path: str | os.PathLike[str], token: str = "") -> Path:
+    """Clear what earlier interrupted saves left and return the empty staging path of writer ``token``. Rank 0
+    only, holding the destination's lock (``checkpoint_io.Publisher``): every other writer of ``path`` waits for it,
+    so each staging found here is a dead writer's."""
     p = Path(path)
     finish_interrupted_commit(p)
     check_replaceable(p)
-    staged = staging_path(p)
-    remove(staging_path(sidecar_path(p)))  # before the staged file: alone, a staged sidecar means "swap me in"
-    remove(staged)
+    for stale in staged_siblings(sidecar_path(p)):  # before the staged files: alone, a staged sidecar means "swap me in"
+        remove(stale)
+    for stale in staged_siblings(p):
+        remove(stale)
     if p.exists() or p.is_symlink():
         remove(aside_path(p))  # ``path`` is complete: whatever stayed aside is older
-    return staged
+    return staging_path(p, token)
 
 
 def corrupted(path: str | os.PathLike[str], problems: list[str]) -> CheckpointFormatError:
@@ -330,7 +423,7 @@ def check_integrity(path: str | os.PathLike[str]) -> bool:
 def saved_shapes(path: Path, entry: str = "state_dict") -> dict[str, tuple[int, ...] | None]:
     """Names and shapes under ``entry`` of a DCP checkpoint, from .metadata alone (None: not a tensor)."""
     shapes: dict[str, tuple[int, ...] | None] = {}
-    for where, item in _dcp_entries(path):
+    for where, item in dcp_entries(path):
         if where[0] == entry and len(where) > 1:
             size = getattr(item, "size", None)
             shapes[".".join(where[1:])] = tuple(size) if size is not None else None
@@ -341,11 +434,15 @@ def _names(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
+def _reshaped(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[str, tuple[int, ...]]) -> list[str]:
+    return sorted(k for k in set(model) & set(saved) if saved[k] is not None and tuple(saved[k] or ()) != tuple(model[k]))
+
+
 def model_mismatch(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[str, tuple[int, ...]]) -> str | None:
     """How a model's state dict differs from a checkpoint's: missing and unexpected names, other shapes; None if equal."""
     missing = sorted(set(model) - set(saved))
     unexpected = sorted(set(saved) - set(model))
-    reshaped = sorted(k for k in set(model) & set(saved) if saved[k] is not None and tuple(saved[k] or ()) != tuple(model[k]))
+    reshaped = _reshaped(saved, model)
     parts = []
     if missing:
         parts.append(f"{len(missing)} missing from the checkpoint: {_names(missing)}")
@@ -362,15 +459,29 @@ def load_failure(
 ) -> CheckpointFormatError:
     """torch's CheckpointException (a BaseException) as an autoshard error: which keys differ, or what failed where."""
     try:
-        mismatch = model_mismatch(saved_shapes(path), model)
-    except Exception:  # .metadata unreadable: report torch's failure below
+        saved = saved_shapes(path)
+        mismatch = model_mismatch(saved, model)
+    except Exception:  # noqa: BLE001 - .metadata unreadable: report torch's failure below
         mismatch = None
     if mismatch:
+        reshaped = _reshaped(saved, model)
+        # strict=False skips missing and unexpected names only: a tensor of another shape still fails, so it is left out.
+        load = (
+            "model.load_state_dict(torch.load('weights.pt'), strict=False)"
+            if not reshaped
+            else "sd = model.state_dict(); model.load_state_dict({k: v for k, v in torch.load('weights.pt').items() if k in sd"
+            " and v.shape == sd[k].shape}, strict=False)"
+        )
+        skipped = (
+            f" (strict=False skips missing and unexpected names only; this leaves out the {len(reshaped)} tensor(s) of"
+            f" another shape, {_names(reshaped, 3)}, which keep their initial values)"
+            if reshaped
+            else ""
+        )
         return CheckpointFormatError(
             f"cannot resume from {str(path)!r}: its model weights do not match this {model_name}: {mismatch}."
             f" Fix: resume from a checkpoint of this model, or to start from the weights that match, run"
-            f" `{CONSOLIDATE.format(path=path)}`, then model.load_state_dict(torch.load('weights.pt'), strict=False)"
-            f" before trainer.fit(model) without ckpt_path"
+            f" `{CONSOLIDATE.format(path=path)}`, then {load} before trainer.fit(model) without ckpt_path{skipped}"
         )
     ranks = ", ".join(map(str, sorted(failures)))
     first = next(iter(failures.values()), None)
@@ -382,26 +493,26 @@ def load_failure(
     )
 
 
-def _dcp_entries(path: Path) -> list[tuple[tuple[str, ...], Any]]:
+def dcp_entries(path: Path) -> list[tuple[tuple[str, ...], Any]]:
     """(path in the saved state dict, storage metadata) of every entry of a DCP checkpoint, from .metadata alone.
 
     The path is what the planner flattened (``("state_dict", "layer.weight")``), else the key split at its first dot.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = read_dcp_metadata(path)
     planned = metadata.planner_data or {}
     return [(tuple(map(str, planned.get(fqn) or fqn.split(".", 1))), item) for fqn, item in metadata.state_dict_metadata.items()]
 
 
-def _dcp_keys(path: Path) -> set[str]:
+def dcp_keys(path: Path) -> set[str]:
     """Top-level keys of a DCP checkpoint, from its .metadata alone."""
-    return {where[0] for where, _ in _dcp_entries(path)}
+    return {where[0] for where, _ in dcp_entries(path)}
 
 
-def load_dcp_entries(path: Path, keys: Iterable[str] | None = None) -> dict[str, Any]:
+def load_dcp_entries(path: Path, keys: Iterable[str] | None = None, trust_pickle: bool = False) -> dict[str, Any]:
     """Top-level entries of a DCP checkpoint (all when ``keys`` is None) as full, nested tensors, read in this one
-    process: no process group, any saved world size. Entries not asked for stay on disk."""
+    process: no process group, any saved world size. Entries not asked for stay on disk. .metadata is checked by
+    ``read_dcp_metadata`` first and the non-tensor entries (which DCP unpickles with weights_only=False) are read
+    under ``weights_only_loads``."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -409,21 +520,250 @@ def load_dcp_entries(path: Path, keys: Iterable[str] | None = None) -> dict[str,
     sd: dict[str, Any] = {}
     # Same reader and planner as torch's dcp_to_torch_save.
     wanted = set(keys) if keys is not None else None
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=wanted), no_dist=True)
+    if not trust_pickle:
+        read_dcp_metadata(path)
+    with weights_only_loads(trust_pickle):
+        _load_state_dict(sd, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=wanted), no_dist=True)
     return sd
 
 
-if __name__ == "__main__":  # `python -m autoshard.checkpoint consolidate CKPT OUT.pt`: the `autoshard` command
-    from autoshard.cli import main
+# -- reading files: never code ---------------------------------------------------------------------------------------
+# The types autoshard lets torch.load(weights_only=True) build besides tensors and plain values: exactly what the files
+# of a DeepSpeed or Lightning checkpoint hold, found by loading real ones (tests/test_bad_inputs_reads.py, one test
+# each). Anything else a pickle names is refused (UntrustedPickleError), or loaded under --trust-pickle alone.
+DEEPSPEED_TYPES: tuple[str, ...] = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",  # every ZeRO optimizer file: the static scale of bf16/fp32 runs
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",  # ... and of fp16 runs, dynamic
+    "deepspeed.runtime.zero.config.ZeroStageEnum",  # every ZeRO optimizer file: zero_stage
+    "deepspeed.utils.tensor_fragment.fragment_address",  # ZeRO-1/2 optimizer files: param_slice_mappings
+)
+# Lightning 2.6's own .ckpt / meta.pt / DeepSpeed client state hold plain values only (loops, callbacks, schedulers,
+# precision); a user's hyper-parameters may hold their own types (a Path, a Namespace), which stay refused.
+LIGHTNING_TYPES: tuple[str, ...] = ()
+TRUSTED_TYPES: tuple[str, ...] = DEEPSPEED_TYPES + LIGHTNING_TYPES
+_WEIGHTS_ONLY = "Weights only load failed"  # how torch's restricted unpickler's refusals begin
+_FORCE, _NO_FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
-    raise SystemExit(main())
+
+class UntrustedPickleError(CheckpointFormatError):
+    """A file whose pickle names a global outside what weights_only and TRUSTED_TYPES allow: loading it runs code."""
+
+
+def trusted_types(import_missing: bool = False) -> list[Any]:
+    """The classes of TRUSTED_TYPES, from modules already imported (deepspeed costs seconds to import; a file that
+    needs its types imports it: ``import_missing``); those that cannot be imported (deepspeed absent) are left out."""
+    found = []
+    for qualname in TRUSTED_TYPES:
+        module_name, _, name = qualname.rpartition(".")
+        module = sys.modules.get(module_name)
+        if module is None and import_missing:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+        if module is not None and hasattr(module, name):
+            found.append(getattr(module, name))
+    return found
+
+
+@contextmanager
+def weights_only_loads(trust_pickle: bool = False) -> Iterator[None]:
+    """Every torch.load inside reads weights only, with TRUSTED_TYPES allowed, even one that passes
+    weights_only=False (DeepSpeed's zero_to_fp32 and DCP's byte entries do): torch's own TORCH_FORCE_WEIGHTS_ONLY_LOAD
+    switch, set for the duration. With ``trust_pickle`` nothing changes."""
+    if trust_pickle:
+        yield
+        return
+    saved = {key: os.environ.pop(key, None) for key in (_FORCE, _NO_FORCE)}
+    os.environ[_FORCE] = "1"
+    try:
+        with torch.serialization.safe_globals(trusted_types(import_missing=True)):
+            yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+def _refused_globals(path: Path, exc: BaseException) -> list[str]:
+    """The globals a refused pickle names (read from its opcodes, never run), less the trusted ones."""
+    try:
+        found = list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except (RuntimeError, ValueError, OSError, pickle.UnpicklingError):  # not a zip file: the refusal's text names one
+        found = []
+    found = [g for g in found if g not in TRUSTED_TYPES] or re.findall(r"GLOBAL ([\w.]+)", str(exc))
+    return list(dict.fromkeys(found))
+
+
+def untrusted(path: Path, names: list[str], action: str, fix: str | None = None) -> UntrustedPickleError:
+    """The refusal of a file whose pickle would build ``names``."""
+    shown = ", ".join(f"`{n}`" for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    return UntrustedPickleError(
+        f"cannot {action}: {str(path)!r} is a pickle that names {shown}: neither a tensor nor a type a Lightning or"
+        f" DeepSpeed checkpoint holds (autoshard.checkpoint.TRUSTED_TYPES), and unpickling it would run code chosen by"
+        f" whoever wrote the file, so autoshard reads it with torch.load(weights_only=True) and refuses it. Fix: "
+        + (fix or f"if you trust who wrote it (your own run), pass {TRUST_PICKLE}, which unpickles it as"
+           f" torch.load(weights_only=False) does; otherwise ask its author for the weights as safetensors")
+    )
+
+
+def unreadable(path: Path, exc: BaseException, action: str) -> CheckpointFormatError:
+    """The refusal of a file torch.load cannot parse: cut short, or damaged."""
+    size = path.stat().st_size if path.is_file() else 0
+    why = (str(exc).strip().splitlines() or [""])[0].split(". ")[0]
+    return CheckpointFormatError(
+        f"cannot {action}: {str(path)!r} ({size:,d} bytes) cannot be read ({type(exc).__name__}: {why}): it is"
+        f" truncated or damaged, as a copy, download or save that stopped early leaves it. Fix: copy the checkpoint"
+        f" again from where it was written, or use an earlier one"
+    )
+
+
+def load_torch_file(path: str | os.PathLike[str], *, action: str = "read", trust_pickle: bool = False, untrusted_fix: str | None = None) -> Any:
+    """``torch.load`` of one file, on the CPU, memory-mapped where torch can: weights_only with TRUSTED_TYPES, so the
+    file runs no code (UntrustedPickleError names what it wanted); a truncated or damaged file is a
+    CheckpointFormatError naming it, not torch's traceback. ``trust_pickle`` unpickles anything (the user's opt-in)."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            mmap = f.read(4) == b"PK\x03\x04"  # torch maps zip files only (torch.save's format since 1.6)
+        if trust_pickle:
+            return torch.load(p, map_location="cpu", mmap=mmap, weights_only=False)
+        try:
+            with torch.serialization.safe_globals(trusted_types()):
+                return torch.load(p, map_location="cpu", mmap=mmap, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            wanted = _refused_globals(p, exc) if _WEIGHTS_ONLY in str(exc) else []
+            if not wanted or not set(wanted) <= set(TRUSTED_TYPES):
+                raise
+            with torch.serialization.safe_globals(trusted_types(import_missing=True)):  # a DeepSpeed file: import its types
+                return torch.load(p, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        wanted = _refused_globals(p, exc) if _WEIGHTS_ONLY in str(exc) else []
+        if wanted and set(wanted) <= set(TRUSTED_TYPES):
+            raise CheckpointFormatError(
+                f"cannot {action}: {str(p)!r} holds DeepSpeed objects ({', '.join(wanted)}), which need deepspeed to be"
+                f" read. Fix: pip install \"autoshard[deepspeed]\" (no GPU needed)"
+            ) from None
+        if wanted:
+            raise untrusted(p, wanted, action, untrusted_fix) from None
+        raise unreadable(p, exc, action) from None
+    except (RuntimeError, OSError, EOFError, ValueError, IndexError) as exc:
+        raise unreadable(p, exc, action) from None
+
+
+# DCP writes its .metadata with plain pickle and torch reads it so (any global): these are all it holds.
+_DCP_METADATA_CLASSES = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # its dataclasses and enums
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    refused: list[str]
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_CLASSES or module == _DCP_METADATA_MODULE:
+            found = super().find_class(module, name)
+            if module != _DCP_METADATA_MODULE or (isinstance(found, type) and found.__module__ == module):
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        self.refused.append(f"{module}.{name}")
+        raise pickle.UnpicklingError(f"{module}.{name} refused")
+
+
+def read_dcp_metadata(path: Path, action: str = "read") -> Any:
+    """A DCP checkpoint's .metadata, unpickled with only the classes DCP writes into it (torch's own reader would
+    build any global a crafted file names): UntrustedPickleError otherwise."""
+    f = Path(path) / DCP_METADATA
+    with open(f, "rb") as handle:
+        unpickler = _MetadataUnpickler(handle)
+        unpickler.refused = []
+        try:
+            return unpickler.load()
+        except pickle.UnpicklingError:
+            if unpickler.refused:
+                raise untrusted(f, unpickler.refused, action, "restore the checkpoint from a backup, or use an earlier one: DCP"
+                                " never writes anything but its own metadata classes there") from None
+            raise
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str], action: str, *, tag: str | None = None, error: type[CheckpointFormatError] = CheckpointFormatError
+) -> CheckpointInfo:
+    """The one reader's first step, for every command that reads a whole checkpoint (``action``: convert,
+    consolidate): detect the format, take the complete checkpoint an interrupted save left in its place (with a
+    warning), check every file against the manifest (a warning where there is none), and settle a DeepSpeed tag
+    (``tag``, else the one ``latest`` names, never another). ``error`` for what cannot be read, with the fix."""
+    info = detect_format(path)
+    source = info.path
+    if not info.complete:
+        recovered = interrupted_save(source) if info.format is not Format.UNKNOWN else None
+        if recovered is None:
+            if info.format is Format.INCOMPLETE:
+                raise error(f"cannot {action}: {describe(info)}. Fix: {earlier_checkpoint(source, action)}")
+            raise error(f"cannot {action}: {describe(info)}, so it is not a checkpoint. Fix: {pick_one(source)}")
+        gerund = action.removesuffix("e") + "ing"
+        warnings.warn(f"{describe(info)}; {gerund} the complete checkpoint an interrupted save left: {str(recovered)!r}", stacklevel=3)
+        info = detect_format(recovered)
+    if not check_integrity(info.path):
+        warnings.warn(unverified_warning(info.path), stacklevel=3)
+    if info.format is Format.DEEPSPEED:
+        info = replace(info, tag=deepspeed_tag(info, tag, action))
+    elif tag is not None:
+        raise error(f"cannot {action} with --tag {tag!r}: {describe(info)}, which has no tags (DeepSpeed checkpoints have). Fix: drop --tag")
+    return info
+
+
+def deepspeed_tag(info: CheckpointInfo, tag: str | None, action: str) -> str:
+    """The tag directory to read: ``tag`` if it is one, else the one ``latest`` names; refused otherwise, naming the
+    tags there, because reading another tag than the user meant converts other weights without a word."""
+    p = info.path
+    tags = deepspeed_tags(p)
+    present = f"its tags: {', '.join(tags)}" if tags else "it holds no tag directory with model states"
+    newest = " (the newest)" if len(tags) > 1 else ""
+    if tag is not None:
+        if tag in tags:
+            return tag
+        latest = f"; 'latest' names {latest_tag(p)!r}" if latest_tag(p) else ""
+        instead = ", or leave --tag out to read the tag 'latest' names" if info.tag is not None else ""
+        choose = f"--tag {tags[-1]}{newest}{instead}" if tags else "copy the whole checkpoint directory again"
+        raise CheckpointFormatError(f"cannot {action} {str(p)!r} with --tag {tag!r}: no such tag directory ({present}{latest}). Fix: {choose}")
+    if info.tag is not None:
+        return info.tag
+    choose = f"pass --tag with the one you mean, e.g. --tag {tags[-1]}{newest}, or write its name into {str(p / DEEPSPEED_LATEST)!r}" if tags else "copy the whole checkpoint directory again"
+    raise CheckpointFormatError(f"cannot {action}: {describe(info)}; autoshard reads the tag 'latest' names and never guesses another. Fix: {choose}")
+
+
+def flat_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of a flat ``{name: tensor}`` state dict, detached, contiguous, on the CPU (whatever device they
+    were saved from); other values are left out, a nested mapping is refused."""
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, Mapping):
+            raise CheckpointFormatError(f"the model entry holds a nested '{name}': expected a flat {{name: tensor}} state dict")
+        if isinstance(value, torch.Tensor):
+            out[name] = value.detach().cpu().contiguous()
+    return out
 
 
 __all__ = [
+    "DEEPSPEED_TYPES",
+    "LIGHTNING_TYPES",
+    "TRUSTED_TYPES",
     "CheckpointFormatError",
     "CheckpointInfo",
     "Format",
+    "UntrustedPickleError",
     "check_integrity",
     "detect_format",
+    "load_torch_file",
+    "open_checkpoint",
     "resolve_for_load",
+    "weights_only_loads",
 ]

@@ -1,32 +1,103 @@
-"""Crash-safe checkpoint writes and their manifests: a save is staged beside its path and swapped in whole, and
-records every file's sha256 so that a load can tell a changed file before reading it.
+"""Crash-safe checkpoint writes and their manifests: the one publish protocol every autoshard writer follows
+(Lightning saves, ``consolidate``, ``convert``), and the manifest that records every file's sha256 so that a load can
+tell a changed file before reading it.
 
-Apart from ``checkpoint.py`` (what a path holds) because nothing here reads a checkpoint's content: paths, renames,
-fsyncs and hashes only.
+The protocol (docs/checkpoints.md, "One publish protocol"), for a destination ``PATH`` named ``NAME``:
+
+1. lock: an exclusive ``flock`` on ``.NAME.autoshard-lock`` beside ``PATH`` (``Publisher``), held from before the
+   staging is made until it is renamed in, so writers to one ``PATH`` take turns and none removes another's files;
+2. stage: write under ``.NAME.autoshard-tmp.<pid>-<random>``, a name no other writer uses;
+3. fsync the files, the staging directory, then the parent after the rename;
+4. check, still under the lock, that what is at ``PATH`` now may be replaced (the caller's rule: never what
+   autoshard did not write);
+5. rename (``commit``): a file in one step; a directory aside, in, and the old one removed.
+
+Apart from ``checkpoint.py`` (what a path holds) because nothing here reads a checkpoint's content: paths, locks,
+renames, fsyncs and hashes only.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
-from collections.abc import Iterable, Mapping
+import socket
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from enum import Enum
 from pathlib import Path
+from types import TracebackType
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: writers still stage and rename, without the lock
+    fcntl = None  # type: ignore[assignment]
 
 STAGING_SUFFIX = ".autoshard-tmp"  # a save in progress (or interrupted): never under the final name
 ASIDE_SUFFIX = ".autoshard-old"  # the previous checkpoint, moved aside for the instant of the swap
+LOCK_SUFFIX = ".autoshard-lock"  # beside the destination: held by the one writer publishing to it
 MANIFEST = "autoshard-manifest.json"  # inside a DCP checkpoint directory: every file's size and sha256
 MANIFEST_SUFFIX = ".autoshard-manifest.json"  # beside a single-file checkpoint: a file cannot hold its own hash
 DIGEST = "sha256"  # ~1.5 GB/s here with SHA-NI (blake2b: 0.76 GB/s), and `sha256sum FILE` checks it by hand
 
 
-def staging_path(path: str | os.PathLike[str]) -> Path:
+def writer_token() -> str:
+    """A staging name's tail unique to one writer: its pid (to tell whose it is) and 8 random hex digits (another
+    host's process with the same pid, on a shared filesystem)."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def staging_path(path: str | os.PathLike[str], token: str = "") -> Path:
     """Hidden sibling on the same filesystem (so the final rename is atomic); no '.ckpt' suffix, so
-    ModelCheckpoint's ``last*.ckpt`` search never picks it up."""
+    ModelCheckpoint's ``last*.ckpt`` search never picks it up. ``token`` (``writer_token()``) makes it one writer's;
+    without it, the single name autoshard used before, still recognised."""
     p = Path(path)
-    return p.with_name(f".{p.name}{STAGING_SUFFIX}")
+    return p.with_name(f".{p.name}{STAGING_SUFFIX}" + (f".{token}" if token else ""))
+
+
+def token_of(staged: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+    """The writer token in ``staged``, a staging of ``path`` ("" for the tokenless name)."""
+    return Path(staged).name.removeprefix(staging_path(path).name).removeprefix(".")
+
+
+def staged_siblings(path: str | os.PathLike[str]) -> list[Path]:
+    """Every writer's staging of ``path`` (the tokenless name too), newest first: found by name, since each writer
+    picks its own."""
+    p = Path(path)
+    base = staging_path(p).name
+    try:
+        found = [e for e in p.parent.iterdir() if e.name == base or e.name.startswith(base + ".")]
+    except OSError:  # no parent directory yet
+        return []
+
+    def modified(e: Path) -> float:
+        try:
+            return e.lstat().st_mtime
+        except OSError:
+            return 0.0
+
+    return sorted(found, key=lambda e: (-modified(e), e.name))
+
+
+def orphan_sidecar(path: str | os.PathLike[str]) -> Path | None:
+    """A staged sidecar manifest whose staged file is gone: a save renamed its file in and was interrupted before its
+    manifest followed, so this one describes the file now at ``path`` (the newest, if several)."""
+    p = Path(path)
+    for staged in staged_siblings(sidecar_path(p)):
+        token = token_of(staged, sidecar_path(p))
+        if staged.is_file() and not (staging_path(p, token).exists() or staging_path(p, token).is_symlink()):
+            return staged
+    return None
+
+
+def lock_path(path: str | os.PathLike[str]) -> Path:
+    """The lock file of destination ``path``: hidden, beside it, never matching ``last*.ckpt``."""
+    p = Path(path)
+    return p.with_name(f".{p.name}{LOCK_SUFFIX}")
 
 
 def aside_path(path: str | os.PathLike[str]) -> Path:
@@ -70,7 +141,7 @@ def commit(staged: str | os.PathLike[str], path: str | os.PathLike[str]) -> None
     """
     staged, p = Path(staged), Path(path)
     fsync_dir(staged if staged.is_dir() else staged.parent)
-    staged_sidecar = staging_path(sidecar_path(p))
+    staged_sidecar = staging_path(sidecar_path(p), token_of(staged, p))
     if not staged_sidecar.is_file():
         remove(sidecar_path(p))  # the old file's checksum would call the new one corrupted
     if staged.is_file() and not p.is_dir() or not (p.exists() or p.is_symlink()):
@@ -85,6 +156,216 @@ def commit(staged: str | os.PathLike[str], path: str | os.PathLike[str]) -> None
     if staged_sidecar.is_file():
         os.replace(staged_sidecar, sidecar_path(p))
     fsync_dir(p.parent)
+
+
+_HELD_LOCKS: set[int] = set()  # this process's lock file descriptors
+
+
+def _forget_locks_in_child() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing helper) inherits the descriptors of the locks its parent
+    holds, and a flock lasts while any copy is open: the child closes its copies, so the parent's release releases."""
+    for fd in list(_HELD_LOCKS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
+class Publisher:
+    """One writer's turn at ``path``: the lock, a staging name of its own, and the publish step (the protocol in
+    the module docstring). Every autoshard writer goes through it.
+
+    ``with Publisher(path) as pub:`` write into ``pub.staged``, then ``pub.publish(check)``. Leaving the block
+    releases the lock; on an error it also removes this writer's staging, unless an interrupted swap left ``path``
+    missing (then the staging may be the newest complete copy, which the next save or load recovers). A writer whose
+    steps run apart (a Lightning save, across collectives) calls ``acquire`` and ``release`` itself.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], token: str | None = None) -> None:
+        self.path = Path(path)
+        self.token = token or writer_token()
+        self.lock_file = lock_path(self.path)
+        self._fd: int | None = None
+
+    @property
+    def staged(self) -> Path:
+        return staging_path(self.path, self.token)
+
+    def acquire(self) -> Publisher:
+        """Take the destination's lock (waiting, with a warning naming the holder, while another writer has it).
+
+        The lock file is removed on release while still held, so a writer that waited on the removed file sees the
+        name now points elsewhere (or nowhere) and locks afresh: two writers never both hold "the" lock.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
+            return self
+        warned = False
+        while True:
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if not warned:
+                        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                        warnings.warn(
+                            f"autoshard: {str(self.path)!r} is being written by {holder} (it holds {str(self.lock_file)!r});"
+                            f" waiting for it to finish, then this write goes ahead",
+                            stacklevel=2,
+                        )
+                        warned = True
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    warnings.warn(
+                        f"autoshard: cannot lock {str(self.lock_file)!r} ({exc.strerror}: this filesystem has no flock):"
+                        f" writing {str(self.path)!r} unlocked, so do not let two processes write it at once",
+                        stacklevel=2,
+                    )
+                    return self
+                raise
+            try:
+                current = os.stat(self.lock_file)
+                mine = os.fstat(fd)
+                same = (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino)
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed this lock file when it finished: lock the current one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        _HELD_LOCKS.add(fd)
+        return self
+
+    def release(self, discard: bool = False) -> None:
+        """Give the lock back (and remove its file); ``discard``: remove this writer's staging first."""
+        try:
+            if discard and (self.path.exists() or self.path.is_symlink() or not aside_path(self.path).exists()):
+                remove(staging_path(sidecar_path(self.path), self.token))
+                remove(self.staged)
+        finally:
+            if self._fd is not None and self._fd in _HELD_LOCKS:  # not in a forked child: its copy is closed already
+                _HELD_LOCKS.discard(self._fd)
+                try:
+                    os.unlink(self.lock_file)
+                except FileNotFoundError:
+                    pass
+                os.close(self._fd)
+            self._fd = None
+
+    def publish(self, check: Callable[[Path], None] | None = None) -> None:
+        """Under the lock: ``check(path)`` raises when what is at ``path`` now may not be replaced (something may
+        have appeared while this writer wrote); then ``commit``, which fsyncs the staging and the parent."""
+        if check is not None:
+            check(self.path)
+        commit(self.staged, self.path)
+
+    def __enter__(self) -> Publisher:
+        return self.acquire()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.release(discard=kind is not None)
+
+
+def unwritable(path: str | os.PathLike[str]) -> str | None:
+    """Why nothing can be written at ``path``, or None. Asked before a large checkpoint is read.
+
+    Tried for real, by creating and removing a probe file in the nearest existing directory (what would hold
+    ``path`` or its missing parents): permission bits do not tell read-only mounts, ACLs or root apart."""
+    parent = Path(path).parent
+    existing = parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    creates = "" if existing == parent else f" (where {str(parent)!r} would be created)"
+    if not existing.is_dir():
+        if existing == parent:
+            return f"{str(parent)!r} is a file, not a directory"
+        return f"{str(existing)!r} is a file, not a directory, so {str(parent)!r} cannot be created"
+    probe = existing / f".autoshard-probe.{writer_token()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        return f"the directory {str(existing)!r}{creates} is not writable ({errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror})"
+    os.unlink(probe)
+    return None
+
+
+def unwritable_refusal(out: str | os.PathLike[str]) -> str | None:
+    """The refusal (with its Fix) of an output path nothing can be written at, or None: consolidate and convert
+    ask before they read a checkpoint that may be large."""
+    problem = unwritable(out)
+    if problem is None:
+        return None
+    return (
+        f"cannot write {str(out)!r}: {problem}; refused before reading the checkpoint. Fix: choose an output path in a"
+        f" directory you can write (e.g. under {str(Path.home())!r}), or make {str(Path(out).parent)!r} writable"
+    )
+
+
+class Overlap(Enum):
+    """Where an output path lies relative to the checkpoint being read: each is refused, even with --force."""
+
+    SAME = "same"  # the output is the checkpoint
+    HOLDS = "holds"  # the output is a directory holding it: replacing it deletes the checkpoint
+    INSIDE = "inside"  # the output is inside the checkpoint directory: the next save to it deletes the output
+
+
+def overlap(out: str | os.PathLike[str], source: str | os.PathLike[str]) -> Overlap | None:
+    """How output ``out`` and checkpoint ``source`` share a path (symlinks resolved), or None."""
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if dst == src:
+        return Overlap.SAME
+    if dst in src.parents:
+        return Overlap.HOLDS
+    if src in dst.parents:
+        return Overlap.INSIDE
+    return None
+
+
+def _listing(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def foreign_content(path: str | os.PathLike[str], kind: str, legacy: bool = False) -> str | None:
+    """Why ``path`` is not an output autoshard wrote as ``kind`` and holding nothing else; None when it is one, so
+    ``--force`` may replace it. A directory: its manifest says ``kind`` and lists every file in it. A file: its
+    sidecar manifest says ``kind`` and lists it alone, at its size (not hashed: replacing a corrupted output is
+    what ``--force`` is for). ``legacy``: a manifest without a kind (an older autoshard) counts, where the caller
+    has other evidence of the kind."""
+    p = Path(path)
+    if p.is_symlink():
+        return f"it is a symlink to {os.readlink(p)!r}, and autoshard never writes one"
+    where = p / MANIFEST if p.is_dir() else sidecar_path(p)
+    if not where.is_file():
+        return f"autoshard did not write it (no {where.name} {'in' if p.is_dir() else 'beside'} it)"
+    try:
+        body = json.loads(where.read_text())
+        files: dict[str, Any] = dict(body["files"])
+        found = body.get("kind")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"its manifest {str(where)!r} cannot be read ({type(exc).__name__})"
+    if found != kind and not (legacy and found is None):
+        writer = f"{found!r}" if found else "an autoshard that did not record which command"
+        return f"it was written by {writer}, not by {kind!r} (its {where.name} says so)"
+    if p.is_dir():
+        on_disk = {q.relative_to(p).as_posix() for q in p.rglob("*") if q.is_file() or q.is_symlink()} - {MANIFEST}
+        extra = sorted(on_disk - set(files))
+        if extra:
+            return f"it also holds {_listing(extra)}, which its {MANIFEST} does not list (not written by autoshard)"
+        return None
+    entry = files.get(p.name)
+    if set(files) != {p.name} or not isinstance(entry, Mapping) or entry.get("size") != p.stat().st_size:
+        return f"it was changed after autoshard wrote it (it no longer matches {where.name})"
+    return None
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -107,23 +388,36 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def describe_files(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"size", "sha256"}}`` for files under ``root``: what a manifest records and a check recomputes."""
+def describe_files(root: Path, names: Iterable[str], sync: bool = False) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` for files under ``root``: what a manifest records and a check recomputes.
+
+    ``sync``: fsync each file first, for files their writer did not sync (DeepSpeed's)."""
+    if sync:
+        for name in names:
+            fsync_file(root / name)
     return {name: {"size": (root / name).stat().st_size, DIGEST: file_digest(root / name)} for name in sorted(names)}
 
 
-def write_manifest(target: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
+def write_manifest(target: Path, files: Mapping[str, Mapping[str, Any]], kind: str | None = None) -> None:
     """Written and fsynced inside a staging only: what makes a staging count (meta.pt's rename, the staged file's
-    rename) comes after, so a torn manifest is never read and needs no tmp + rename of its own."""
-    body = {"format": "autoshard-manifest", "version": 1, "algorithm": DIGEST, "files": dict(sorted(files.items()))}
+    rename) comes after, so a torn manifest is never read and needs no tmp + rename of its own.
+
+    ``kind`` names the writer (``KIND_*`` of each writer): ``--force`` replaces only an output of its own kind."""
+    body: dict[str, Any] = {"format": "autoshard-manifest", "version": 1, "algorithm": DIGEST}
+    if kind is not None:
+        body["kind"] = kind
+    body["files"] = dict(sorted(files.items()))
     target.write_text(json.dumps(body, indent=1) + "\n")
     fsync_file(target)
 
 
-def stage_sidecar(path: str | os.PathLike[str]) -> None:
-    """The manifest of the file staged for ``path``, staged beside it; ``commit`` swaps in the file, then it."""
-    p, staged = Path(path), staging_path(path)
-    write_manifest(staging_path(sidecar_path(p)), {p.name: describe_files(staged.parent, [staged.name])[staged.name]})
+def stage_sidecar(path: str | os.PathLike[str], token: str = "", kind: str | None = None) -> None:
+    """The manifest of the file staged for ``path`` by writer ``token``, staged beside it; ``commit`` swaps in the
+    file, then it."""
+    p, staged = Path(path), staging_path(path, token)
+    write_manifest(
+        staging_path(sidecar_path(p), token), {p.name: describe_files(staged.parent, [staged.name])[staged.name]}, kind
+    )
 
 
 def _manifest_of(path: Path) -> Path | None:
@@ -136,8 +430,8 @@ def _manifest_of(path: Path) -> Path | None:
         found = path / MANIFEST
         return found if found.is_file() else None
     target = path.resolve()  # save_last="link": the manifest sits beside the file the link points to
-    staged = staging_path(sidecar_path(target))
-    if staged.is_file() and not staging_path(target).exists():
+    staged = orphan_sidecar(target)
+    if staged is not None:
         return staged
     found = sidecar_path(target)
     return found if found.is_file() else None

@@ -2,6 +2,9 @@
 
 ``--version``, ``--help`` and ``matrix`` import neither torch nor Lightning, so they answer at once: the
 subcommands whose modules import torch are listed by name and built only when chosen.
+
+No parser accepts abbreviations (``--devices`` once became ``--devices-per-node``), and with ``--json`` every error,
+argparse's own included, is one JSON object on stdout with exit status 1.
 """
 
 from __future__ import annotations
@@ -9,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import importlib
+import itertools
+import re
 import sys
 from collections.abc import Container, Sequence
+from typing import NoReturn
 
 from autoshard import __version__
 from autoshard.backends.matrix import FORMATS, render_matrix
-from autoshard.errors import AutoShardError
+from autoshard.errors import AutoShardError, closest
 
 # Subcommand -> (the module whose ``register_cli`` builds it, its one-line help for ``autoshard --help``).
 # tests/test_cli.py checks that each help line here is the one register_cli gives.
@@ -23,6 +29,25 @@ LAZY: dict[str, tuple[str, str]] = {
     "consolidate": ("autoshard.consolidate", "turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights"),
     "convert": ("autoshard.convert", "convert a checkpoint between DeepSpeed ZeRO-3 and fsdp2 (DCP), optimizer state included, or to safetensors"),
 }
+
+
+class UsageError(AutoShardError):
+    """A command line argparse refused, with the parser whose usage goes with it: raised instead of argparse's exit,
+    so that main() answers in JSON under --json."""
+
+    def __init__(self, message: str, parser: argparse.ArgumentParser) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations whose errors reach main(); subparsers are of this class too."""
+
+    def __init__(self, *args: object, allow_abbrev: bool = False, **kwargs: object) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, self)
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
@@ -34,6 +59,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 def add_matrix(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "matrix",
+        allow_abbrev=False,
         help="show which backend supports which feature",
         description="Show the capability matrix: fsdp2, deepspeed_zero3 and fsdp1 against every feature.",
     )
@@ -51,8 +77,9 @@ def build_parser(load: Container[str] = tuple(LAZY)) -> argparse.ArgumentParser:
     Of the LAZY subcommands only those in ``load`` are built in full (their module imported); the others appear in
     ``--help`` with their one-line help and cannot be parsed.
     """
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="autoshard",
+        allow_abbrev=False,
         description="Ask for sharded training once; autoshard picks FSDP2 or DeepSpeed ZeRO-3, or tells you why not.",
     )
     parser.add_argument("-V", "--version", action="version", version=f"autoshard {__version__}")
@@ -62,20 +89,76 @@ def build_parser(load: Container[str] = tuple(LAZY)) -> argparse.ArgumentParser:
         if name in load:
             importlib.import_module(module).register_cli(subparsers)
         else:
-            subparsers.add_parser(name, help=summary)
+            subparsers.add_parser(name, help=summary, allow_abbrev=False)
     return parser
 
 
+def wants_json(argv: Sequence[str]) -> bool:
+    """Whether the command line asks for JSON (``--json``, or matrix's ``--format json``), read from the raw words
+    because a command line argparse refused has no parsed value."""
+    words = list(argv[: list(argv).index("--")] if "--" in argv else argv)
+    return "--json" in words or "--format=json" in words or ("--format", "json") in itertools.pairwise(words)
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The subcommand's parser when there is one: argparse reports "unrecognized arguments" from the top level."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    return sub.choices[command] if sub is not None and command in sub.choices else parser
+
+
+def usage_fix(message: str, parser: argparse.ArgumentParser) -> str:
+    """The Fix for argparse's message: the option or choice a near-miss meant, else where the options are listed."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        words = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("--")]
+        hints = [f"{closest(w, options)} (not {w})" for w in words if closest(w, options)]
+        if hints:
+            return f"{', '.join(hints)}; options are never abbreviated (`{parser.prog} --help` lists them)"
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        near = closest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+        if near:
+            return f"did you mean {near!r}?"
+        return f"choose one of {choice.group(2)}"
+    return f"see `{parser.prog} --help`"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; an autoshard refusal prints its message (not a traceback) and exits 1."""
+    """Run one subcommand; an autoshard refusal prints its message (not a traceback) and exits 1.
+
+    A command line argparse refuses exits 2 with the usage, as argparse does, but with a Fix; under --json it is one
+    JSON object on stdout and exit 1, like every other error (an unexpected exception included).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)  # the top level has options without values only
-    args = build_parser(load={command}).parse_args(argv)
+    as_json = wants_json(argv)
+    parser = build_parser(load={command})
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        refused = exc.parser if exc.parser is not parser else command_parser(parser, command)
+        message = f"{exc}. Fix: {usage_fix(str(exc), refused)}"
+        if as_json:
+            print(json.dumps({"command": command, "error": {"type": "UsageError", "message": message}}, indent=1))
+            return 1
+        refused.print_usage(sys.stderr)
+        print(f"{refused.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         return args.func(args)
     except AutoShardError as exc:
-        if getattr(args, "json", False):  # --json: stdout is one object whatever happened, a refusal included
+        if as_json or getattr(args, "json", False):  # --json: stdout is one object whatever happened, a refusal included
             print(json.dumps({"command": args.command, "error": {"type": type(exc).__name__, "message": str(exc)}}, indent=1))
         else:
             print(f"autoshard: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # not a refusal autoshard knows: a bug, or an input no check caught yet
+        if not as_json:
+            raise
+        message = (
+            f"{type(exc).__name__}: {exc}. This is not a refusal autoshard knows (a bug, or an input no check catches"
+            f" yet). Fix: run the same command without --json for the traceback, and report it"
+        )
+        print(json.dumps({"command": args.command, "error": {"type": type(exc).__name__, "message": message}}, indent=1))
         return 1

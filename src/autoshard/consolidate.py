@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +22,26 @@ from autoshard.checkpoint import (
     CONSOLIDATE,
     LIGHTNING_DEEPSPEED_PREFIX,
     CheckpointFormatError,
-    _dcp_keys,
-    _describe,
-    _pick_one,
-    check_integrity,
+    dcp_keys,
+    describe,
     detect_format,
-    interrupted_save,
+    flat_tensors,
     load_dcp_entries,
+    load_torch_file,
+    open_checkpoint,
+    weights_only_loads,
 )
-from autoshard.checkpoint_io import fsync_dir, fsync_file, remove, staging_path, unverified_warning
+from autoshard.checkpoint_io import (
+    Overlap,
+    Publisher,
+    foreign_content,
+    fsync_file,
+    overlap,
+    stage_sidecar,
+    unwritable_refusal,
+)
+
+KIND_CONSOLIDATE = "autoshard consolidate"  # the kind in OUT.pt's sidecar manifest: what --force may replace
 
 @dataclass(frozen=True)
 class Consolidated:
@@ -66,16 +76,19 @@ class Consolidated:
         )
 
 
-def _load_dcp(path: Path) -> tuple[dict[str, Any], str | None]:
+def _load_dcp(path: Path, trust_pickle: bool = False) -> tuple[dict[str, Any], str | None]:
     """The model entry of a DCP checkpoint; optimizer state stays on disk."""
-    keys = _dcp_keys(path)
+    keys = dcp_keys(path)
     key = next((k for k in ("state_dict", "model") if k in keys), None)
-    sd = load_dcp_entries(path, {key} if key else None)
+    sd = load_dcp_entries(path, {key} if key else None, trust_pickle)
     return (sd[key] if key else sd), key
 
 
-def _load_deepspeed(path: Path, tag: str | None) -> dict[str, Any]:
-    """DeepSpeed's own ZeRO -> fp32 reconstruction; Lightning's wrapper prefix removed so keys match the module."""
+def _load_deepspeed(path: Path, tag: str, trust_pickle: bool = False) -> dict[str, Any]:
+    """DeepSpeed's own ZeRO -> fp32 reconstruction; Lightning's wrapper prefix removed so keys match the module.
+
+    zero_to_fp32 unpickles with weights_only=False: every file of the tag is read by ``load_torch_file`` first (a
+    truncated or untrusted one is named), and zero_to_fp32 runs under ``weights_only_loads``."""
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as exc:
@@ -83,61 +96,53 @@ def _load_deepspeed(path: Path, tag: str | None) -> dict[str, Any]:
             f"{str(path)!r} is a DeepSpeed checkpoint and deepspeed is needed to convert it ({exc}). Fix: pip install"
             f" \"autoshard[deepspeed]\" (no GPU needed), then run `{CONSOLIDATE.format(path=path)}` again"
         ) from None
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    for f in sorted((path / tag).glob("*.pt")):
+        load_torch_file(f, action="consolidate", trust_pickle=trust_pickle)
+    with weights_only_loads(trust_pickle):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
     return {k.removeprefix(LIGHTNING_DEEPSPEED_PREFIX): v for k, v in state.items()}
 
 
-def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in state.items():
-        if isinstance(value, Mapping):
-            raise CheckpointFormatError(f"the model entry holds a nested '{name}': expected a flat {{name: tensor}} state dict")
-        if isinstance(value, torch.Tensor):
-            out[name] = value.detach().cpu().contiguous()
-    return out
-
-
 def consolidate(
-    ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], *, tag: str | None = None, force: bool = False
+    ckpt: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    force: bool = False,
+    trust_pickle: bool = False,
 ) -> Consolidated:
     """Write one plain ``torch.save`` file of full, unsharded weights from a DCP, DeepSpeed or full checkpoint.
 
     Runs in one CPU process whatever world size wrote the checkpoint; ``model.load_state_dict(torch.load(out))``
     on the unsharded module then passes with ``strict=True``. The checkpoint's files are checked against its manifest
-    first. An existing output is never touched without ``force``; with it, the old file is replaced only by the
-    complete new one (temporary file in the same directory, fsync, rename).
+    first, and unpickled without running code unless ``trust_pickle`` (``checkpoint.load_torch_file``). An existing output is never touched without ``force``; with it, only a file consolidate wrote (its
+    sidecar manifest says so) is replaced, and only by the complete new one (checkpoint_io's publish protocol).
     """
     start = time.perf_counter()
     out = Path(out_path)
-    _check_output(out, force)
-    info = detect_format(ckpt)
+    _check_output(out, force, Path(ckpt))
+    info = open_checkpoint(ckpt, "consolidate", tag=tag)  # detect, recover an interrupted save, verify, settle the tag
     source = info.path
-    if not info.complete:
-        recovered = interrupted_save(source) if info.format is not Format.UNKNOWN else None
-        if recovered is None:
-            raise CheckpointFormatError(f"cannot consolidate: {_describe(info)}, so it is not a checkpoint. Fix: {_pick_one(source)}")
-        warnings.warn(f"{_describe(info)}; consolidating the complete checkpoint an interrupted save left: {str(recovered)!r}", stacklevel=2)
-        info = detect_format(recovered)
-        source = recovered
     if (out.exists() or out.is_symlink()) and out.resolve() == source.resolve():
         raise CheckpointFormatError(
             f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path"
         )
-    if not check_integrity(source):
-        warnings.warn(unverified_warning(source), stacklevel=2)
     key: str | None
     if info.format in (Format.DCP, Format.DCP_RAW):
-        state, key = _load_dcp(source)
+        state, key = _load_dcp(source, trust_pickle)
     elif info.format is Format.DEEPSPEED:
-        state, key = _load_deepspeed(source, tag or info.tag), None
+        assert info.tag is not None  # open_checkpoint settles it or refuses
+        state, key = _load_deepspeed(source, info.tag, trust_pickle), None
     else:
-        loaded = torch.load(source, mmap=True, map_location="cpu", weights_only=True)
+        loaded = load_torch_file(source, action="consolidate", trust_pickle=trust_pickle)
         key = "state_dict" if isinstance(loaded, Mapping) and "state_dict" in loaded else None
         state = loaded[key] if key else loaded
-    tensors = _tensors(state)
+    if not isinstance(state, Mapping):
+        raise CheckpointFormatError(f"cannot consolidate: {describe(info)}, but it holds a {type(state).__name__}, not a state dict. Fix: pass a checkpoint, or torch.save(model.state_dict(), PATH)")
+    tensors = flat_tensors(state)
     if not tensors:
-        raise CheckpointFormatError(f"cannot consolidate: {_describe(info)}, but it holds no tensors under {key or 'its top level'!r}")
-    _write_new(tensors, out, force)
+        raise CheckpointFormatError(f"cannot consolidate: {describe(info)}, but it holds no tensors under {key or 'its top level'!r}")
+    _write_new(tensors, out, force, source)
     return Consolidated(
         source=source,
         format=info.format,
@@ -150,47 +155,59 @@ def consolidate(
     )
 
 
-def _check_output(out: Path, force: bool) -> None:
-    """Refuse, before reading the checkpoint, to replace what is at ``out`` unless asked to."""
+def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
+    """Refuse, before reading the checkpoint (and again under the lock, before the rename): a directory, the
+    checkpoint itself or a path inside it, a place nothing can be written, and an existing file, unless ``force``
+    and consolidate wrote it (its sidecar manifest says so): --force never replaces what autoshard did not write."""
     if out.is_dir():
         raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
-    if (out.exists() or out.is_symlink()) and not force:
+    shared = overlap(out, source) if source is not None and (source.exists() or source.is_symlink()) else None
+    if shared is Overlap.SAME:
         raise CheckpointFormatError(
-            f"refusing to overwrite {str(out)!r}: it already exists ({detect_format(out, verify=False).detail}), and"
-            f" consolidate would replace it with weights only. Fix: choose another output path, or pass --force"
-            f" (force=True) to replace it"
+            f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path"
+        )
+    if shared is Overlap.INSIDE:
+        assert source is not None
+        raise CheckpointFormatError(
+            f"refusing to write {str(out)!r}: it is inside the checkpoint being consolidated ({str(source)!r}), which"
+            f" would then hold a file its save did not write (and the next save to it, which replaces it whole,"
+            f" would delete it). Fix: choose an output path outside it, e.g. {str(source.parent / 'weights.pt')!r}"
+        )
+    refusal = unwritable_refusal(out)
+    if refusal is not None:
+        raise CheckpointFormatError(refusal)
+    if not (out.exists() or out.is_symlink()):
+        return
+    what = detect_format(out, verify=False).detail
+    foreign = foreign_content(out, KIND_CONSOLIDATE)
+    if foreign is None and not force:
+        raise CheckpointFormatError(
+            f"refusing to overwrite {str(out)!r}: it already exists ({what}), and consolidate would replace it with"
+            f" weights only. Fix: choose another output path, or pass --force (force=True) to replace it"
+        )
+    if foreign is not None:
+        even = " even with --force" if force else ""
+        raise CheckpointFormatError(
+            f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {foreign}: --force replaces"
+            f" only a file consolidate wrote. Fix: choose another output path, or move {str(out)!r} away first"
         )
 
 
-def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool) -> None:
-    """Staged in the same directory and fsynced, then published in one step: ``os.replace`` with ``force``, else a
-    hard link that fails if ``out`` appeared meanwhile. A failure at any point leaves ``out`` as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = staging_path(out)
-    try:
-        remove(staged)
-        torch.save(tensors, staged)
-        fsync_file(staged)
-        if force:
-            os.replace(staged, out)
-        else:
-            try:
-                os.link(staged, out)
-            except FileExistsError:
-                _check_output(out, force)  # raises: something appeared at ``out`` while we wrote
-                raise
-            except OSError:  # a filesystem without hard links: the check just before is the best it allows
-                _check_output(out, force)
-                os.replace(staged, out)
-        fsync_dir(out.parent)
-    finally:
-        remove(staged)
+def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source: Path) -> None:
+    """checkpoint_io's publish protocol: under ``out``'s lock, staged under this writer's own name and fsynced with
+    its sidecar manifest, ``out`` checked again (another writer may have published meanwhile), then renamed. A
+    failure at any point leaves ``out`` as it was and removes the staging."""
+    with Publisher(out) as publisher:
+        torch.save(tensors, publisher.staged)
+        fsync_file(publisher.staged)
+        stage_sidecar(out, publisher.token, KIND_CONSOLIDATE)
+        publisher.publish(lambda path: _check_output(path, force, source))
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """``autoshard consolidate CKPT OUT.pt``: print what was written; refusals exit 1 through the CLI's handler
     (which prints them as JSON under --json)."""
-    done = consolidate(args.ckpt, args.out, tag=args.tag, force=args.force)
+    done = consolidate(args.ckpt, args.out, tag=args.tag, force=args.force, trust_pickle=args.trust_pickle)
     print(json.dumps(done.to_json(), indent=1) if args.json else done.describe())
     return 0
 
@@ -199,6 +216,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``autoshard consolidate CKPT_DIR OUT.pt`` to the ``autoshard`` command."""
     parser = subparsers.add_parser(
         "consolidate",
+        allow_abbrev=False,
         help="turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights",
         description=(
             "Read a checkpoint written by strategy='fsdp2'/'auto-shard' (torch.distributed.checkpoint directory),"
@@ -211,16 +229,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("out", metavar="OUT.pt", help="the file to write")
     parser.add_argument("--tag", default=None, help="DeepSpeed only: the tag directory (default: the one in 'latest')")
     parser.add_argument(
-        "--force", action="store_true", help="replace OUT.pt if it exists (only once the new file is complete)"
+        "--force", action="store_true", help="replace OUT.pt if consolidate wrote it (only once the new file is complete)"
+    )
+    parser.add_argument(
+        "--trust-pickle", action="store_true",
+        help="unpickle the checkpoint as torch.load(weights_only=False) does, running any code it holds: only for a file you trust",
     )
     parser.add_argument("--json", action="store_true", help="print the result (or the refusal) as one JSON object")
     parser.set_defaults(func=cmd_consolidate)
-
-
-if __name__ == "__main__":  # `python -m autoshard.consolidate consolidate CKPT OUT.pt`: the `autoshard` command
-    from autoshard.cli import main
-
-    raise SystemExit(main())
 
 
 __all__ = ["Consolidated", "consolidate", "register_cli"]

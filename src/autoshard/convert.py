@@ -43,27 +43,28 @@ from autoshard.checkpoint import (
     LIGHTNING_META,
     CheckpointFormatError,
     Format,
-    _dcp_entries,
-    _describe,
-    _pick_one,
-    check_integrity,
+    dcp_entries,
+    deepspeed_tag,
     detect_format,
-    interrupted_save,
+    flat_tensors,
     load_dcp_entries,
+    load_torch_file,
+    open_checkpoint,
 )
 from autoshard.checkpoint_io import (
     MANIFEST,
-    commit,
+    Overlap,
+    Publisher,
     describe_files,
+    foreign_content,
     fsync_dir,
     fsync_file,
-    remove,
-    staging_path,
-    unverified_warning,
+    overlap,
+    unwritable_refusal,
     write_manifest,
 )
-from autoshard.memory import parse_size as memory_size
-from autoshard.consolidate import _tensors
+from autoshard.errors import closest
+from autoshard.units import parse_size as memory_size
 from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 
 TARGETS = ("dcp", "deepspeed", "safetensors")
@@ -181,40 +182,41 @@ RESUME_HINT = {
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
-def read_checkpoint(path: str | os.PathLike[str], *, tag: str | None = None, progress: Callable[[str], None] | None = None) -> TrainingState:
-    """Any checkpoint autoshard knows, checked against its manifest first, as a TrainingState."""
+def read_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    trust_pickle: bool = False,
+    weights_only: bool = False,
+) -> TrainingState:
+    """Any checkpoint autoshard knows, checked against its manifest first, as a TrainingState. Files are unpickled
+    without running code unless ``trust_pickle``; ``weights_only`` (--to safetensors) skips optimizer state that
+    cannot be named rather than refusing it."""
     say = progress or (lambda _: None)
-    info = detect_format(path)
+    info = open_checkpoint(path, "convert", tag=tag, error=ConvertError)  # detect, recover, verify, settle the tag
     source = info.path
-    if not info.complete:
-        recovered = interrupted_save(source) if info.format is not Format.UNKNOWN else None
-        if recovered is None:
-            raise ConvertError(f"cannot convert: {_describe(info)}, so it is not a checkpoint. Fix: {_pick_one(source)}")
-        warnings.warn(f"{_describe(info)}; converting the complete checkpoint an interrupted save left: {str(recovered)!r}", stacklevel=2)
-        info, source = detect_format(recovered), recovered
     say(f"reading {info.format.value} checkpoint {str(source)!r} ({info.detail})")
-    if not check_integrity(source):
-        warnings.warn(unverified_warning(source), stacklevel=2)
     if info.format in (Format.DCP, Format.DCP_RAW):
-        return read_dcp(source)
+        return read_dcp(source, trust_pickle)
     if info.format is Format.DEEPSPEED:
-        return read_deepspeed(source, tag or info.tag)
-    return read_full(source)
+        return read_deepspeed(source, info.tag, trust_pickle)
+    return read_full(source, trust_pickle, weights_only)
 
 
-def read_dcp(path: Path) -> TrainingState:
+def read_dcp(path: Path, trust_pickle: bool = False) -> TrainingState:
     """An autoshard / Lightning DCP directory: ``state_dict``, ``optimizer_{i}``, ``callback_optimizer_{n}``, meta.pt."""
-    entries = _dcp_entries(path)
+    entries = dcp_entries(path)
     keys = {where[0] for where, _ in entries}
     key = next((k for k in ("state_dict", "model") if k in keys), None)
     optimizer_keys = sorted((k for k in keys if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k.split("_")[1]))
-    loaded = load_dcp_entries(path, {key, *optimizer_keys} if key else None)
-    tensors = _tensors(loaded[key] if key else loaded)
+    loaded = load_dcp_entries(path, {key, *optimizer_keys} if key else None, trust_pickle)
+    tensors = flat_tensors(loaded[key] if key else loaded)
     optimizers = [_named_optimizer(loaded[k], f"optimizer #{k.split('_')[1]}", path) for k in optimizer_keys]
     trainer: dict[str, Any] = {}
     meta = path / LIGHTNING_META
     if meta.is_file():
-        trainer = torch.load(meta, map_location="cpu", weights_only=False)  # your own checkpoint, as Lightning loads it
+        trainer = load_torch_file(meta, action="convert", trust_pickle=trust_pickle)
     extra = trainer.pop("autoshard", None) or {}
     state = TrainingState(
         tensors=tensors,
@@ -236,18 +238,25 @@ def read_dcp(path: Path) -> TrainingState:
     return state
 
 
-def read_full(path: Path) -> TrainingState:
+def read_full(path: Path, trust_pickle: bool = False, weights_only: bool = False) -> TrainingState:
     """One torch.save file: a Lightning checkpoint (``state_dict``, ``optimizer_states``) or bare weights."""
-    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    loaded = load_torch_file(path, action="convert", trust_pickle=trust_pickle)
     if not isinstance(loaded, Mapping):
         raise ConvertError(f"cannot convert {str(path)!r}: it holds a {type(loaded).__name__}, not a state dict. Fix: pass a checkpoint file or directory")
     if "state_dict" not in loaded:
-        return TrainingState(tensors=_tensors(loaded), optimizers=[], trainer={}, source=path, format=Format.FULL, world_size=None)
+        return TrainingState(tensors=flat_tensors(loaded), optimizers=[], trainer={}, source=path, format=Format.FULL, world_size=None)
     trainer = {k: v for k, v in loaded.items() if k not in ("state_dict", "optimizer_states")}
     extra = trainer.pop("autoshard", None) or {}
-    optimizers = [_named_optimizer(s, f"optimizer #{i}", path) for i, s in enumerate(loaded.get("optimizer_states") or [])]
+    saved = list(loaded.get("optimizer_states") or [])
+    notes = []
+    if weights_only and any(not isinstance(p, str) for s in saved for g in s.get("param_groups", []) for p in g.get("params", [])):
+        # DDP / single-device Lightning keys optimizer state by position: no use to weights, so not a refusal here.
+        notes.append(f"{len(saved)} optimizer state(s) keyed by position (a DDP or single-device checkpoint) not read: weights only")
+        saved = []
+    optimizers = [_named_optimizer(s, f"optimizer #{i}", path) for i, s in enumerate(saved)]
     return TrainingState(
-        tensors=_tensors(loaded["state_dict"]),
+        notes=notes,
+        tensors=flat_tensors(loaded["state_dict"]),
         optimizers=optimizers,
         trainer=trainer,
         source=path,
@@ -321,10 +330,10 @@ def _partition(numel: int, world: int) -> int:
     return math.ceil(numel / world)
 
 
-def read_deepspeed(path: Path, tag: str | None) -> TrainingState:
+def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> TrainingState:
     """A ZeRO-3 checkpoint (Lightning's DeepSpeedStrategy or autoshard-deepspeed) into full per-parameter tensors."""
     _require_deepspeed(path)  # its files pickle DeepSpeed objects (the loss scaler)
-    tag = tag or (path / DEEPSPEED_LATEST).read_text().strip()
+    tag = tag or deepspeed_tag(detect_format(path, verify=False), None, "convert")  # 'latest', never a guess
     folder = path / tag
     if (folder / "offloaded_tensors").exists():
         raise ConvertError(
@@ -333,8 +342,8 @@ def read_deepspeed(path: Path, tag: str | None) -> TrainingState:
         )
     model_files, optim_files = _deepspeed_files(folder)
     world = len(model_files)
-    models = [torch.load(f, map_location="cpu", mmap=True, weights_only=False) for f in model_files]
-    optims = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"] for f in optim_files]
+    models = [load_torch_file(f, action="convert", trust_pickle=trust_pickle) for f in model_files]
+    optims = [load_torch_file(f, action="convert", trust_pickle=trust_pickle)["optimizer_state_dict"] for f in optim_files]
     head = models[0]
     stage = int(optims[0].get("zero_stage", 0))
     if stage != 3:
@@ -724,28 +733,69 @@ def write_safetensors(state: TrainingState, staged: Path, max_shard_size: int) -
 
 
 # -- publishing ------------------------------------------------------------------------------------------------------------
-def check_output(out: Path, source: Path | None, force: bool) -> None:
-    """Refuse, before reading anything, to replace what is at ``out`` unless asked to; never the source itself."""
-    if source is not None and (out.exists() or out.is_symlink()) and out.resolve() == Path(source).resolve():
+def output_kind(to: str) -> str:
+    """The kind a converted output's manifest records: ``--force`` replaces only an output of the same kind."""
+    return f"autoshard convert --to {to}"
+
+
+def _recorded_target(out: Path) -> str | None:
+    """The target in an output's autoshard-convert.json (convert wrote it before manifests recorded a kind)."""
+    try:
+        return str(json.loads((out / RECORD).read_text())["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -> None:
+    """Refuse, before reading anything (and again under the lock, before the rename): the source itself, a DST that
+    holds it or lies inside it, a place nothing can be written, and an existing DST unless ``force`` and DST is an
+    output of ``convert --to {to}`` holding nothing else (its manifest says so). --force never deletes what
+    autoshard did not write."""
+    suggest = f"{source}-{to or 'converted'}" if source is not None else f"{out}-new"
+    shared = overlap(out, source) if source is not None and (Path(source).exists() or Path(source).is_symlink()) else None
+    if shared is Overlap.SAME:
         raise ConvertError(f"refusing to write {str(out)!r}: it is the checkpoint being converted. Fix: choose another output path")
-    if (out.exists() or out.is_symlink()) and not force:
+    if shared is Overlap.HOLDS:
         raise ConvertError(
-            f"refusing to overwrite {str(out)!r}: it already exists ({detect_format(out, verify=False).detail}). Fix: choose a new"
+            f"refusing to write {str(out)!r}: it holds the checkpoint being converted ({str(source)!r}), and"
+            f" publishing DST replaces it whole, so even --force never does. Fix: choose a new output path outside"
+            f" it, e.g. {suggest!r}"
+        )
+    if shared is Overlap.INSIDE:
+        raise ConvertError(
+            f"refusing to write {str(out)!r}: it is inside the checkpoint being converted ({str(source)!r}), which"
+            f" would then hold files its save did not write (and the next save to it, which replaces it whole, would"
+            f" delete them). Fix: choose a new output path outside it, e.g. {suggest!r}"
+        )
+    refusal = unwritable_refusal(out)
+    if refusal is not None:
+        raise ConvertError(refusal)
+    if not (out.exists() or out.is_symlink()):
+        return
+    what = detect_format(out, verify=False).detail
+    foreign = foreign_content(out, output_kind(to), legacy=bool(to) and _recorded_target(out) == to) if to else "its kind is unknown"
+    if foreign is None and not force:
+        raise ConvertError(
+            f"refusing to overwrite {str(out)!r}: it already exists ({what}). Fix: choose a new"
             f" output path, or pass --force (force=True) to replace it once the new one is complete"
+        )
+    if foreign is not None:
+        even = " even with --force" if force else ""
+        raise ConvertError(
+            f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {foreign}: --force replaces"
+            f" only an output of `{output_kind(to)}` holding nothing else. Fix: choose a new output path, e.g."
+            f" {suggest!r}, or move {str(out)!r} away first"
         )
 
 
-def _publish(staged: Path, out: Path, force: bool, source: Path) -> None:
-    """Manifest of every file, then one rename: a killed convert leaves only the hidden staging sibling."""
+def _publish(publisher: Publisher, force: bool, source: Path, to: str) -> None:
+    """Manifest of every file, with this output's kind; then, under the lock, DST checked again (another writer may
+    have published meanwhile) and the rename (``commit``: aside, in, old removed; never a partial DST)."""
+    staged = publisher.staged
     files = [p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()]
-    write_manifest(staged / MANIFEST, describe_files(staged, files))
+    write_manifest(staged / MANIFEST, describe_files(staged, files), output_kind(to))
     fsync_dir(staged)
-    check_output(out, source, force)  # something may have appeared at ``out`` while we wrote
-    if out.exists() or out.is_symlink():
-        commit(staged, out)  # --force: aside, rename in, remove the old one; never a partial directory under ``out``
-        return
-    os.rename(staged, out)
-    fsync_dir(out.parent)
+    publisher.publish(lambda path: check_output(path, source, force, to=to))
 
 
 def convert(
@@ -762,8 +812,10 @@ def convert(
     sub_group_size: int = SUB_GROUP_SIZE,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    trust_pickle: bool = False,
 ) -> Converted:
-    """Convert checkpoint ``src`` into ``dst`` in the ``to`` layout; see the module docstring."""
+    """Convert checkpoint ``src`` into ``dst`` in the ``to`` layout; see the module docstring. ``trust_pickle``
+    unpickles the source as torch.load(weights_only=False) does (its code runs): only for a file the user trusts."""
     start = time.perf_counter()
     say = progress or (lambda _: None)
     if to not in TARGETS:
@@ -778,10 +830,10 @@ def convert(
         raise ConvertError(f"--world-size must be a positive integer, got {world_size!r}. Fix: --world-size N (devices x nodes of the resuming run)")
     out = Path(dst)
     size_limit = parse_size(max_shard_size)
-    check_output(out, Path(src) if Path(src).exists() else None, force)
+    check_output(out, Path(src) if Path(src).exists() else None, force, to=to)
     if to == "deepspeed" and precision is None and detect_format(src, verify=False).format is not Format.DEEPSPEED:
         _missing_precision(Path(src))  # before reading a checkpoint that may be large
-    state = read_checkpoint(src, tag=tag, progress=say)
+    state = read_checkpoint(src, tag=tag, progress=say, trust_pickle=trust_pickle, weights_only=to == "safetensors")
     _check_target(state, to)
     if module is not None:
         _select_module(state, module)
@@ -802,9 +854,8 @@ def convert(
         if state.precision is None:
             _missing_precision(state.source)
         precision = state.precision
-    staged = staging_path(out)
-    remove(staged)  # what an earlier interrupted convert left
-    try:
+    with Publisher(out) as publisher:  # checkpoint_io's publish protocol: DST's lock, a staging of this writer's own
+        staged = publisher.staged
         say(f"writing {to} into {str(staged)!r}")
         if to == "dcp":
             written = write_dcp(state, staged)
@@ -827,9 +878,7 @@ def convert(
         files = [p for p in staged.rglob("*") if p.is_file()]
         nbytes = sum(p.stat().st_size for p in files)
         say(f"publishing {str(out)!r} ({len(files) + 1} files, {nbytes / 2**20:.2f} MiB)")
-        _publish(staged, out, force, state.source)
-    finally:
-        remove(staged)
+        _publish(publisher, force, state.source, to)
     trained = set(state.trained())
     buffers = len(state.buffers) if state.buffers is not None else len([n for n in state.tensors if n not in trained and n not in state.frozen])
     opt_tensors = sum(1 for o in state.optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor))
@@ -861,8 +910,7 @@ def _select_module(state: TrainingState, module: str) -> None:
     prefix = module.strip(".") + "."
     kept = {n[len(prefix) :]: t for n, t in state.tensors.items() if n.startswith(prefix)}
     if not kept:
-        tops = sorted({n.split(".", 1)[0] for n in state.tensors})
-        raise ConvertError(f"--module {module!r} holds no tensor of {str(state.source)!r}. Fix: pass one of its submodules: {', '.join(map(repr, tops[:6]))}")
+        raise ConvertError(_no_such_module(state, module.strip(".")))
     state.tensors = kept
     state.aliases = {a[len(prefix) :]: n[len(prefix) :] for a, n in state.aliases.items() if a.startswith(prefix) and n.startswith(prefix)}
     state.buffers = {b[len(prefix) :] for b in state.buffers if b.startswith(prefix)} if state.buffers is not None else None
@@ -870,6 +918,27 @@ def _select_module(state: TrainingState, module: str) -> None:
         OptimizerState([{**g, "params": [p[len(prefix) :] for p in g["params"] if p.startswith(prefix)]} for g in o.groups], {})
         for o in state.optimizers
     ]
+
+
+def _no_such_module(state: TrainingState, module: str) -> str:
+    """Why --module matched nothing, and submodules that hold parameters (a buffer or a lone tensor is no module)."""
+    trained = set(state.trained())
+    buffers = state.buffers if state.buffers is not None else {n for n in state.tensors if trained and n not in trained and n not in state.frozen}
+    params = [n for n in state.tensors if n not in buffers]
+    paths = sorted({n.rsplit(".", k)[0] for n in params for k in range(1, n.count(".") + 1)})
+    tops = [p for p in paths if "." not in p]
+    if module in state.tensors:
+        what = f"--module {module!r} names a {'buffer' if module in buffers else 'tensor'} of {str(state.source)!r}, not a submodule"
+    else:
+        what = f"--module {module!r} holds no tensor of {str(state.source)!r}"
+    near = closest(module, paths)
+    if near is not None and near not in tops:
+        fix = f"--module {near!r}"
+    elif tops:
+        fix = f"pass one of its submodules: {', '.join(map(repr, tops[:6]))}"
+    else:
+        fix = "drop --module: the checkpoint's parameters are not inside any submodule"
+    return f"{what}. Fix: {fix}"
 
 
 def _missing_precision(source: Path) -> None:
@@ -920,6 +989,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         precision=args.precision,
         force=args.force,
         progress=None if args.quiet else progress,
+        trust_pickle=args.trust_pickle,
     )
     print(json.dumps(result.to_json(), indent=1) if args.json else result.describe())
     return 0
@@ -932,6 +1002,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``autoshard convert SRC DST --to dcp|deepspeed|safetensors`` to the ``autoshard`` command."""
     parser = subparsers.add_parser(
         "convert",
+        allow_abbrev=False,
         help=HELP,
         description=(
             "Rewrite a checkpoint for another backend: a DeepSpeed ZeRO-3 checkpoint becomes a DCP directory that"
@@ -950,16 +1021,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--frozen", action="append", metavar="NAME", help="deepspeed only: a parameter (or module path) outside the optimizer that is not a buffer; repeatable")
     parser.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help=f"safetensors only: split above this size (default {MAX_SHARD_SIZE}, like Hugging Face)")
     parser.add_argument("--module", default=None, metavar="PATH", help="safetensors only: the submodule to write, named as it names its weights (e.g. model)")
-    parser.add_argument("--force", action="store_true", help="replace DST if it exists (only once the new one is complete)")
+    parser.add_argument("--force", action="store_true", help="replace DST if it is an output of convert --to the same target, holding nothing else (only once the new one is complete)")
+    parser.add_argument("--trust-pickle", action="store_true", help="unpickle SRC as torch.load(weights_only=False) does, running any code it holds: only for a checkpoint you trust")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(func=cmd_convert)
-
-
-if __name__ == "__main__":  # `python -m autoshard.convert convert SRC DST --to ...`: the `autoshard` command
-    from autoshard.cli import main
-
-    raise SystemExit(main())
 
 
 __all__ = [

@@ -216,7 +216,7 @@ def dino_with_probe() -> tuple[DinoLike, list[pl.Callback]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="bf16-mixed")

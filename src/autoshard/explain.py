@@ -12,9 +12,9 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
 from autoshard.budget import BudgetReport, Option, check_budget
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
-from autoshard.activations import load_batch, measure_step
+from autoshard.activations import call_batch, load_batch, measure_step
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
     MemoryEstimate,
@@ -41,8 +41,11 @@ from autoshard.select import Decision, features_needed, select_backend
 from autoshard.target import build_on_meta, load_target
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
+# memory_table's line when no step ran; explain replaces it when the user did pass --batch (see Report.text).
+ACTIVATIONS_HINT = "activations are not counted: pass --batch FILE.py:make_batch (or set example_input_array) to simulate a step"
 DEFAULT_DEVICES_PER_NODE = 8
 BACKEND_CHOICES = ("auto", "fsdp2", "deepspeed")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")  # Trainer(accelerator=...): only "cpu" changes the verdict
 _LIST_FIELDS = ("shard", "exclude", "blocks")
 
 
@@ -69,13 +72,21 @@ def read_intent_file(path: str) -> dict[str, Any]:
     except OSError as exc:
         raise AutoShardError(f"cannot read --intent-file {path}: {exc.strerror or exc}. Fix: give the path of a YAML or JSON file") from None
     if path.endswith(".json"):
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise AutoShardError(f"--intent-file {path} is not valid JSON: {exc}. Fix: e.g. {{\"offload\": \"params\"}}") from None
     else:
         try:
             import yaml
         except ImportError:
             raise AutoShardError(f"--intent-file {path} needs PyYAML. Fix: pip install pyyaml (or give a .json file)") from None
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None and problem else " ".join(str(exc).split())
+            raise AutoShardError(f"--intent-file {path} is not valid YAML ({where}). Fix: one `field: value` per line, e.g. `offload: params`") from None
     if isinstance(data, Mapping) and set(data) == {"intent"}:
         data = data["intent"]
     if data is not None and not isinstance(data, Mapping):
@@ -118,10 +129,16 @@ class Report:
     memory: list[MemoryEstimate] = field(default_factory=list)
     budget: BudgetReport | None = None
     notes: list[str] = field(default_factory=list)
+    # What was asked (--batch, --budget) but could not be estimated, with its Fix: the answer is partial (exit 1).
+    incomplete: str | None = None
+    # Why the table counts no activations when the table's own hint ("pass --batch") would be wrong.
+    unmeasured: str | None = None
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.error else 0
+        """1 when autoshard refuses the run, or when what was asked (a simulated step, a budget verdict) could not be
+        estimated in full; 0 otherwise ("does NOT fit" included: that is an answer)."""
+        return 1 if self.error or self.incomplete else 0
 
     def _feature_rows(self) -> list[dict[str, Any]]:
         rows = matrix()
@@ -142,7 +159,11 @@ class Report:
             "intent": self.intent.to_dict(),
             "needs": self.needs.to_dict(),
             "decision": self.decision.to_dict() if self.decision else None,
-            "error": {"type": self.error_type, "message": self.error} if self.error else None,
+            "error": (
+                {"type": self.error_type, "message": self.error} if self.error
+                else {"type": "IncompleteEstimate", "message": self.incomplete} if self.incomplete else None
+            ),
+            "incomplete": self.incomplete,
             "features": self._feature_rows(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "deepspeed_config": self.deepspeed_config,
@@ -172,13 +193,20 @@ class Report:
         if self.deepspeed_config is not None:
             out += ["", head(f"== DeepSpeed ZeRO-3 config (world size {self.deepspeed_config_world}) =="), json.dumps(self.deepspeed_config, indent=2)]
         if self.memory:
-            out += ["", head("== per-rank memory =="), memory_table(self.memory)]
+            table = memory_table(self.memory)
+            if self.unmeasured:  # the table's generic hint tells the user to pass the --batch they passed
+                table = table.replace(f"  {ACTIVATIONS_HINT}", f"  activations are not counted: {self.unmeasured}")
+            out += ["", head("== per-rank memory =="), table]
         if self.budget is not None:
             out += ["", head("== memory budget =="), self.budget.text()]
         if self.notes:
             out += ["", *[f"note: {n}" for n in self.notes]]
+        if self.incomplete:
+            out += ["", head("== incomplete estimate =="), self.incomplete]
         if self.error:
             out += ["", "autoshard explain: refused (exit status 1); the Fix line above says what to change"]
+        elif self.incomplete:
+            out += ["", "autoshard explain: incomplete estimate (exit status 1); the Fix line above says how to complete it"]
         return "\n".join(out)
 
     def _intent_changes(self) -> dict[str, Any]:
@@ -237,11 +265,18 @@ def explain(
     ``example_input_array`` is forwarded (no backward); ``simulate=False`` skips the simulation. ``budget``:
     device bytes per rank (``80GiB``); the report says whether the largest world size fits and what would.
     ``progress``: called with a line before each simulated step (seconds each on big models); the CLI prints it.
+
+    When a batch or a budget was asked for and the peak lacks part of the step (the step could not run on the
+    batch, or there is nothing to simulate), ``report.incomplete`` says what and why, with a Fix, the budget
+    verdict is "cannot tell" rather than "fits", and ``exit_code`` is 1. A ``batch`` function that raises is
+    refused (AutoShardError) before any step runs.
     """
     intent = intent or ShardingIntent()
     budget_bytes = parse_size(budget) if budget is not None else None
     factory = load_target(target) if isinstance(target, str) else target
     make_batch = load_batch(batch) if isinstance(batch, str) else batch
+    # Called once now, so that a batch function that raises is refused in words before any step is simulated.
+    rows = _batch_rows(make_batch) if make_batch is not None else None
     built = build_on_meta(factory)
     module = built.module
     # The one configure_optimizers call (offline, on the meta module): needs and memory both read its optimizers.
@@ -280,8 +315,22 @@ def explain(
         report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
     sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
     precision = resolve_precision(None, intent)
-    simulate = simulate and (make_batch is not None or getattr(module, "example_input_array", None) is not None)
+    asked_step = simulate and make_batch is not None  # the user asked for a simulated training step
+    has_example = getattr(module, "example_input_array", None) is not None
+    if not simulate:
+        unsimulated = "--no-step asks for model states only. Fix: drop --no-step" + (
+            "" if make_batch is not None or has_example else " and pass --batch FILE.py:make_batch"
+        )
+    else:
+        unsimulated = (
+            f"no --batch was given, and {type(module).__name__} has no example_input_array to forward. Fix: pass"
+            f" --batch FILE.py:make_batch (a function of no arguments returning one micro-batch, as your DataLoader"
+            f" yields it)"
+        )
+    simulate = simulate and (make_batch is not None or has_example)
     whole_step = bool(engine.plan)  # the simulated step runs this backend's own plan: its peak is the run's
+    why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
+    failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
 
     def states(asked: ShardingIntent, world_sizes: Sequence[int]) -> list[MemoryEstimate]:
         with warnings.catch_warnings():
@@ -316,28 +365,51 @@ def explain(
                     num_nodes=est.num_nodes,
                 )
             except AutoShardError as exc:  # the model states stand; say why activations are missing
-                if table and f"activations not counted: {exc}" not in report.notes:
-                    report.notes.append(f"activations not counted: {exc}")
+                why[key] = str(exc)
+                if table:
+                    failures.append(str(exc))
             else:
                 if table:
                     report.notes.extend(n for n in step.notes if n not in report.notes)
+                if step.incomplete:
+                    why[key] = step.incomplete
                 est = with_step(est, step, whole_step)
+        elif not simulate:
+            why[key] = unsimulated
         done[key] = est
         return est
 
     report.memory = [estimate(Option(intent, size)) for size in sizes]
+    # A partial estimate is said once, with its Fix: as the answer's failure when --batch or --budget asked for the
+    # whole step, else as a note (explain without them is the documented model-states view).
+    partial = [e for e in report.memory if _lacks(e)]
+    if partial and (asked_step or budget_bytes is not None):
+        e = max(partial, key=lambda e: e.world_size)  # the largest world size: the one the budget verdict is for
+        reason = why.get(repr(Option(intent, e.world_size)), "no simulated step")
+        report.incomplete = f"{_lacks(e)} not counted (world size {e.world_size}): {reason}"
+    else:
+        report.notes += [f"activations not counted: {f}" for f in dict.fromkeys(failures)]
+    if make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
+        report.unmeasured = "--no-step (model states only)" if not simulate else "the step could not run on --batch (see below)"
     if not whole_step and report.memory and report.memory[0].activations:
         report.notes.append(
             f"activations come from a simulated FSDP2 step of the same method; {chosen}'s own buffers are its"
             " estimator's figures"
         )
     if budget_bytes is not None:
-        rows = _batch_rows(make_batch) if make_batch is not None else None
-        report.budget = check_budget(estimate, intent, max(sizes), budget_bytes, devices_per_node=devices_per_node, batch_rows=rows)
-        if not any(e.step_peak or e.activations for e in report.memory):
-            unseen = "activations are not counted (see the notes): these peaks are model states only, so a run that fits here may not"
-            report.budget = replace(report.budget, notes=(*report.budget.notes, unseen))
+        report.budget = check_budget(
+            estimate, intent, max(sizes), budget_bytes, devices_per_node=devices_per_node, batch_rows=rows, lacks=_lacks,
+        )
     return report
+
+
+def _lacks(estimate: MemoryEstimate) -> str:
+    """The part of a training step an estimate's peak lacks: "" when a whole step was simulated."""
+    if not (estimate.step_peak or estimate.activations):
+        return "activations"
+    if estimate.forward_only:
+        return "the backward and the optimizer step"
+    return ""
 
 
 def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_per_node: int, notes: list[str]) -> list[int]:
@@ -374,7 +446,7 @@ def _leaves(batch: Any) -> list[Any]:
 def _batch_rows(make_batch: Callable[[], Any]) -> int | None:
     """The micro-batch's rows when every tensor in it shares dim 0 (so it can be cut); else None."""
     with torch.device("meta"):
-        rows = {t.shape[0] if t.dim() else None for t in _leaves(make_batch())}
+        rows = {t.shape[0] if t.dim() else None for t in _leaves(call_batch(make_batch))}
     return rows.pop() if len(rows) == 1 and None not in rows else None
 
 
@@ -402,48 +474,95 @@ def _world_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
+    return value
+
+
+def world_sizes_for(
+    world_sizes: Sequence[int] | None, devices: int | None, num_nodes: int | None, devices_per_node: int | None
+) -> tuple[tuple[int, ...], int]:
+    """The table's world sizes and the ranks per node, from explain's options or from the Trainer's words.
+
+    ``--devices N [--num-nodes M]`` mean what ``Trainer(devices=N, num_nodes=M)`` means: N processes per node, so one
+    world size, N x M, with N ranks per node. ``--world-sizes`` lists several for the table instead; giving both
+    (or a --devices-per-node that disagrees with --devices) is refused rather than one silently winning.
+    """
+    trainer_words = " ".join(f"--{k} {v}" for k, v in (("devices", devices), ("num-nodes", num_nodes)) if v is not None)
+    if trainer_words and world_sizes is not None:
+        raise AutoShardError(
+            f"{trainer_words} and --world-sizes {','.join(map(str, world_sizes))} both set the world size: {trainer_words}"
+            f" is the Trainer's (devices = processes per node, world size = devices x num_nodes), --world-sizes lists"
+            f" world sizes for the table. Fix: keep one, e.g. {trainer_words} alone"
+        )
+    if devices is not None and devices_per_node is not None and devices_per_node != devices:
+        raise AutoShardError(
+            f"--devices {devices} and --devices-per-node {devices_per_node} disagree: --devices is the Trainer's"
+            f" processes per node, the same thing. Fix: drop --devices-per-node"
+        )
+    per_node = devices or devices_per_node or DEFAULT_DEVICES_PER_NODE
+    if trainer_words:
+        return (per_node * (num_nodes or 1),), per_node
+    return tuple(world_sizes or DEFAULT_WORLD_SIZES), per_node
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", nargs="?", metavar="TARGET", help="path/to/file.py:factory or package.module:factory returning a LightningModule (or (module, callbacks))")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="the backend to explain (default: auto, as strategy='auto-shard')")
     parser.add_argument("--precision", default=None, help="Trainer precision to plan for (default: bf16-mixed)")
     parser.add_argument("--intent", action="append", default=[], metavar="KEY=VALUE", help="a ShardingIntent field, repeatable (shard/exclude take comma lists)")
     parser.add_argument("--intent-file", default=None, metavar="FILE", help="YAML or JSON mapping of ShardingIntent fields")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES, metavar="N,N,...", help="world sizes for the memory table (default: 1,2,8,64)")
-    parser.add_argument("--accelerator", default=None, help="'cpu' to check a CPU (gloo) run; default: a GPU run")
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="per-rank batch size for the DeepSpeed config (default: 1)")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=None, metavar="N,N,...", help="world sizes (ranks in all) for the memory table (default: 1,2,8,64)")
+    parser.add_argument("--devices", type=_positive, default=None, metavar="N", help="as Trainer(devices=N): processes per node; the table is then for one world size, devices x --num-nodes (not with --world-sizes)")
+    parser.add_argument("--num-nodes", type=_positive, default=None, metavar="M", help="as Trainer(num_nodes=M) (default 1): world size = devices x M")
+    parser.add_argument("--accelerator", default=None, type=str.lower, choices=ACCELERATORS, help="'cpu' to check a CPU (gloo) run; default: a GPU run")
+    parser.add_argument("--micro-batch-size", type=_positive, default=1, help="per-rank batch size for the DeepSpeed config (default: 1)")
     parser.add_argument("--batch", default=None, metavar="FILE.py:make_batch", help="a function returning one micro-batch per rank: one training step is simulated on fake tensors, so the peak includes activations (default: forward of example_input_array)")
     parser.add_argument("--budget", default=None, metavar="SIZE", help="device memory per rank, e.g. 80GiB: says whether the largest world size fits, and if not, which changes would")
-    parser.add_argument("--devices-per-node", type=int, default=DEFAULT_DEVICES_PER_NODE, metavar="N", help=f"ranks per node, for shard_size='node' and inter-node traffic (default: {DEFAULT_DEVICES_PER_NODE})")
+    parser.add_argument("--devices-per-node", type=_positive, default=None, metavar="N", help=f"ranks per node, for shard_size='node' and inter-node traffic (default: {DEFAULT_DEVICES_PER_NODE}, or --devices)")
     parser.add_argument("--no-step", action="store_true", help="do not simulate a step: model states only (fast)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--write-matrix", default=None, metavar="PATH", help="regenerate the capability matrix page (docs/matrix.md) and exit")
 
 
 def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
-    """Run explain for parsed arguments; 0 when a backend can run it, 1 when autoshard refuses it.
+    """Run explain for parsed arguments; 0 when a backend can run it, 1 when autoshard refuses it or the estimate
+    asked for is incomplete (Report.exit_code).
 
     With --json a failure is JSON too (``{"error": {"type", "message"}}`` and the parts computed before it), also
     one before the model is built, so that a script reads one object on stdout whatever happened.
     """
     stream = stream or sys.stdout
     if args.write_matrix:
-        write_matrix(args.write_matrix)
+        try:
+            write_matrix(args.write_matrix)
+        except OSError as exc:
+            raise AutoShardError(
+                f"cannot write the capability matrix page to {args.write_matrix}: {exc.strerror or exc}."
+                f" Fix: give the path of a writable file, e.g. --write-matrix docs/matrix.md"
+            ) from None
         print(f"wrote the capability matrix to {args.write_matrix}", file=stream)
         return 0
     done: dict[str, Any] = {"target": args.target}
     try:
         if not args.target:
             raise AutoShardError("explain needs a TARGET. Fix: e.g. autoshard explain autoshard.demo:DinoLike (or --write-matrix PATH)")
+        sizes, per_node = world_sizes_for(args.world_sizes, args.devices, args.num_nodes, args.devices_per_node)
         intent = build_intent(args.intent, args.intent_file, args.precision)
         done["intent"] = intent.to_dict()
         report = explain(
             args.target,
             backend=args.backend,
             intent=intent,
-            world_sizes=args.world_sizes,
+            world_sizes=sizes,
             accelerator=args.accelerator,
             micro_batch_size=args.micro_batch_size,
-            devices_per_node=args.devices_per_node,
+            devices_per_node=per_node,
             batch=args.batch,
             budget=args.budget,
             simulate=not args.no_step,
@@ -467,6 +586,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     """Add ``autoshard explain`` to the ``autoshard`` command (cli.py calls this)."""
     parser = subparsers.add_parser(
         "explain",
+        allow_abbrev=False,
         help="show what autoshard would do with a module: needs, backend, plan, memory per rank",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
@@ -476,10 +596,25 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autoshard.explain``: the same as ``autoshard explain``."""
-    parser = argparse.ArgumentParser(prog="autoshard explain", description=__doc__.splitlines()[0] if __doc__ else None)
+    """``python -m autoshard.explain``: the same as ``autoshard explain``, --json errors of argparse's included."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="autoshard explain", description=__doc__.splitlines()[0] if __doc__ else None, allow_abbrev=False)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    as_json = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    if as_json:
+
+        def refuse(message: str) -> NoReturn:  # argparse would print text and exit 2
+            error = {"type": "UsageError", "message": f"{message}. Fix: see `autoshard explain --help`"}
+            print(json.dumps({"target": None, "error": error}, indent=1))
+            raise SystemExit(1)
+
+        parser.error = refuse  # type: ignore[method-assign]
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        if as_json and exc.code == 1:
+            return 1
+        raise
     try:
         return cmd_explain(args)
     except AutoShardError as exc:

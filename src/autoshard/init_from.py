@@ -31,7 +31,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.checkpoint import DCP_METADATA, _dcp_entries, _is_torch_file, model_mismatch
+from autoshard.checkpoint import (
+    CONSOLIDATE,
+    DCP_METADATA,
+    TRUST_PICKLE,
+    CheckpointFormatError,
+    dcp_entries,
+    is_torch_file,
+    load_torch_file,
+    model_mismatch,
+    torn_shard,
+)
 from autoshard.errors import AutoShardError
 from autoshard.needs import EMAPair
 
@@ -56,6 +66,7 @@ class WeightsFile:
     entry: str | None = None  # torch / dcp: the key the weights sit under ("state_dict" in a Lightning checkpoint)
     tied: dict[str, str] = field(default_factory=dict)  # alias -> name, from autoshard's safetensors metadata
     state: Mapping[str, torch.Tensor] | None = None  # torch: the memory-mapped state dict (no page read yet)
+    dtypes: dict[str, str] = field(default_factory=dict)  # name -> dtype as torch names it ("float16"), from headers
 
 
 _PREAD = hasattr(os, "preadv") and sys.byteorder == "little"  # safetensors stores little-endian
@@ -64,6 +75,22 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
+
+
+def _kind(dtype: str) -> str:
+    """bool, int, float or complex: a load may change precision within a kind, never the kind (an int64 file into
+    float weights would train on integers cast to floats without a word)."""
+    if dtype in ("bool", "BOOL"):
+        return "bool"
+    if dtype.startswith(("complex", "C")):
+        return "complex"
+    if dtype.startswith(("float", "bfloat", "F", "BF")):
+        return "float"
+    return "int"
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -76,12 +103,17 @@ class _Stored:
     shape: tuple[int, ...]
 
 
-def _safetensors_header(files: Iterable[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, _Stored], dict[str, str]]:
-    """The JSON header of each file (8-byte length, then JSON): names, dtypes, shapes, byte offsets; no tensor read."""
+def _safetensors_header(files: Iterable[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, _Stored], dict[str, str], dict[str, str]]:
+    """The JSON header of each file (8-byte length, then JSON): names, dtypes, shapes, byte offsets; no tensor read.
+    A file shorter than its header says is refused here, at planning, so every rank refuses it (a rank reading past
+    the end only at load time would fail alone while the others wait in the next collective)."""
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, _Stored] = {}
     tied: dict[str, str] = {}
+    dtypes: dict[str, str] = {}
     for f in files:
+        if not f.is_file():
+            raise InitFromError(f"init_from: {str(f)!r}, which the index names, does not exist. Fix: download or copy every shard the index lists")
         with open(f, "rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
             try:
@@ -91,10 +123,19 @@ def _safetensors_header(files: Iterable[Path]) -> tuple[dict[str, tuple[int, ...
         meta = header.pop("__metadata__", None) or {}
         if TIED_METADATA in meta:
             tied.update(json.loads(meta[TIED_METADATA]))
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+        size = f.stat().st_size
+        if size < 8 + length + end:
+            raise InitFromError(
+                f"init_from: {str(f)!r} is truncated: it holds {size:,d} bytes where its safetensors header says"
+                f" {8 + length + end:,d}. Nothing was loaded or sharded yet. Fix: download or copy the file again"
+            )
         for key, info in header.items():
             shapes[key] = tuple(info["shape"])
-            where[key] = _Stored(f, 8 + length + int(info["data_offsets"][0]), _SAFETENSORS_DTYPES.get(info["dtype"]), tuple(info["shape"]))
-    return shapes, where, tied
+            stored = _SAFETENSORS_DTYPES.get(info["dtype"])
+            dtypes[key] = _dtype_name(stored) if stored is not None else str(info["dtype"])
+            where[key] = _Stored(f, 8 + length + int(info["data_offsets"][0]), stored, tuple(info["shape"]))
+    return shapes, where, tied, dtypes
 
 
 def _contiguous_rows(rows: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -110,7 +151,8 @@ def _contiguous_rows(rows: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[i
 
 
 def _read_into(handle: Any, offset: int, out: torch.Tensor) -> int:
-    """``out.nbytes`` bytes from ``offset`` straight into ``out``'s memory (pread: no mapping, no page kept)."""
+    """``out.nbytes`` bytes from ``offset`` straight into ``out``'s memory (pread: no mapping, no page kept). ``out``
+    is a CPU tensor: the caller reads into a CPU buffer for a shard on another device."""
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
@@ -130,11 +172,12 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
         if (p / SAFETENSORS_INDEX).is_file():
             index = json.loads((p / SAFETENSORS_INDEX).read_text())
             files = sorted({p / name for name in index.get("weight_map", {}).values()})
-            shapes, where, tied = _safetensors_header(files)
-            return WeightsFile(p, "safetensors", shapes, where, tied={**tied, **(index.get("metadata") or {}).get(TIED_METADATA, {})})
+            shapes, where, tied, dtypes = _safetensors_header(files)
+            tied = {**tied, **(index.get("metadata") or {}).get(TIED_METADATA, {})}
+            return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
         if (p / SAFETENSORS_SINGLE).is_file():
-            shapes, where, tied = _safetensors_header([p / SAFETENSORS_SINGLE])
-            return WeightsFile(p, "safetensors", shapes, where, tied=tied)
+            shapes, where, tied, dtypes = _safetensors_header([p / SAFETENSORS_SINGLE])
+            return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
         if (p / DCP_METADATA).is_file():
             return _open_dcp(p)
         if (p / TORCH_SINGLE).is_file():
@@ -146,45 +189,57 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
         )
     with open(p, "rb") as f:
         head = f.read(8)
-    if p.suffix == ".safetensors" or (len(head) == 8 and int.from_bytes(head, "little") < p.stat().st_size and not _is_torch_file(p)):
-        shapes, where, tied = _safetensors_header([p])
-        return WeightsFile(p, "safetensors", shapes, where, tied=tied)
-    if _is_torch_file(p):
+    if p.suffix == ".safetensors" or (len(head) == 8 and int.from_bytes(head, "little") < p.stat().st_size and not is_torch_file(p)):
+        shapes, where, tied, dtypes = _safetensors_header([p])
+        return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
+    if is_torch_file(p):
         return _open_torch(p)
     raise InitFromError(f"init_from={str(p)!r} is neither a safetensors nor a torch.save file. Fix: pass a .safetensors file, a torch state dict file, or a directory")
 
 
 def _open_torch(p: Path) -> WeightsFile:
+    # Storages memory-mapped, no page read yet; never code: objects beside the weights (a .ckpt's hyper-parameters)
+    # that weights_only refuses are written out by consolidate, with the user's explicit trust.
+    fix = f"write the weights alone with `{CONSOLIDATE.format(path=p)} {TRUST_PICKLE.split()[0]}` if you trust the file, and pass weights.pt"
     try:
-        loaded = torch.load(p, map_location="cpu", mmap=True, weights_only=True)  # storages mapped, no page read yet
-    except Exception as exc:  # pickled objects beside the weights (a .ckpt's hyper_parameters): not read here
-        raise InitFromError(
-            f"init_from={str(p)!r} holds more than tensors, which torch.load(weights_only=True) refuses ({type(exc).__name__})."
-            f" Fix: write the weights alone with `autoshard consolidate {p} weights.pt` (or `autoshard convert {p} out"
-            f" --to safetensors`) and pass that"
-        ) from None
+        loaded = load_torch_file(p, action="load init_from", untrusted_fix=fix)
+    except CheckpointFormatError as exc:
+        raise InitFromError(str(exc)) from None
     entry = "state_dict" if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping) else None
     state = loaded[entry] if entry else loaded
     if not isinstance(state, Mapping):
         raise InitFromError(f"init_from={str(p)!r} holds a {type(state).__name__}, not a state dict. Fix: torch.save(model.state_dict(), PATH)")
     tensors = {str(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return WeightsFile(p, "torch", {k: tuple(v.shape) for k, v in tensors.items()}, entry=entry, state=tensors)
+    dtypes = {k: _dtype_name(v.dtype) for k, v in tensors.items()}
+    return WeightsFile(p, "torch", {k: tuple(v.shape) for k, v in tensors.items()}, entry=entry, state=tensors, dtypes=dtypes)
 
 
 def _open_dcp(p: Path) -> WeightsFile:
-    entries = _dcp_entries(p)
+    try:
+        torn = torn_shard(p)  # a shard cut short would fail on the ranks that read it only, at load
+        entries = dcp_entries(p)
+    except CheckpointFormatError as exc:
+        raise InitFromError(str(exc)) from None
+    if torn is not None:
+        raise InitFromError(f"init_from={str(p)!r} is a distributed checkpoint whose {torn}. Nothing was loaded or sharded yet. Fix: use a complete checkpoint (copy it again, or an earlier one)")
     keys = {where[0] for where, _ in entries}
     entry = next((k for k in ("state_dict", "model") if k in keys), None)
-    shapes = {}
+    shapes, dtypes = {}, {}
     for where, item in entries:
         size = getattr(item, "size", None)
         if size is None:
             continue
         if entry is None and len(where) >= 1:
-            shapes[".".join(where)] = tuple(size)
+            name = ".".join(where)
         elif where[0] == entry and len(where) > 1:
-            shapes[".".join(where[1:])] = tuple(size)
-    return WeightsFile(p, "dcp", shapes, entry=entry)
+            name = ".".join(where[1:])
+        else:
+            continue
+        shapes[name] = tuple(size)
+        dtype = getattr(getattr(item, "properties", None), "dtype", None)
+        if dtype is not None:
+            dtypes[name] = _dtype_name(dtype)
+    return WeightsFile(p, "dcp", shapes, entry=entry, dtypes=dtypes)
 
 
 # -- planning: match names and shapes before anything is sharded ---------------------------------------------------
@@ -197,6 +252,17 @@ class InitPlan:
     covered: frozenset[str]
     copy_teachers: tuple[EMAPair, ...]
     sources: tuple[tuple[str, WeightsFile], ...]
+    casts: dict[str, tuple[str, str]] = field(default_factory=dict)  # model name -> (file dtype, model dtype): same kind
+
+    def describe_casts(self) -> str:
+        """The precision changes a load makes ("" when none), for the log: they are allowed, and said."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for name, pair in sorted(self.casts.items()):
+            groups.setdefault(pair, []).append(name)
+        return "; ".join(
+            f"{len(names)} tensor(s) cast from the file's {a} to the model's {b} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for (a, b), names in groups.items()
+        )
 
 
 def sources_of(init_from: str | os.PathLike[str] | Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> dict[str, str]:
@@ -273,12 +339,40 @@ def plan_init_from(module: nn.Module, init_from: Mapping[str, str], ema_pairs: I
     if problems:
         fix = next((f for f in fixes if f), "load weights saved from this architecture, or point init_from at the submodule they belong to: init_from={'<module path>': PATH}")
         raise InitFromError(f"{'; '.join(problems)}. Nothing was loaded or sharded yet. Fix: {fix}")
+    casts = _check_dtypes(reads, targets, module)
     copy = tuple(p for p in pairs if not any(_under(n, p.teacher) for n in reads))
     covered = set(reads)
     for name in targets:
         if _filled_otherwise(name, targets, owners, reads, pairs):
             covered.add(name)
-    return InitPlan(reads, frozenset(covered), copy, sources)
+    return InitPlan(reads, frozenset(covered), copy, sources, casts)
+
+
+def _check_dtypes(reads: Mapping[str, tuple[WeightsFile, str]], targets: Mapping[str, torch.Tensor], module: nn.Module) -> dict[str, tuple[str, str]]:
+    """Refuse a tensor whose file dtype is another kind than the model's (int or bool into float, float into int);
+    return the precision changes within a kind (an fp16 file into fp32 weights), which load and are logged."""
+    casts: dict[str, tuple[str, str]] = {}
+    wrong: list[tuple[str, str, str, Path]] = []
+    for name, (src, key) in sorted(reads.items()):
+        stored = src.dtypes.get(key)
+        if stored is None:
+            continue
+        wanted = _dtype_name(targets[name].dtype)
+        if _kind(stored) != _kind(wanted):
+            wrong.append((name, stored, wanted, src.path))
+        elif stored != wanted:
+            casts[name] = (stored, wanted)
+    if wrong:
+        name, stored, wanted, path = wrong[0]
+        more = f" (and {len(wrong) - 1} more: {', '.join(w[0] for w in wrong[1:4])}{', ...' if len(wrong) > 4 else ''})" if len(wrong) > 1 else ""
+        raise InitFromError(
+            f"init_from {str(path)!r} does not match {type(module).__name__}: {name} is {stored} in the file and {wanted} in"
+            f" the model{more}. Loading would cast {_kind(stored)} values into {_kind(wanted)} tensors without a word, so"
+            f" nothing was loaded or sharded. Fix: point init_from at this model's own weights; if these values are meant"
+            f" as they are, convert the file explicitly first, e.g. safetensors.torch.save_file({{k: v.to(torch.{wanted})"
+            f" for k, v in safetensors.torch.load_file(PATH).items()}}, 'converted.safetensors')"
+        )
+    return casts
 
 
 def _filled_otherwise(name: str, targets: Mapping[str, torch.Tensor], owners: Mapping[int, list[str]], reads: Mapping[str, Any], pairs: tuple[EMAPair, ...]) -> bool:
@@ -318,8 +412,8 @@ def plan_everywhere(module: nn.Module, init_from: Mapping[str, str], ema_pairs: 
     error: str | None = None
     try:
         plan = plan_init_from(module, init_from, ema_pairs)
-    except InitFromError as exc:
-        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure, named on every rank: one rank raising alone hangs the others
+        error = str(exc) if isinstance(exc, AutoShardError) else f"init_from: {type(exc).__name__}: {exc}. Fix: make the init_from path(s) readable, whole, on every rank"
     errors = gather(error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
@@ -342,14 +436,16 @@ class InitReport:
     seconds: float
     sources: tuple[str, ...]
     io_bytes: int | None = None  # what the OS counted this process reading meanwhile (Linux rchar; not mmap faults)
+    casts: str = ""  # InitPlan.describe_casts(): the precision changes made (fp16 file into fp32 weights)
 
     def describe(self) -> str:
         teachers = f"; EMA teacher(s) {', '.join(self.copied_teachers)} start as copies of their students" if self.copied_teachers else ""
         share = self.bytes_read / self.bytes_total if self.bytes_total else 0.0
+        casts = f"; {self.casts}" if self.casts else ""
         return (
             f"autoshard: init_from loaded {self.tensors} tensors from {', '.join(map(repr, self.sources))} into the shards:"
             f" this rank read {self.bytes_read / 2**20:.2f} MiB of {self.bytes_total / 2**20:.2f} MiB ({share:.0%}) in"
-            f" {self.seconds:.2f} s{teachers}"
+            f" {self.seconds:.2f} s{teachers}{casts}"
         )
 
 
@@ -358,7 +454,9 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
 
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return t.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
@@ -399,14 +497,17 @@ def load_init_from(module: nn.Module, plan: InitPlan) -> InitReport:
                 stored = src.files[key]
                 span = _contiguous_rows(rows, stored.shape)
                 if span is not None and stored.dtype is not None and _PREAD:
-                    # Shard(0) rows are one byte range: read it into the shard (or a buffer when dtypes differ).
-                    direct = local.dtype == stored.dtype and local.is_contiguous()
+                    # Shard(0) rows are one byte range: read it into the shard, or into a CPU buffer when dtypes differ
+                    # or the shard is not in CPU memory (Lightning may have moved it to the GPU already).
+                    direct = local.dtype == stored.dtype and local.is_contiguous() and local.device.type == "cpu"
                     buffer = local if direct else torch.empty(local.shape, dtype=stored.dtype)
                     nbytes += _read_into(handle(stored.file), stored.offset + span[0] * buffer.element_size(), buffer)
                     if not direct:
                         local.copy_(buffer)
                     continue
-                from safetensors import safe_open  # another placement (Shard(1), tensor parallel): safetensors slices it
+                from safetensors import (
+                    safe_open,  # another placement (Shard(1), tensor parallel): safetensors slices it
+                )
 
                 with safe_open(str(stored.file), framework="pt", device="cpu") as f:
                     part = f.get_slice(key)[rows] if rows else f.get_tensor(key)
@@ -424,7 +525,8 @@ def load_init_from(module: nn.Module, plan: InitPlan) -> InitReport:
     copied = [pair.teacher for pair in plan.copy_teachers]  # the strategy copies them next, students now loaded
     io_end = _io_read()
     io = io_end - io_start if io_start is not None and io_end is not None else None
-    return InitReport(count, nbytes, total, tuple(copied), time.perf_counter() - start, tuple(str(src.path) for _, src in plan.sources), io)
+    sources = tuple(str(src.path) for _, src in plan.sources)
+    return InitReport(count, nbytes, total, tuple(copied), time.perf_counter() - start, sources, io, plan.describe_casts())
 
 
 def _io_read() -> int | None:

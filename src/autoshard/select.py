@@ -86,12 +86,14 @@ class Decision:
     caveats: tuple[Conflict, ...] = ()
     ruled_out: Mapping[str, tuple[Conflict, ...]] = field(default_factory=dict)
 
-    def describe(self) -> str:
+    def describe(self, caveats: bool = True) -> str:
         """The log lines. FSDP1 is never a candidate and a request for it is refused before any Decision exists, so
-        "ruled out fsdp1" would be noise on every decision; ``to_dict`` still lists it."""
+        "ruled out fsdp1" would be noise on every decision; ``to_dict`` still lists it. ``caveats=False`` leaves the
+        caveats out, for a log that gives them as ``warnings()``."""
         lines = [f"autoshard chose {self.backend} (strategy='{self.strategy}')"]
         lines += [f"  {r}" for r in self.reasons]
-        lines += [f"  caveat: {c.line()}. Fix: {c.remedy}" for c in self.caveats]
+        if caveats:
+            lines += [f"  caveat: {c.line()}. Fix: {c.remedy}" for c in self.caveats]
         for name, conflicts in self.ruled_out.items():
             if BACKENDS[name].rejected:
                 continue
@@ -100,6 +102,16 @@ class Decision:
         return "\n".join(lines)
 
     __str__ = describe
+
+    def warnings(self) -> list[str]:
+        """One message per caveat: something this run needs that the chosen backend does only partly. A strategy
+        logs these as warnings, not with the decision's info lines: a user must not miss that part of what they
+        asked for is not done (offload='optimizer' under fsdp2 offloads the parameters too, bf16-true keeps no fp32
+        master copy)."""
+        return [
+            f"autoshard: partial support on {self.backend} for {c.feature.value} [{c.detail}]: {c.reason}. Fix: {c.remedy}"
+            for c in self.caveats
+        ]
 
     def to_dict(self) -> dict[str, object]:
         def conflict(c: Conflict) -> dict[str, str | None]:

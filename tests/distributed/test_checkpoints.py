@@ -130,7 +130,7 @@ def test_kill_during_save_leaves_previous_checkpoint_intact(crashed: dict[str, A
     for rank in crashed["ranks"]:
         assert_trained(rank["crash"]["weights"])  # 4 steps trained before the kill
     directory: Path = crashed["dir"]
-    staged = directory / ".last.ckpt.autoshard-tmp"
+    (staged,) = directory.glob(".last.ckpt.autoshard-tmp.*")  # the killed save's own staging (pid and random token)
     assert sorted(p.name for p in staged.iterdir()) == ["__0_0.distcp", "__1_0.distcp"]  # partial shards, no .metadata
     assert detect_format(staged).format is Format.INCOMPLETE
     assert detect_format(directory / "last.ckpt").format is Format.DCP
@@ -146,7 +146,8 @@ def test_kill_during_save_leaves_previous_checkpoint_intact(crashed: dict[str, A
 @pytest.mark.timeout(450)
 def test_resume_from_last_after_the_crash(one_rank_after: list[dict[str, Any]]) -> None:
     after = one_rank_after[0]["after_crash"]
-    assert ".last.ckpt.autoshard-tmp" in after["before"]
+    assert any(name.startswith(".last.ckpt.autoshard-tmp.") for name in after["before"]), after["before"]
+    assert ".last.ckpt.autoshard-lock" in after["before"]  # the killed rank 0 held it: harmless, its flock died with it
     assert after["loaded_equals_step2"]["equal"], after["loaded_equals_step2"]
     assert after["global_step"] == 6
     assert_trained(after["weights"])
@@ -259,5 +260,8 @@ def test_consolidate_command_line(two_ranks: list[dict[str, Any]], work: Path, c
     assert main(["consolidate", str(work / "w2" / "epoch=0-step=4.ckpt"), str(lightning_file)]) == 1
     text = capsys.readouterr().err
     assert f"refusing to overwrite {str(lightning_file)!r}: it already exists (a single torch.save file)" in text
-    assert text.rstrip().endswith("Fix: choose another output path, or pass --force (force=True) to replace it")
+    # A training checkpoint is not consolidate's output: the fix is not --force, which would be refused too.
+    assert text.rstrip().endswith(f"Fix: choose another output path, or move {str(lightning_file)!r} away first")
+    assert main(["consolidate", str(work / "w2" / "epoch=0-step=4.ckpt"), str(lightning_file), "--force"]) == 1
+    assert "even with --force" in capsys.readouterr().err
     assert lightning_file.read_bytes() == before

@@ -108,3 +108,89 @@ def test_the_check_runs_when_autoshard_registers() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "found lightning 2.7.1" in done.stderr, done.stderr[-2000:]
+
+
+# -- a Lightning release that drops a member autoshard hooks: warned once, Lightning's own strategy left as it is ---
+@pytest.fixture
+def reinstall(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run ``register()`` again inside the test (with a member deleted); afterwards Lightning and autoshard as before."""
+    import autoshard  # noqa: F401
+    import autoshard.lightning as al
+
+    al.uninstall()
+    check_lightning.cache_clear()
+    try:
+        yield al
+    finally:
+        monkeypatch.undo()  # the deleted member is back before autoshard installs again
+        al.uninstall()
+        check_lightning.cache_clear()
+        al.register()
+
+
+def _register_warnings(al: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        al.register()
+        al.uninstall()
+        al.register()  # a second registration (after uninstall) does not say it again
+    return [str(w.message) for w in caught if "autoshard hooks private Lightning members" in str(w.message)]
+
+
+def test_without_a_deepspeed_hook_lightnings_deepspeed_names_stay_lightnings(reinstall: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+
+    from autoshard.errors import BackendUnavailableError
+    from autoshard.lightning.deepspeed import LIGHTNING_DEEPSPEED_NAMES
+
+    monkeypatch.delattr(DeepSpeedStrategy, "_init_optimizers")
+    (warning,) = _register_warnings(reinstall)
+    assert warning.startswith(
+        f"autoshard hooks private Lightning members verified on lightning {SUPPORTED_LIGHTNING}; found lightning"
+    )
+    assert (
+        "it lacks DeepSpeedStrategy._init_optimizers, so Lightning's 'deepspeed*' names stay Lightning's own"
+        " DeepSpeedStrategy (autoshard refuses nothing there) and strategy='autoshard-deepspeed' is refused."
+        f" If a strategy fails, {compat.PIN}"
+    ) in warning
+    assert all(StrategyRegistry[name]["strategy"] is DeepSpeedStrategy for name in LIGHTNING_DEEPSPEED_NAMES)
+    assert not any(c.target.startswith("StrategyRegistry['deepspeed") for c in reinstall.installed())
+    pytest.importorskip("deepspeed")
+    built = pl.Trainer(strategy="deepspeed", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert type(built.strategy) is DeepSpeedStrategy  # the user's explicit choice, not refused
+    with pytest.raises(BackendUnavailableError, match=r"lacks DeepSpeedStrategy\._init_optimizers.*Fix: pip install"):
+        pl.Trainer(strategy="autoshard-deepspeed", accelerator="cpu", devices=1, logger=False)
+
+
+@pytest.mark.parametrize("name", ["_check_strategy_and_fallback", "_validate_precision_choice"])
+def test_without_a_connector_method_its_guard_is_skipped_and_said(reinstall: Any, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    monkeypatch.delattr(_AcceleratorConnector, name)
+    (warning,) = _register_warnings(reinstall)  # the import does not fail, and says it once
+    member = next(m for m in PRIVATE_MEMBERS if m.name == name)
+    assert f"it lacks _AcceleratorConnector.{name}, so {member.without}." in warning
+    assert not hasattr(_AcceleratorConnector, name)  # nothing put in its place
+    targets = [c.target for c in reinstall.installed()]
+    assert f"_AcceleratorConnector.{name}" not in targets and "StrategyRegistry['fsdp2']" in targets
+
+
+def test_without_model_parallel_hooks_autoshards_own_fsdp2_names_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its hooks Lightning would never call autoshard's _configure_launcher: its "auto" sizes would silently
+    mean tensor parallel. autoshard's own names refuse with the pin; nothing of Lightning's is touched."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from autoshard.errors import BackendUnavailableError
+    from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
+
+    # _configure_launcher is inherited too (deleting it here would not make it missing): a stand-in member instead
+    gone = Private("lightning.pytorch.strategies.ModelParallelStrategy", "_renamed_in_2_7", "nowhere", "a stand-in")
+    monkeypatch.setattr(compat, "PRIVATE_MEMBERS", (*PRIVATE_MEMBERS, gone))
+    assert missing(ModelParallelStrategy) == ["ModelParallelStrategy._renamed_in_2_7"]
+    for strategy in (FSDP2Strategy, AutoShardStrategy):
+        with pytest.raises(BackendUnavailableError) as info:
+            strategy()
+        text = str(info.value)
+        assert "lacks ModelParallelStrategy._renamed_in_2_7, which autoshard's fsdp2 strategies hook" in text
+        assert text.endswith(f"Fix: {compat.PIN}")

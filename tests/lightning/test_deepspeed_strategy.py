@@ -105,7 +105,6 @@ REFUSALS = {
     "probe_callback": (Net, [Probe], "multiple optimizers", "callback Probe"),
     "ema_student_teacher": (StudentTeacher, [], "EMA teacher/student", "teacher 'teacher' follows student 'student'"),
     "ema_by_structure": (OnlineTarget, [], "EMA teacher/student", "teacher 'target' follows student 'online'"),
-    "multi_forward": (MultiForward, [], "several forwards per step", "multi_forward=True"),
 }
 
 

@@ -62,7 +62,7 @@ def test_shard_size_is_resolved_once_with_num_nodes_when_the_trainer_is_built() 
     assert "a parallelize_fn replaces it, so the shard size would be ignored. Fix: drop parallelize_fn" in str(info.value)
 
 
-@pytest.mark.parametrize("make", [lambda: trainer(strategy="fsdp"), lambda: __import__("lightning.pytorch.strategies", fromlist=["FSDPStrategy"]).FSDPStrategy()])
+@pytest.mark.parametrize("make", [lambda: trainer(strategy="fsdp"), lambda: trainer(strategy=__import__("lightning.pytorch.strategies", fromlist=["FSDPStrategy"]).FSDPStrategy())])
 def test_fsdp1_is_refused_with_a_redirect(make: Any) -> None:
     with pytest.raises(IncompatibleBackendError) as info:
         make()

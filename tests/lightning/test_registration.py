@@ -40,3 +40,86 @@ def test_replacing_another_fsdp2_is_logged_once_on_rank_zero_only() -> None:
     assert text.count(MESSAGE) == 1, text
     assert MESSAGE not in run(OTHER_FIRST, RANK="1")
     assert "was registered by" not in run("import autoshard")  # nothing replaced, nothing said
+
+
+# -- everything `import autoshard` changes: listed in one place, and undone exactly --------------------------------
+UNINSTALL = r"""
+import json
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector as Connector
+
+def snapshot():
+    return {"registry": {name: id(entry) for name, entry in dict.items(StrategyRegistry)},
+            "connector": {name: id(value) for name, value in vars(Connector).items()},
+            "fsdp": {name: id(value) for name, value in vars(FSDPStrategy).items()}}
+
+def outcome(**kwargs):
+    try:
+        t = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, **kwargs)
+        return type(t.strategy).__module__ + "." + type(t.strategy).__qualname__
+    except Exception as exc:
+        return type(exc).__name__ + ": " + str(exc)[:80]
+
+stock = snapshot()
+import autoshard
+import autoshard.lightning as al
+targets = [c.target for c in al.installed()]
+installed = snapshot()
+FSDPStrategy()  # constructible with autoshard installed (other libraries' tests build it)
+with_autoshard = {"fsdp": outcome(strategy="fsdp"), "fsdp_object": outcome(strategy=FSDPStrategy())}
+undone = [c.target for c in al.uninstall()]
+restored = snapshot()
+stock_behaviour = {"fsdp": outcome(strategy="fsdp"), "fsdp_object": outcome(strategy=FSDPStrategy()),
+                   "fsdp2": outcome(strategy="fsdp2"), "deepspeed": outcome(strategy="deepspeed")}
+al.register()
+again = {"targets": [c.target for c in al.installed()], "fsdp": outcome(strategy="fsdp"), "fsdp2": outcome(strategy="fsdp2")}
+print("RESULT " + json.dumps(dict(stock=stock, installed=installed, restored=restored, targets=targets, undone=undone,
+                      with_autoshard=with_autoshard, stock_behaviour=stock_behaviour, again=again)), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def uninstalled() -> dict:
+    import json
+
+    line = next(line for line in run(UNINSTALL).splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.timeout(300)
+def test_uninstall_puts_back_every_registry_entry_and_method_by_identity(uninstalled: dict) -> None:
+    stock, installed, restored = uninstalled["stock"], uninstalled["installed"], uninstalled["restored"]
+    assert installed != stock  # the import changed something: the comparison below can fail
+    assert restored == stock  # every entry and attribute is the very object it was: nothing added, nothing left
+    assert uninstalled["undone"] == list(reversed(uninstalled["targets"]))
+    assert installed["fsdp"] == stock["fsdp"]  # FSDPStrategy itself is never patched
+
+
+@pytest.mark.timeout(300)
+def test_after_uninstall_lightning_behaves_as_stock_and_register_installs_again(uninstalled: dict) -> None:
+    refused = "IncompatibleBackendError: FSDP1 (strategy='fsdp' / FSDPStrategy) is refused by autoshard"
+    assert all(text.startswith(refused) for text in uninstalled["with_autoshard"].values()), uninstalled["with_autoshard"]
+    stock = uninstalled["stock_behaviour"]
+    for key in ("fsdp", "fsdp_object"):  # Lightning's own CPU refusal, not autoshard's redirect
+        assert stock[key].startswith("ValueError: The strategy `fsdp` requires a GPU accelerator"), stock[key]
+    assert stock["fsdp2"].startswith("ValueError: You selected an invalid strategy name: `strategy='fsdp2'`")
+    assert stock["deepspeed"] == "lightning.pytorch.strategies.deepspeed.DeepSpeedStrategy"
+    again = uninstalled["again"]
+    assert again["targets"] == uninstalled["targets"] and again["fsdp"].startswith(refused)
+    assert again["fsdp2"] == "autoshard.lightning.fsdp2.FSDP2Strategy"
+
+
+def test_the_docs_list_every_change_the_import_makes() -> None:
+    """docs/lightning-changes.md is generated from the record the changes leave: the page and the code agree."""
+    from pathlib import Path
+
+    import autoshard  # noqa: F401
+    import autoshard.lightning
+    from autoshard.lightning.guards import CHANGES_BEGIN, CHANGES_END, changes_markdown, installed
+
+    autoshard.lightning.register()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "lightning-changes.md").read_text()
+    block = CHANGES_BEGIN + page.split(CHANGES_BEGIN, 1)[1].split(CHANGES_END, 1)[0] + CHANGES_END
+    assert block == changes_markdown(), "regenerate: python -m autoshard.lightning docs/lightning-changes.md"
+    assert len(installed()) == block.count("\n| ") - 1 >= 12  # one row per change (the header aside)

@@ -365,33 +365,215 @@ def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if is_view(t) else t, output)
 
 
-def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh) -> int:
+GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+_UNSHARDED_GRADS = "_autoshard_unsharded_grads"
+_ARMS = "_autoshard_arms_grad_average"  # on an FSDP unit: its forward hook queues the reduction (UnshardedGradients.arm)
+
+
+def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh, bucket_bytes: int = GRAD_BUCKET_BYTES) -> int:
     """Keep every trainable parameter left unsharded (probes, root or 0-dim parameters) identical across ranks.
 
-    Each gradient is averaged once accumulated, over ``mesh``: every data-parallel rank (1-D; under HSDP Lightning's
-    data-parallel slice, never one shard group, or the replicas would drift apart). Hooks, not ``replicate()``: callback optimizers already hold these
-    very Parameter objects. Idempotent (a second setup adds no second hook); returns how many got one.
+    Their gradients are averaged over ``mesh``: every data-parallel rank (1-D; under HSDP Lightning's data-parallel
+    slice, never one shard group, or the replicas would drift apart), once per backward, coalesced into buckets of
+    ``bucket_bytes`` as DDP does (see UnshardedGradients). Hooks, not ``replicate()``: callback optimizers already hold
+    these very Parameter objects. Idempotent (a second setup adds no second hook, and the hooks reduce over the newest
+    mesh); returns how many parameters got a hook.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     group = mesh.get_group()
-    size = dist.get_world_size(group)
-    if size == 1:
+    if dist.get_world_size(group) == 1:
         return 0
-
-    def hook(param: torch.Tensor) -> None:
-        if param.grad is not None:
-            dist.all_reduce(param.grad, group=group)
-            param.grad.div_(size)
-
+    state: UnshardedGradients | None = getattr(module, _UNSHARDED_GRADS, None)
+    if state is None:
+        state = UnshardedGradients(group, bucket_bytes)
+        object.__setattr__(module, _UNSHARDED_GRADS, state)  # not a submodule, not a buffer
+    state.group, state.bucket_bytes, state.buckets = group, bucket_bytes, None
+    # nn.Embedding(sparse=True): a sparse gradient cannot join a flat bucket; it keeps its own all_reduce.
+    sparse = {id(p) for m in module.modules() if getattr(m, "sparse", False) is True for p in m.parameters(recurse=False)}
     count = 0
-    for p in module.parameters():
+    for name, p in module.named_parameters():
         if p.requires_grad and not isinstance(p, DTensor) and not getattr(p, "_autoshard_grad_hook", False):
-            p.register_post_accumulate_grad_hook(hook)
-            p._autoshard_grad_hook = True  # type: ignore[attr-defined]
+            if id(p) in sparse:
+                p.register_post_accumulate_grad_hook(state.reduce_alone)
+                p._autoshard_grad_hook = True  # type: ignore[attr-defined]
+            else:
+                owner, _, attr = name.rpartition(".")
+                state.params.append(p)
+                state.homes.append((module.get_submodule(owner), attr))
+                state.hook(p)
             count += 1
+    fsdp_module = fsdp2_api()[1]
+    for unit in module.modules():
+        if state.params and isinstance(unit, fsdp_module) and not getattr(unit, _ARMS, False):
+            unit.register_forward_hook(state.arm)
+            object.__setattr__(unit, _ARMS, True)
     return count
+
+
+@dataclass(eq=False)
+class UnshardedGradients:
+    """One module's unsharded trainable parameters, whose gradients are averaged at the end of each backward.
+
+    The backward's first gradient of one of them, or of an FSDP unit's output, queues one reduction at its end (the
+    autograd engine's final callback, where DDP and FSDP2 finish too): it sees every gradient of that backward, once.
+    Every registered parameter goes into the same buckets in the same order on every rank, whether this rank's
+    backward reached it or not (zeros then), with one flag per parameter riding in the bucket: every rank issues the
+    same all_reduces (one per bucket), so a parameter only some ranks used (a data-dependent branch) neither hangs the
+    others nor gets paired with the wrong tensor, and gets the average of what the ranks computed (DDP's
+    find_unused_parameters); one no rank reached keeps its gradient as it was (None stays None: optimizers still skip
+    it). The unit outputs make a rank whose backward reached none of these parameters reduce too, whenever it reached
+    the sharded model (as FSDP2 itself needs every rank to); a backward that reaches neither on any rank issues nothing.
+
+    Each backward of an accumulated step is reduced (Lightning's per-micro-batch rule for the sharded units too): the
+    sum of averaged micro-batches is the average of the sums, and the gradients agree across ranks at every point.
+    """
+
+    group: Any
+    bucket_bytes: int
+    params: list[nn.Parameter] = field(default_factory=list)
+    homes: list[tuple[nn.Module, str]] = field(default_factory=list)  # (owning module, attribute) of each, see refresh
+    buckets: list[list[nn.Parameter]] | None = None  # grad_buckets(params), kept until a parameter is replaced
+    _touched: set[int] = field(default_factory=set)  # ids of the parameters whose gradient grew since the last reduction
+    _queued: set[int] = field(default_factory=set)  # graph tasks (backwards) whose end will reduce
+
+    def hook(self, param: nn.Parameter) -> None:
+        param.register_post_accumulate_grad_hook(self.touched)
+        param._autoshard_grad_hook = True  # type: ignore[attr-defined]
+
+    def touched(self, param: torch.Tensor) -> None:
+        self._touched.add(id(param))
+        self.queue()
+
+    def arm(self, unit: nn.Module, args: Any, output: Any) -> None:
+        """An FSDP unit's forward hook: the gradient of any of its outputs queues the reduction of that backward."""
+        if torch.is_grad_enabled():
+            import torch.utils._pytree as pytree
+
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad: self.queue())
+
+    def queue(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in self._queued:  # by task, not a flag: a backward that raised never ran its callback
+            self._queued.add(task)
+            engine = torch.autograd.Variable._execution_engine
+            # Queued again from the engine's callback, so it runs behind every callback queued during the backward:
+            # FSDP2's final one reduce-scatters units whose inputs needed no grad, and which hook came first differs
+            # by rank when their backwards differ; collectives must not.
+            engine.queue_callback(lambda: engine.queue_callback(lambda: self.reduce(task)))
+
+    def reduce(self, task: int) -> None:
+        adopted = self.refresh()
+        touched = self._touched | {id(p) for p in self.params if id(p) in adopted and p.grad is not None}
+        self._touched = set()
+        self._queued.discard(task)
+        if adopted or self.buckets is None:
+            self.buckets = grad_buckets(self.params, self.bucket_bytes)
+        average_gradients(self.buckets, touched, self.group)
+
+    def refresh(self) -> set[int]:
+        """The parameters the module holds now; returns the ids of those it did not hold at registration.
+
+        Materializing meta parameters (``to_empty``, in Lightning's setup after sharding) or ``load_state_dict(assign=
+        True)`` puts new Parameter objects in the module, without the hooks: each gets one here, at its home, so the
+        order stays the same on every rank. Its gradient so far was never averaged: it counts as reached. A home
+        that now holds a sharded parameter leaves the buckets, on every rank alike.
+        """
+        from torch.distributed.tensor import DTensor
+
+        adopted: set[int] = set()
+        for i, (owner, attr) in enumerate(self.homes):
+            p = owner._parameters.get(attr)  # getattr would go through Module.__getattr__: 10x slower, per parameter
+            if isinstance(p, nn.Parameter) and p is not self.params[i]:
+                self.params[i] = p
+                adopted.add(id(p))
+                if not isinstance(p, DTensor) and not getattr(p, "_autoshard_grad_hook", False):
+                    self.hook(p)
+        if adopted:
+            kept = [i for i, p in enumerate(self.params) if not isinstance(p, DTensor)]
+            self.params, self.homes = [self.params[i] for i in kept], [self.homes[i] for i in kept]
+        return adopted
+
+    def reduce_alone(self, param: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=self.group)
+            param.grad.div_(dist.get_world_size(self.group))
+
+
+def grad_buckets(params: Iterable[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """``params`` in order, by dtype and device, cut into buckets of at most ``bucket_bytes`` (a larger parameter gets
+    one of its own): a layout that depends on the parameters only, so every rank builds the same one."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}
+    for p in params:
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        own = buckets.setdefault(key, [[]])
+        if own[-1] and filled[key] + nbytes > bucket_bytes:
+            own.append([])
+            filled[key] = 0
+        own[-1].append(p)
+        filled[key] = filled.get(key, 0) + nbytes
+    return [bucket for own in buckets.values() for bucket in own]
+
+
+def average_gradients(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group: Any) -> int:
+    """Average the gradients of the parameters in ``buckets`` (grad_buckets) over ``group`` (``touched``: ids of those
+    this rank's backward reached), one all_reduce per bucket; returns how many. Two buckets in flight at most: bucket
+    k+1 is flattened while k is reduced.
+
+    Each rank contributes its gradient, or zeros where it has none, so the result is the average whatever each rank
+    accumulated before (the earlier micro-batches are already equal on every rank), plus a 1.0 flag where its backward
+    reached the parameter: a flag sum above 0 means some rank did, and only those gradients are written back.
+    Flattening, unflattening and the copies back are one call each (torch's own, as DDP's coalesced helpers use): with
+    hundreds of small parameters a Python loop of tensor ops costs more than the all_reduce saved.
+    """
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors
+
+    size = dist.get_world_size(group)
+    # A fake process group (activations.py's simulated step) has no other ranks and its fake tensors no values to read:
+    # every rank is this one there.
+    fake = dist.get_backend(group) == "fake"
+    pending: tuple[list[nn.Parameter], list[torch.Tensor], torch.Tensor, Any] | None = None
+    for bucket in buckets:
+        flags = torch.tensor([1.0 if id(p) in touched else 0.0 for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
+        parts = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = _flatten_dense_tensors([*parts, flags])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        if pending is not None:
+            _write_back(*pending, size, fake, touched)
+        pending = (bucket, [*parts, flags], flat, work)
+    if pending is not None:
+        _write_back(*pending, size, fake, touched)
+    return len(buckets)
+
+
+def _write_back(
+    bucket: list[nn.Parameter], parts: list[torch.Tensor], flat: torch.Tensor, work: Any, size: int, fake: bool, touched: AbstractSet[int]
+) -> None:
+    """Wait for one bucket's all_reduce and write the averages of the parameters some rank reached into their grads."""
+    from torch._utils import _unflatten_dense_tensors
+
+    work.wait()
+    flat.div_(size)
+    *averages, flags = _unflatten_dense_tensors(flat, parts)
+    reached = [id(p) in touched for p in bucket] if fake else (flags > 0).tolist()
+    into, values = [], []
+    for p, used, average in zip(bucket, reached, averages):
+        if not used:
+            continue
+        if p.grad is None:  # this rank's backward did not reach it, another's did
+            p.grad = torch.empty_like(p).copy_(average)
+        else:
+            into.append(p.grad)
+            values.append(average)
+    if into:
+        torch._foreach_copy_(into, values)
 
 
 _BUCKET_BYTES = 250 * 2**20  # DDP's bucket size for module states

@@ -1,14 +1,21 @@
-"""Lightning integration: strategies registered by name, and the guards, installed once on ``import autoshard``."""
+"""Lightning integration: strategies registered by name, and the guards, installed once on ``import autoshard``.
+
+Every change this makes to Lightning is recorded (``autoshard.lightning.guards.installed``), listed in
+docs/lightning-changes.md (generated from that record), and undone by ``uninstall()``.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from autoshard.lightning import guards
 from autoshard.lightning.compat import check_lightning
-from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy
-from autoshard.lightning.guards import install_guards
+from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy, refuse_unsupported_precision
+from autoshard.lightning.guards import Change, installed
 
 _REGISTERED = False
 
@@ -32,27 +39,52 @@ def replaced_message(name: str, replaced: Any) -> str:
 
 
 def register() -> None:
-    """Register "fsdp2", "auto-shard" and the DeepSpeed names; idempotent, so re-imports are harmless."""
+    """Register "fsdp2", "auto-shard" and the DeepSpeed names, and install the guards; idempotent, so re-imports are
+    harmless, and again after ``uninstall()``."""
     global _REGISTERED
     if _REGISTERED:
         return
-    check_lightning()  # first: a guard below may need a member this Lightning lacks
+    check_lightning()  # first: it warns when a member a guard below needs is gone (that guard is then skipped)
     from lightning.pytorch.strategies import StrategyRegistry
 
     replaced = _other_registration(StrategyRegistry, "fsdp2", FSDP2Strategy)
-    StrategyRegistry.register(
-        "fsdp2", FSDP2Strategy, description="autoshard: FSDP2 (fully_shard) for any LightningModule", override=True
+    guards.register_strategy(
+        StrategyRegistry, "fsdp2", FSDP2Strategy, "autoshard: FSDP2 (fully_shard) for any LightningModule",
+        "Trainer(strategy='fsdp2'). Another library's 'fsdp2' is replaced (said once, on rank 0) and restored by uninstall",
     )
     if replaced is not None:
         rank_zero_info(replaced_message("fsdp2", replaced))
-    StrategyRegistry.register(
-        "auto-shard", AutoShardStrategy, description="autoshard: the sharding backend your method can run on", override=True
+    guards.register_strategy(
+        StrategyRegistry, "auto-shard", AutoShardStrategy, "autoshard: the sharding backend your method can run on",
+        "Trainer(strategy='auto-shard'): the backend the selector picks",
     )
     from autoshard.lightning.deepspeed import register_deepspeed_strategies  # imports no deepspeed
 
     register_deepspeed_strategies(StrategyRegistry)
-    install_guards()
+    guards.install_guards(FSDP2Strategy, refuse_unsupported_precision)
     _REGISTERED = True
 
 
-__all__ = ["AutoShardStrategy", "FSDP2Strategy", "register"]
+def uninstall() -> list[Change]:
+    """Undo everything ``import autoshard`` changed in Lightning: every registry entry and wrapped method is put back
+    as it was (by identity); returns the changes undone. ``register()`` installs them again."""
+    global _REGISTERED
+    undone = guards.uninstall()
+    _REGISTERED = False
+    return undone
+
+
+def write_changes(path: str | Path) -> None:
+    """Regenerate the list of changes in ``path`` (docs/lightning-changes.md), between its markers."""
+    register()
+    path = Path(path)
+    text = path.read_text()
+    if guards.CHANGES_BEGIN not in text or guards.CHANGES_END not in text:
+        raise ValueError(f"{path} has no {guards.CHANGES_BEGIN} ... {guards.CHANGES_END} block to replace")
+    before, rest = text.split(guards.CHANGES_BEGIN, 1)
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(before + guards.changes_markdown() + rest.split(guards.CHANGES_END, 1)[1])
+    os.replace(staged, path)  # atomic: a failed write leaves the page as it was
+
+
+__all__ = ["AutoShardStrategy", "Change", "FSDP2Strategy", "installed", "register", "uninstall", "write_changes"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
 from autoshard.intent import ShardingIntent
 from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
@@ -64,6 +66,16 @@ class BackendMixin:
 
     def _accelerator_name(self) -> str | None:
         return self.parallel_devices[0].type if self.parallel_devices else None
+
+    def report_decision(self, decision: Decision) -> None:
+        """The decision at info level, and each caveat as a warning: on rank 0, once per run (this strategy's setup
+        runs again for validate or test after fit: the same caveat is not said twice)."""
+        rank_zero_info(decision.describe(caveats=False))
+        warned: set[str] = vars(self).setdefault("warned_caveats", set())
+        for text in decision.warnings():
+            if text not in warned:
+                warned.add(text)
+                rank_zero_warn(text)
 
     def _select(self, needs: MethodNeeds, prefer: str | None = None) -> Decision:
         """``select_backend`` for this run: its accelerator, its resolved precision, the strategy string in use."""

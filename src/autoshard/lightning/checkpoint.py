@@ -5,6 +5,8 @@ state Lightning leaves out (callback-owned optimizers, per-rank RNG), so a resum
 from __future__ import annotations
 
 import random
+import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autoshard.checkpoint import (
     LIGHTNING_META,
-    CheckpointFormatError,
+    check_replaceable,
     corrupted,
     load_failure,
     prepare_staging,
@@ -22,7 +24,7 @@ from autoshard.checkpoint import (
 )
 from autoshard.checkpoint_io import (
     MANIFEST,
-    commit,
+    Publisher,
     describe_files,
     fsync_dir,
     fsync_file,
@@ -33,12 +35,127 @@ from autoshard.checkpoint_io import (
     staging_path,
     unverified_warning,
     write_manifest,
+    writer_token,
 )
 from autoshard.needs import held_optimizers, returned_optimizers
 
 STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
 FORMAT_VERSION = 1
+KIND_SAVE = "autoshard save"  # the manifest's kind for a training checkpoint (fsdp2 DCP or full, autoshard-deepspeed)
 T = TypeVar("T")
+_PLAIN = (str, int, float, bool, type(None))
+
+
+class RankZeroTraceback(Exception):
+    """Rank 0's traceback, as text: the ``__cause__`` of its error re-raised on another rank, so the log of every
+    rank shows where rank 0 failed."""
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """What another rank needs to raise ``exc`` again: its class (module and name), its arguments where they are
+    plain values, its text and its traceback. Plain data: it travels through a broadcast."""
+    args: tuple[Any, ...] = tuple(exc.args)
+    if isinstance(exc, OSError) and exc.errno is not None:  # the filename is not in args; str() shows it
+        args = (exc.errno, exc.strerror, exc.filename) + ((None, exc.filename2) if exc.filename2 is not None else ())
+    if not all(isinstance(a, _PLAIN) for a in args):
+        args = (str(exc),)
+    return {
+        "module": type(exc).__module__,
+        "qualname": type(exc).__qualname__,
+        "args": args,
+        "text": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def rebuild_error(payload: dict[str, Any], rank: int) -> Exception:
+    """Rank 0's error as raised on ``rank``: the same class with the same text when that class is already imported
+    here and rebuilds from its arguments to the same text; else a RuntimeError naming it. Rank 0's traceback is its
+    ``__cause__``. Nothing is imported: a class this process never loaded falls back to RuntimeError."""
+    kind = payload["qualname"]
+    found: Any = sys.modules.get(payload["module"])
+    for part in kind.split("."):
+        found = getattr(found, part, None)
+    exc: Exception | None = None
+    if isinstance(found, type) and issubclass(found, Exception):
+        try:
+            exc = found(*payload["args"])
+        except Exception:  # a constructor that wants other arguments
+            exc = None
+        if exc is not None and (type(exc) is not found or str(exc) != payload["text"]):
+            exc = None
+    if exc is None:
+        exc = RuntimeError(f"rank 0 failed while checkpointing: {kind}: {payload['text']}")
+    exc.__cause__ = RankZeroTraceback(f"rank 0's traceback (re-raised on rank {rank}):\n{payload['traceback'].rstrip()}")
+    return exc
+
+
+def on_rank0(fn: Callable[[], T], rank: int, world_size: int, broadcast: Callable[[Any], Any]) -> T | None:
+    """Run ``fn`` on rank 0 and raise its error on every rank: a rank-0-only failure must not leave the others
+    waiting in a barrier until the process-group timeout. Rank 0 raises its own exception; the others raise the same
+    type with the same text (``rebuild_error``) and rank 0's traceback as the cause. Returns ``fn()``'s result,
+    broadcast."""
+    result: Any = None
+    error: dict[str, Any] | None = None
+    original: Exception | None = None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as exc:  # re-raised below, on every rank
+            if world_size == 1:
+                raise
+            original, error = exc, error_payload(exc)
+    error = broadcast(error)
+    if error is not None:
+        if original is not None:
+            raise original
+        raise rebuild_error(error, rank)
+    return broadcast(result)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def verify_on_every_rank(path: Path, rank: int, world_size: int) -> bool:
+    """Every file of ``path`` against its manifest, each rank a share of them (largest first, dealt round-robin), so
+    the check costs about one rank's part; the same error on every rank. False when there is no manifest."""
+    shares = all_gather_object(integrity_problems(path, slice(rank, None, world_size)))
+    if all(share is None for share in shares):
+        return False
+    problems = [problem for share in shares for problem in share or []]
+    if problems:
+        raise corrupted(path, problems)
+    return True
+
+
+def hash_on_every_rank(staged: Path, names: list[str], rank: int, sync: bool = False) -> dict[str, Any]:
+    """Every rank hashes the files it wrote (``names``), in parallel, while they are in its page cache: rank 0 hashing
+    them all after the barrier would cost the whole checkpoint on one rank (docs/checkpoints.md). Returns every rank's
+    entries; an error is raised on every rank. ``sync``: fsync them first (files their writer did not sync)."""
+    try:
+        mine: dict[str, Any] | str = describe_files(staged, names, sync=sync)
+    except OSError as exc:  # gathered first: a rank raising alone would leave the others in the collective
+        mine = f"rank {rank} could not hash its files: {exc}"
+    shares = all_gather_object(mine)
+    errors = [share for share in shares if isinstance(share, str)]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return {name: entry for share in shares for name, entry in share.items()}
+
+
+def begin_save(path: Path, token: str, held: list[Publisher]) -> None:
+    """Rank 0, first step of a save: take ``path``'s lock (``held`` keeps it until the caller releases it), finish
+    an interrupted commit, refuse a path that is not a checkpoint, clear what dead writers left."""
+    held.append(Publisher(path, token).acquire())
+    prepare_staging(path, token)
 
 
 def rng_state() -> dict[str, Any]:
@@ -102,33 +219,10 @@ class CheckpointMixin:
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _on_rank0(self, fn: Callable[[], T]) -> T | None:
-        """Run ``fn`` on rank 0 and raise its error on every rank: a rank-0-only failure must not leave the others
-        waiting in a barrier until the process-group timeout."""
-        result: Any = None
-        error: tuple[str, str] | None = None
-        if self.global_rank == 0:
-            try:
-                result = fn()
-            except Exception as exc:  # re-raised below, on every rank
-                error = (type(exc).__name__, str(exc))
-                if self.world_size == 1:
-                    raise
-        error = self.broadcast(error)  # type: ignore[attr-defined]
-        if error is not None:
-            kind, text = error
-            raise (CheckpointFormatError if kind == CheckpointFormatError.__name__ else RuntimeError)(
-                text if kind == CheckpointFormatError.__name__ else f"rank 0 failed while checkpointing: {kind}: {text}"
-            )
-        return self.broadcast(result)  # type: ignore[attr-defined]
+        return on_rank0(fn, self.global_rank, self.world_size, self.broadcast)  # type: ignore[attr-defined]
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+        return all_gather_object(obj)
 
     def _callback_optimizers(self) -> list[tuple[str, int, torch.optim.Optimizer]]:
         """(callback state_key, position, optimizer) for optimizers callbacks own (probes), in callback order.
@@ -183,21 +277,29 @@ class CheckpointMixin:
             ],
         }
         callback_states = {f"callback_optimizer_{n}": self._optimizer_state(opt, full) for n, (_, _, opt) in enumerate(entries)}
-        staged = staging_path(path)
-        self._on_rank0(lambda: prepare_staging(path))
-        if full:
-            extra["callback_optimizer_states"] = callback_states
-            checkpoint[STATE_KEY] = extra
-            self._on_rank0(lambda: self._write_full(checkpoint, staged, path))
-        else:
-            converted = {"state_dict": checkpoint.pop("state_dict")}
-            converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-            converted.update(callback_states)
-            self._on_rank0(lambda: staged.mkdir(parents=True))
-            shards = self._hash_own(staged, self._write_shards(converted, staged))
-            checkpoint[STATE_KEY] = extra
-            self._on_rank0(lambda: self._write_meta(checkpoint, staged, shards))
-        self._on_rank0(lambda: commit(staged, path))
+        # The publish protocol (checkpoint_io): rank 0 holds the lock from here to the rename; every rank writes
+        # under rank 0's staging name, unique to this save.
+        token = self.broadcast(writer_token())  # type: ignore[attr-defined]
+        staged = staging_path(path, token)
+        held: list[Publisher] = []
+        try:
+            self._on_rank0(lambda: begin_save(path, token, held))
+            if full:
+                extra["callback_optimizer_states"] = callback_states
+                checkpoint[STATE_KEY] = extra
+                self._on_rank0(lambda: self._write_full(checkpoint, staged, path, token))
+            else:
+                converted = {"state_dict": checkpoint.pop("state_dict")}
+                converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+                converted.update(callback_states)
+                self._on_rank0(lambda: staged.mkdir(parents=True))
+                shards = hash_on_every_rank(staged, self._write_shards(converted, staged), self.global_rank)
+                checkpoint[STATE_KEY] = extra
+                self._on_rank0(lambda: self._write_meta(checkpoint, staged, shards))
+            self._on_rank0(lambda: held[0].publish(check_replaceable))
+        finally:
+            for publisher in held:  # a failed save's staging stays for the next save to clear (it may be complete)
+                publisher.release()
 
     def _write_shards(self, state: dict[str, Any], staged: Path) -> list[str]:
         """Every rank writes its shards; DCP writes .metadata last, once all ranks' files are synced.
@@ -209,20 +311,6 @@ class CheckpointMixin:
         save(state, storage_writer=writer)
         return list(writer.written)
 
-    def _hash_own(self, staged: Path, names: list[str]) -> dict[str, Any]:
-        """Every rank hashes the shards it wrote, in parallel, while they are in its page cache: rank 0 hashing them
-        all after the barrier would cost the whole checkpoint on one rank (docs/checkpoints.md). Errors are raised on
-        every rank."""
-        try:
-            mine: dict[str, Any] | str = describe_files(staged, names)
-        except OSError as exc:  # gathered first: a rank raising alone would leave the others in the collective
-            mine = f"rank {self.global_rank} could not hash its shards: {exc}"
-        shares = self._all_gather(mine)
-        errors = [share for share in shares if isinstance(share, str)]
-        if errors:
-            raise RuntimeError("; ".join(errors))
-        return {name: entry for share in shares for name, entry in share.items()}
-
     def _write_meta(self, checkpoint: dict[str, Any], staged: Path, shards: dict[str, Any]) -> None:
         """meta.pt, then the manifest of every file, then meta.pt's rename: its presence marks the staging complete,
         so a complete staging always has its manifest."""
@@ -233,15 +321,30 @@ class CheckpointMixin:
         files[LIGHTNING_META] = describe_files(staged, [part.name])[part.name]
         others = [p.name for p in staged.iterdir() if p.is_file() and p.name not in files and p != part]
         files.update(describe_files(staged, others))  # .metadata (rank 0's), and anything else DCP wrote
-        write_manifest(staged / MANIFEST, files)
+        write_manifest(staged / MANIFEST, files, KIND_SAVE)
         part.rename(staged / LIGHTNING_META)
         fsync_dir(staged)
 
-    def _write_full(self, checkpoint: dict[str, Any], staged: Path, path: Path) -> None:
-        """The file, then its manifest, both staged; ``commit`` swaps in the file, then the manifest."""
-        self.checkpoint_io.save_checkpoint(checkpoint, staged)  # type: ignore[attr-defined]
+    def _write_full(self, checkpoint: dict[str, Any], staged: Path, path: Path, token: str) -> None:
+        """The file, then its manifest, both staged; ``commit`` swaps in the file, then the manifest.
+
+        The file must be complete when this returns (it is hashed and renamed next): Lightning's AsyncCheckpointIO
+        returns before writing, so the write goes through the CheckpointIO it wraps, in this thread. Its copy of
+        every tensor (made so that training can go on while a thread writes) would only double rank 0's memory."""
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        if isinstance(io, AsyncCheckpointIO):
+            if not getattr(self, "_autoshard_async_said", False):
+                rank_zero_warn(
+                    "autoshard: AsyncCheckpointIO: the crash-safe full-file save hashes and renames the file once it is"
+                    " complete, so it writes through the wrapped CheckpointIO before returning (synchronously)"
+                )
+                self._autoshard_async_said = True
+            io = io.checkpoint_io
+        io.save_checkpoint(checkpoint, staged)
         fsync_file(staged)
-        stage_sidecar(path)
+        stage_sidecar(path, token, KIND_SAVE)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k rotation removes a checkpoint; a single file's manifest beside it goes too."""
@@ -256,7 +359,7 @@ class CheckpointMixin:
 
         path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         resolved = Path(self._on_rank0(lambda: str(resolve_for_load(path, "fsdp2"))))  # type: ignore[arg-type]
-        verified = self._verify(resolved)
+        verified = verify_on_every_rank(resolved, self.global_rank, self.world_size)
         try:
             metadata = super().load_checkpoint(resolved, weights_only=weights_only)  # type: ignore[misc]
         except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
@@ -276,17 +379,6 @@ class CheckpointMixin:
                 f" run{unchecked}"
             )
         return metadata
-
-    def _verify(self, path: Path) -> bool:
-        """Every file against the manifest, each rank a share of them (largest first, dealt round-robin), so the
-        check costs about one rank's part; the same error on every rank. False when there is no manifest."""
-        shares = self._all_gather(integrity_problems(path, slice(self.global_rank, None, self.world_size)))
-        if all(share is None for share in shares):
-            return False
-        problems = [problem for share in shares for problem in share or []]
-        if problems:
-            raise corrupted(path, problems)
-        return True
 
     def _restore_extra(self, extra: dict[str, Any], path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

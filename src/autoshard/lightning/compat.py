@@ -2,8 +2,10 @@
 
 Lightning may rename or drop a private member in any release. Each one autoshard uses is listed here, once;
 tests/lightning/test_compat.py checks every entry on the installed Lightning (so an upgrade that breaks one fails
-that test, by name) and that pyproject.toml declares SUPPORTED_LIGHTNING. Outside that range ``check_lightning``
-warns, once, on rank 0, when ``import autoshard`` registers the strategies.
+that test, by name) and that pyproject.toml declares SUPPORTED_LIGHTNING. Outside that range, or when a listed
+member is gone, ``check_lightning`` warns, once, on rank 0, when ``import autoshard`` registers the strategies, and
+says what autoshard then leaves as Lightning has it (``Private.without``): a guard whose member is gone is not
+installed, and Lightning's own strategies are not replaced, so nothing the user asks of Lightning itself is refused.
 
 Public behaviours relied on as well (tested where they are used, not listed below):
 - ``ModelParallelStrategy.setup`` refuses a module whose ``configure_model`` is not overridden: FSDP2Strategy sets
@@ -30,6 +32,11 @@ PIN = f'pip install "lightning{SUPPORTED_LIGHTNING}"'
 _CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
 _DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
 _MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
+_LEFT_DEEPSPEED = (
+    "Lightning's 'deepspeed*' names stay Lightning's own DeepSpeedStrategy (autoshard refuses nothing there) and"
+    " strategy='autoshard-deepspeed' is refused"
+)
+_LEFT_FSDP2 = "strategy='fsdp2' and 'auto-shard' are refused (they could not set their mesh before Lightning does)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class Private:
     used_in: str
     why: str
     on_instance: bool = False
+    without: str = ""  # what autoshard does when this Lightning lacks it (said by check_lightning)
 
     def __str__(self) -> str:
         return f"{self.owner.rpartition('.')[2]}.{self.name}"
@@ -49,15 +57,17 @@ class Private:
 
 PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(_CONNECTOR, "_check_strategy_and_fallback", "lightning/guards.py",
-            "wrapped: strategy='fsdp' is refused by name before Lightning's own CPU check replaces our redirect"),
+            "wrapped: strategy='fsdp' or an FSDPStrategy object is refused before Lightning's own CPU check replaces"
+            " our redirect", without="FSDP1 (strategy='fsdp', FSDPStrategy objects) is not refused by autoshard"),
     Private(_CONNECTOR, "_validate_precision_choice", "lightning/guards.py",
             "wrapped: 16-mixed under fsdp2 is refused for strategy names too (Lightning checks instances only, says"
-            " 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)"),
+            " 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
+            without="16-mixed under fsdp2 is refused only once the strategy sees the Trainer's precision"),
     Private(_CONNECTOR, "_strategy_flag", "lightning/guards.py", "read: the strategy the user passed", on_instance=True),
     Private(_CONNECTOR, "_precision_flag", "lightning/guards.py", "read: the precision the user passed", on_instance=True),
     Private(_MODEL_PARALLEL, "_configure_launcher", "lightning/base.py",
             "overridden: the last step of Trainer construction, the first point where the Trainer's precision is"
-            " known; precision, backend and mesh are checked there, before any process starts"),
+            " known; precision, backend and mesh are checked there, before any process starts", without=_LEFT_FSDP2),
     Private(_MODEL_PARALLEL, "_data_parallel_size", "lightning/fsdp2.py",
             "set from the intent before Lightning resolves 'auto' (which means tensor parallel within a node)",
             on_instance=True),
@@ -67,18 +77,23 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(_MODEL_PARALLEL, "_layer_sync", "lightning/fsdp2.py",
             "read: Trainer(sync_batchnorm=True), which ModelParallelStrategy ignores and autoshard applies",
             on_instance=True),
-    Private(_DEEPSPEED, "_configure_launcher", "lightning/base.py", "overridden, as for ModelParallelStrategy"),
+    Private(_DEEPSPEED, "_configure_launcher", "lightning/base.py", "overridden, as for ModelParallelStrategy",
+            without=_LEFT_DEEPSPEED),
     Private(_DEEPSPEED, "_layer_sync", "lightning/deepspeed.py",
             "read: Trainer(sync_batchnorm=True), which DeepSpeedStrategy ignores and autoshard applies", on_instance=True),
     Private(_DEEPSPEED, "_format_config", "lightning/deepspeed.py",
-            "overridden: Lightning calls it lazily (setup, model_sharded_context) when the config must be final"),
+            "overridden: Lightning calls it lazily (setup, model_sharded_context) when the config must be final",
+            without=_LEFT_DEEPSPEED),
     Private(_DEEPSPEED, "_auto_select_batch_size", "lightning/deepspeed.py",
-            "called: Lightning's per-device batch size from the train DataLoader, so both strategies agree"),
+            "called: Lightning's per-device batch size from the train DataLoader, so both strategies agree",
+            without=_LEFT_DEEPSPEED),
     Private(_DEEPSPEED, "_init_deepspeed_distributed", "lightning/deepspeed.py",
-            "called on CPU: MASTER_*/RANK env, gloo for a CPU root device, the strategy's timeout"),
+            "called on CPU: MASTER_*/RANK env, gloo for a CPU root device, the strategy's timeout",
+            without=_LEFT_DEEPSPEED),
     Private(_DEEPSPEED, "_init_optimizers", "lightning/deepspeed.py",
             "overridden: Lightning's single configure_optimizers call happens inside it, right before"
-            " deepspeed.initialize; autoshard reads what it returned and refuses the method there"),
+            " deepspeed.initialize; autoshard reads what it returned and refuses the method there",
+            without=_LEFT_DEEPSPEED),
     Private("lightning.pytorch.core.optimizer.LightningOptimizer", "_optimizer", "needs.py",
             "read: the torch optimizer a LightningOptimizer wraps", on_instance=True),
     Private("lightning.pytorch.core.optimizer", "_MockOptimizer", "needs.py",
@@ -102,6 +117,11 @@ def missing(owner: type | None = None) -> list[str]:
 
     Instance attributes need an instance: tests/lightning/test_compat.py builds one per owner.
     """
+    return [str(member) for member in missing_members(owner)]
+
+
+def missing_members(owner: type | None = None) -> list[Private]:
+    """``missing``, as the listed entries."""
     gone = []
     for member in PRIVATE_MEMBERS:
         if member.on_instance:
@@ -113,7 +133,7 @@ def missing(owner: type | None = None) -> list[str]:
         if owner is not None and where is not owner:
             continue
         if not hasattr(where, member.name):
-            gone.append(str(member))
+            gone.append(member)
     return gone
 
 
@@ -121,15 +141,19 @@ def missing(owner: type | None = None) -> list[str]:
 def check_lightning(version: str | None = None) -> None:
     """Warn (once per version, on rank 0) when Lightning is outside SUPPORTED_LIGHTNING or lacks a listed member.
 
-    A warning, not an error: a newer Lightning may well keep every member; the warning says what to pin if not.
+    A warning, not an error: a newer Lightning may well keep every member, and what lacks one is left as Lightning
+    has it (the warning says what, and what to pin).
     """
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     found = version or metadata.version("lightning")
-    gone = missing() if version is None else []
+    gone = missing_members() if version is None else []
     if SpecifierSet(SUPPORTED_LIGHTNING).contains(Version(found), prereleases=True) and not gone:
         return
-    lacks = f"; it lacks {', '.join(gone)}" if gone else ""
+    lacks = ""
+    if gone:
+        left = "; ".join(dict.fromkeys(m.without for m in gone if m.without))
+        lacks = f"; it lacks {', '.join(map(str, gone))}" + (f", so {left}" if left else "")
     rank_zero_warn(
         f"autoshard hooks private Lightning members verified on lightning {SUPPORTED_LIGHTNING}; found lightning"
         f" {found}{lacks}. If a strategy fails, {PIN}",
@@ -137,4 +161,4 @@ def check_lightning(version: str | None = None) -> None:
     )
 
 
-__all__ = ["PIN", "PRIVATE_MEMBERS", "SUPPORTED_LIGHTNING", "Private", "check_lightning", "missing"]
+__all__ = ["PIN", "PRIVATE_MEMBERS", "SUPPORTED_LIGHTNING", "Private", "check_lightning", "missing", "missing_members"]

@@ -1,8 +1,9 @@
 """DeepSpeed under Lightning: "autoshard-deepspeed" (ZeRO-3 from a ShardingIntent) and guarded Lightning names.
 
 Both strategies inspect the LightningModule and its callbacks before the DeepSpeed engine exists, and refuse
-what DeepSpeed cannot train (several optimizers, an EMA teacher under ZeRO-3, several forwards) with the
-backend that works and the fix, instead of Lightning's opaque error or a silent mis-training.
+what DeepSpeed cannot train (several optimizers, an EMA teacher under ZeRO-3) with the backend that works and the
+fix, instead of Lightning's opaque error or a silent mis-training; what it runs only partly (several forwards per
+step under ZeRO-3: no prefetch) is a warning.
 Importing this module does not import deepspeed; constructing a strategy does.
 """
 
@@ -10,26 +11,32 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
+from autoshard.checkpoint import check_replaceable, resolve_for_load
+from autoshard.checkpoint_io import MANIFEST, Publisher, fsync_dir, staging_path, unverified_warning, write_manifest, writer_token
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
+from autoshard.lightning.checkpoint import KIND_SAVE, begin_save, hash_on_every_rank, on_rank0, verify_on_every_rank
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
+from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
-from autoshard.precision import PrecisionPlan, resolve_precision
+from autoshard.precision import PRECISIONS, PrecisionPlan, resolve_precision
 from autoshard.select import Decision
 
 if TYPE_CHECKING:
@@ -210,12 +217,17 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         require_deepspeed()
         super().__init__(*args, **kwargs)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Refuse a checkpoint of another backend (fsdp2 DCP, say) by name, before DeepSpeed reads anything."""
-        if not (self.load_full_weights and self.zero_stage_3):
-            from autoshard.checkpoint import resolve_for_load
+    writes_manifest = False  # Lightning's own DeepSpeed saves (these names) record none: no warning when it is missing
 
-            checkpoint_path = resolve_for_load(checkpoint_path, BACKEND)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Refuse a checkpoint of another backend (fsdp2 DCP, say) by name, a stale 'latest', ZeRO-3 partitions for
+        another world size, and one whose files differ from its manifest (autoshard-deepspeed saves record one)
+        naming the file, before DeepSpeed reads anything."""
+        if not (self.load_full_weights and self.zero_stage_3):
+            checkpoint_path = resolve_for_load(checkpoint_path, BACKEND, world_size=self.world_size)
+            verified = verify_on_every_rank(Path(checkpoint_path), self.global_rank, self.world_size)
+            if not verified and self.writes_manifest:
+                rank_zero_warn(unverified_warning(checkpoint_path))
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     # -- what to check --------------------------------------------------------------------------------------------
@@ -228,11 +240,18 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         return f"DeepSpeed ZeRO stage {self.zero_stage} ({type(self).__name__})"
 
     def _resolve_precision(self) -> PrecisionPlan | None:
-        # Lightning writes the precision keys of its own config; the plan only feeds the matrix check.
+        """The Trainer's precision, judged like any other: one autoshard cannot plan for is refused here, never
+        replaced by the default (the method would be checked against a precision the run does not use)."""
         try:
             return super()._resolve_precision()
-        except IntentError:
-            return None  # a precision autoshard does not plan for (e.g. transformer-engine): Lightning judges it
+        except IntentError as err:
+            plugin = type(self.precision_plugin).__name__
+            raise IntentError(
+                f"{self._label()} cannot run precision {self.precision_plugin.precision!r} (from the Trainer's {plugin}):"
+                f" autoshard checks every DeepSpeed run against the capability matrix for its precision, and knows only"
+                f" {', '.join(PRECISIONS)}. Fix: drop the {plugin} plugin and set Trainer(precision='bf16-mixed') (or"
+                f" another listed precision)"
+            ) from err
 
     def _intent_to_check(self) -> ShardingIntent:
         return ShardingIntent()
@@ -247,7 +266,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         assert module is not None, "check_method needs the LightningModule connected (Trainer.fit does that)"
         needs = inspect_needs(module, trainer, optimizers=optimizers, call_hooks=False)
         if self.zero_stage != 3:
-            # Stages 1-2 keep whole parameters on every rank: EMA and several forwards are safe there.
+            # Stages 1-2 keep whole parameters on every rank: EMA is safe there, and several forwards lose no prefetch.
             needs = dataclasses.replace(needs, ema_pairs=(), multi_forward=False)
         try:
             decision = self._select(needs)
@@ -312,7 +331,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         # when fitting, Lightning's own configure_optimizers call (in _init_optimizers) has returned, so that probe
         # optimizers appended there are counted. Otherwise (no such call) it is checked here, from what exists.
         if not self._lightning_calls_configure_optimizers(trainer):
-            rank_zero_info(self.check_method(trainer).describe())
+            self.report_decision(self.check_method(trainer))
         super().setup(trainer)
 
     @contextmanager
@@ -334,7 +353,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
     def _autoshard_optimizers_returned(self, configured: Any) -> None:
         module = self.lightning_module
         assert module is not None
-        rank_zero_info(self.check_method(module.trainer, returned_optimizers(configured)).describe())
+        self.report_decision(self.check_method(module.trainer, returned_optimizers(configured)))
 
 
 # Lightning DeepSpeedStrategy arguments that shape the config: autoshard builds the config from the intent instead.
@@ -387,6 +406,7 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
     """
 
     strategy_name = "autoshard-deepspeed"
+    writes_manifest = True
 
     def __init__(
         self,
@@ -414,6 +434,36 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
         return plan
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's save (DeepSpeed's engine writes every rank's files) through checkpoint_io's publish protocol:
+        rank 0 holds the destination's lock; the engine writes into a staging of this save's own; each rank fsyncs
+        and hashes the files it wrote; rank 0 writes the manifest fsdp2 saves write too, and renames the staging in.
+        A crash leaves the previous checkpoint whole, and a resume checks every file before DeepSpeed reads one."""
+        if storage_options is not None or self.deepspeed_engine.use_node_local_storage():
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # Lightning's refusal; per-node directories
+            return
+        path = Path(self.broadcast(filepath))
+        token = self.broadcast(writer_token())
+        staged = staging_path(path, token)
+        rank, world = self.global_rank, self.world_size
+        held: list[Publisher] = []
+        try:
+            on_rank0(lambda: begin_save(path, token, held), rank, world, self.broadcast)
+            super().save_checkpoint(checkpoint, str(staged))  # returns after DeepSpeed's last barrier: all files are in
+            names = [f.relative_to(staged).as_posix() for f in staged.rglob("*") if f.is_file()]
+            mine = [name for name in names if _writer_rank(name) % world == rank]
+            files = hash_on_every_rank(staged, mine, rank, sync=True)  # DeepSpeed does not fsync its files
+
+            def publish() -> None:
+                write_manifest(staged / MANIFEST, files, KIND_SAVE)
+                fsync_dir(staged)
+                held[0].publish(check_replaceable)
+
+            on_rank0(publish, rank, world, self.broadcast)
+        finally:
+            for publisher in held:  # a failed save's staging stays for the next save to clear
+                publisher.release()
+
     def _autoshard_format_config(self) -> bool:
         trainer = _attached_trainer(self.lightning_module)
         if trainer is None:
@@ -431,19 +481,36 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         return True
 
 
+def _writer_rank(name: str) -> int:
+    """The rank whose DeepSpeed file this is (``zero_pp_rank_R_...``: rank R's partition); 0 for the rest (rank 0
+    writes ``latest``, the shared model states and ``zero_to_fp32.py``)."""
+    found = re.search(r"zero_pp_rank_(\d+)_", name)
+    return int(found.group(1)) if found else 0
+
+
 def register_deepspeed_strategies(registry: Any) -> None:
-    """Register "autoshard-deepspeed" and point Lightning's DeepSpeed names at the guarded class; idempotent."""
-    registry.register(
-        "autoshard-deepspeed",
-        AutoShardDeepSpeedStrategy,
-        description="autoshard: DeepSpeed ZeRO-3 from a ShardingIntent, refused with guidance when the method cannot run",
-        override=True,
+    """Register "autoshard-deepspeed" and point Lightning's DeepSpeed names at the guarded class; idempotent.
+
+    When this Lightning lacks a DeepSpeedStrategy member autoshard hooks, Lightning's names stay Lightning's own
+    (check_lightning has warned): a user's explicit strategy="deepspeed" is never refused for autoshard's sake.
+    """
+    register_strategy(
+        registry, "autoshard-deepspeed", AutoShardDeepSpeedStrategy,
+        "autoshard: DeepSpeed ZeRO-3 from a ShardingIntent, refused with guidance when the method cannot run",
+        "Trainer(strategy='autoshard-deepspeed'): ZeRO-3 from a ShardingIntent",
     )
+    if missing(DeepSpeedStrategy):
+        return
     for name in LIGHTNING_DEEPSPEED_NAMES:
         entry = dict.get(registry, name)  # the raw entry: registry.get() would instantiate the strategy
         if entry is None or entry["strategy"] not in (DeepSpeedStrategy, GuardedDeepSpeedStrategy):
             continue  # absent, or someone else's subclass: leave it alone
-        registry.register(name, GuardedDeepSpeedStrategy, description=entry["description"], override=True, **entry["init_params"])
+        register_strategy(
+            registry, name, GuardedDeepSpeedStrategy, entry["description"],
+            "Lightning's name, same description and init params; refuses at setup what ZeRO cannot train (several"
+            " optimizers; at stage 3 an EMA teacher), and runs on CPU (gloo)",
+            **entry["init_params"],
+        )
 
 
 __all__ = [

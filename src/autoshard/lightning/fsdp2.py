@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Collection, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,11 +32,12 @@ from autoshard.backends import fsdp2 as fsdp2_backend
 from autoshard.backends import get_backend
 from autoshard.batchnorm import convert_sync_batchnorm
 from autoshard.backends.matrix import cell
-from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
+from autoshard.errors import AutoShardError, BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.checkpoint import CheckpointMixin
+from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
 from autoshard.lightning.guarantees import ExplainMixedDTensor, reshard_after_no_grad_forward, reshard_teachers, track_forwards
 from autoshard.needs import EMAPair, MethodNeeds, inspect_needs, recount_optimizers
 from autoshard.precision import Precision, PrecisionPlan, normalize_precision
@@ -281,6 +283,12 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         timeout: timedelta | None = default_pg_timeout,
         **intent_fields: Any,
     ) -> None:
+        gone = missing(ModelParallelStrategy)
+        if gone:  # Lightning would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
+            raise BackendUnavailableError(
+                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's fsdp2 strategies"
+                f" hook (verified on lightning {SUPPORTED_LIGHTNING}). Fix: {PIN}"
+            )
         self.intent = as_intent(intent, **intent_fields)
         super().__init__(
             data_parallel_size="auto",
@@ -382,7 +390,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         if trainer.state.fn == TrainerFn.FITTING:  # Lightning's single configure_optimizers call has run
             self.needs = recount_optimizers(self.needs, module, self.optimizers, trainer)
             self.decision = self._decide(self.needs)
-        rank_zero_info(self.decision.describe())
+        self.report_decision(self.decision)
         if init is not None:  # after materialization, before teachers copy students and rank 0's copy is broadcast
             self.init_report = load_init_from(module, init)
             rank_zero_info(self.init_report.describe())

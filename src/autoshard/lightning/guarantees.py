@@ -5,9 +5,7 @@ module's parameters without calling the module is explained by name instead of t
 
 from __future__ import annotations
 
-import os
 import re
-import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +15,7 @@ from torch import nn
 from autoshard.adapters.fsdp2 import fsdp2_api
 from autoshard.errors import AutoShardError
 from autoshard.needs import EMAPair
+from autoshard.tracebacks import user_frames
 
 MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
 _FORWARD_LOG = "_autoshard_forward_log"
@@ -94,12 +93,7 @@ def track_forwards(module: nn.Module) -> set[int]:
 def _failing_line(exc: BaseException) -> str:
     """The innermost source line of the user's code in the traceback (not torch's, Lightning's or autoshard's),
     with indexing written as a module path (``self.blocks[0].weight`` -> ``self.blocks.0.weight``)."""
-    import lightning
-
-    import autoshard
-
-    libraries = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, lightning, autoshard))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(libraries)]
+    frames = user_frames(exc)
     return re.sub(r"\[(\d+)\]", r".\1", frames[-1].line or "") if frames else ""
 
 
