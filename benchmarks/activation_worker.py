@@ -106,13 +106,7 @@ BATCHES = {"gpt2": (4, 16), "vit": (16, 64), "dino": (64, 256)}
 
 
 def scenarios(models: list[str], precisions: list[str]) -> list[dict[str, Any]]:
-    return [
-        {"model": m, "batch": b, "ac": ac, "precision": p}
-        for m in models
-        for p in precisions
-        for b in BATCHES[m]
-        for ac in (False, True)
-    ]
+    return [{"model": m, "batch": b, "ac": ac, "precision": p} for m in models for p in precisions for b in BATCHES[m] for ac in (False, True)]
 
 
 def estimate(s: dict[str, Any]) -> dict[str, Any]:

@@ -169,8 +169,13 @@ def llama() -> Arch:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=DEPTH, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ,
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=4 * WIDTH,
+        num_hidden_layers=DEPTH,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
     )
     return HFCausal(config, LlamaForCausalLM)
 
@@ -186,7 +191,11 @@ def bert() -> Arch:
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=4 * WIDTH,
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=DEPTH,
+        num_attention_heads=4,
+        intermediate_size=4 * WIDTH,
         max_position_embeddings=SEQ,
     )
     return BertMLM(config, BertForMaskedLM)
@@ -209,5 +218,11 @@ def resnet() -> Arch:
 
 
 ARCHS: dict[str, Callable[[], Arch]] = {
-    "gpt2": gpt2, "llama": llama, "t5": t5, "bert": bert, "vit": vit, "convnext": convnext, "resnet": resnet,
+    "gpt2": gpt2,
+    "llama": llama,
+    "t5": t5,
+    "bert": bert,
+    "vit": vit,
+    "convnext": convnext,
+    "resnet": resnet,
 }

@@ -24,12 +24,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import autoshard  # noqa: E402,F401  registers strategy="fsdp2"
+from autoshard._harness import count_collectives, quiet_trainer, write_result  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
 from autoshard.lightning import FSDP2Strategy  # noqa: E402
 from autoshard.memory import estimate_memory  # noqa: E402
 from benchmarks.models import StepModel  # noqa: E402
 from benchmarks.step_worker import step_data  # noqa: E402
-from autoshard._harness import count_collectives, quiet_trainer, write_result  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

@@ -29,8 +29,13 @@ def tiny_llama() -> object:
             super().__init__()
             self.model = LlamaForCausalLM(
                 LlamaConfig(
-                    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                    num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+                    vocab_size=32000,
+                    hidden_size=2048,
+                    intermediate_size=5632,
+                    num_hidden_layers=22,
+                    num_attention_heads=32,
+                    num_key_value_heads=4,
+                    tie_word_embeddings=False,
                 )
             )
 
@@ -51,8 +56,10 @@ def main() -> None:
 
     module = build_on_meta(tiny_llama).module
     sizes = [int(s) for s in args.world_sizes.split(",")]
-    print(f"TinyLlama shape, {sum(p.numel() for p in module.parameters()) / 1e9:.2f}B parameters, bf16-mixed, AdamW, "
-          f"{args.devices_per_node} devices per node; seconds at {NVLINK / 1e9:.0f} GB/s in a node, {NETWORK / 1e9:.0f} GB/s across")
+    print(
+        f"TinyLlama shape, {sum(p.numel() for p in module.parameters()) / 1e9:.2f}B parameters, bf16-mixed, AdamW, "
+        f"{args.devices_per_node} devices per node; seconds at {NVLINK / 1e9:.0f} GB/s in a node, {NETWORK / 1e9:.0f} GB/s across"
+    )
     print("| world | sharding | states per rank | sent in a node | sent across nodes | comm floor (s) |")
     print("|---|---|---|---|---|---|")
     for shard_size in (None, "node"):
@@ -60,7 +67,9 @@ def main() -> None:
         for e in estimates:
             seconds = e.intra_node_bytes / NVLINK + e.inter_node_bytes / NETWORK
             name = "pure FSDP" if shard_size is None else f"HSDP {e.shard_group} x {e.world_size // e.shard_group}"
-            print(f"| {e.world_size} | {name} | {fmt_bytes(e.model_states)} | {fmt_bytes(e.intra_node_bytes)} | {fmt_bytes(e.inter_node_bytes)} | {seconds:.3f} |")
+            print(
+                f"| {e.world_size} | {name} | {fmt_bytes(e.model_states)} | {fmt_bytes(e.intra_node_bytes)} | {fmt_bytes(e.inter_node_bytes)} | {seconds:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ def peak_rss_mib() -> float:
 def config(args: argparse.Namespace) -> Any:
     from transformers import GPT2Config
 
-    return GPT2Config(n_layer=args.layers, n_embd=args.dim, n_head=args.dim // 64, vocab_size=args.vocab, n_positions=256, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(
+        n_layer=args.layers, n_embd=args.dim, n_head=args.dim // 64, vocab_size=args.vocab, n_positions=256, bos_token_id=0, eos_token_id=0
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -50,8 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import GPT2LMHeadModel
 
     import autoshard  # noqa: F401  registers strategy="fsdp2"
-    from autoshard.lightning import FSDP2Strategy
     from autoshard._harness import write_result
+    from autoshard.lightning import FSDP2Strategy
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -128,11 +130,15 @@ def main() -> None:
             shape = ["--layers", str(args.layers), "--dim", str(args.dim), "--vocab", str(args.vocab)]
             results[mode] = run_workers(Path(__file__), [*shape, "--mode", mode, "--weights", str(weights)], Path(tmp) / mode, 2, 600)
             results[mode + "_s"] = time.perf_counter() - t0
-    print(f"setup peak RSS per rank, GPT-2 {args.layers} layers x {args.dim}, vocab {args.vocab}: {model_mib:.1f} MiB fp32, 2 ranks (VmHWM at on_train_start; base = after imports):")
+    print(
+        f"setup peak RSS per rank, GPT-2 {args.layers} layers x {args.dim}, vocab {args.vocab}: {model_mib:.1f} MiB fp32, 2 ranks (VmHWM at on_train_start; base = after imports):"
+    )
     for mode, label in MODES.items():
         for rank, r in enumerate(results[mode]):
             read = f"; read {r['bytes_read_mib']:.1f} MiB" if r["bytes_read_mib"] is not None else ""
-            print(f"  {label:<56} rank {rank}: peak {r['setup_peak_rss_mib']:7.1f} MiB (base {r['base_rss_mib']:6.1f}, above base {r['setup_peak_rss_mib'] - r['base_rss_mib']:6.1f} MiB{read}; build+setup {r['build_and_setup_s']:.1f} s)")
+            print(
+                f"  {label:<56} rank {rank}: peak {r['setup_peak_rss_mib']:7.1f} MiB (base {r['base_rss_mib']:6.1f}, above base {r['setup_peak_rss_mib'] - r['base_rss_mib']:6.1f} MiB{read}; build+setup {r['build_and_setup_s']:.1f} s)"
+            )
     for rank in range(2):
         new, old = results["init_from"][rank], results["from_pretrained"][rank]
         peak = new["setup_peak_rss_mib"] / old["setup_peak_rss_mib"]

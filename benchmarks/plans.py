@@ -31,8 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HAND_BLOCKS = {  # the block classes a person names when sharding each model by hand
-    "gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "t5": "T5Block", "bert": "BertLayer", "vit": "ViTLayer",
-    "convnext": "ConvNeXtBlock", "resnet": "Bottleneck",
+    "gpt2": "GPT2Block",
+    "llama": "LlamaDecoderLayer",
+    "t5": "T5Block",
+    "bert": "BertLayer",
+    "vit": "ViTLayer",
+    "convnext": "ConvNeXtBlock",
+    "resnet": "Bottleneck",
 }
 PLANS = ("new", "old", "hand", "new_again", "new_prefetch")
 BATCH = 4
@@ -253,7 +258,7 @@ def worker() -> None:
                 "cpu": [],
             }
         for r in range(args.rounds):  # rotate the order, so that no plan always runs first
-            names = PLANS[r % len(PLANS):] + PLANS[: r % len(PLANS)]
+            names = PLANS[r % len(PLANS) :] + PLANS[: r % len(PLANS)]
             for name in names:
                 times = [step(runs[name]) for _ in range(args.steps)]
                 measured[name]["wall"].append(statistics.median(t[0] for t in times))

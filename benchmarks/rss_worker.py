@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import autoshard  # noqa: E402,F401  registers strategy="fsdp2"
-from benchmarks.models import BigModel  # noqa: E402
 from autoshard._harness import write_result  # noqa: E402
+from benchmarks.models import BigModel  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -84,7 +84,9 @@ def main() -> None:
     full = sum(p.numel() * 4 for p in model.parameters()) / 2**20
     after_build = peak_rss_mib()
     g = torch.Generator().manual_seed(0)
-    trainer.fit(model, DataLoader(TensorDataset(torch.randn(8 * WORLD, 2048, generator=g), torch.randint(0, 2, (8 * WORLD,), generator=g)), batch_size=8))
+    trainer.fit(
+        model, DataLoader(TensorDataset(torch.randn(8 * WORLD, 2048, generator=g), torch.randint(0, 2, (8 * WORLD,), generator=g)), batch_size=8)
+    )
     seen = at_start.seen
     write_result(
         args.out,

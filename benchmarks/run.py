@@ -97,9 +97,11 @@ def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
     ]
     states: dict[str, Any] = {}
     for rank, r in enumerate(ranks):
-        for name, key, held in (("MLP stack (autoshard)", "step_model", r["step_model"]["held"]["autoshard"]),
-                                ("MLP stack (hand-written)", "step_model", r["step_model"]["held"]["hand_reshard"]),
-                                ("DinoLike + OnlineProbe", "dino", r["dino"]["held"])):
+        for name, key, held in (
+            ("MLP stack (autoshard)", "step_model", r["step_model"]["held"]["autoshard"]),
+            ("MLP stack (hand-written)", "step_model", r["step_model"]["held"]["hand_reshard"]),
+            ("DinoLike + OnlineProbe", "dino", r["dino"]["held"]),
+        ):
             ideal, estimate = r[key]["ideal"], r[key]["estimate"]
             states[f"{name} rank {rank}"] = {"held": held, "ideal": ideal, "ratio": held / ideal, "estimate": estimate}
             lines.append(
@@ -131,10 +133,7 @@ def bench_comm(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
         def show(kind: str) -> str:
             return f"{mib(totals[name][kind])} ({'+'.join(step[kind])})"
 
-        lines.append(
-            f"  {label:<62} {show('all_gather'):>22} {show('reduce_scatter'):>22}"
-            f" {mib(run['gathered_block'])} ({run['gather_dtype']})"
-        )
+        lines.append(f"  {label:<62} {show('all_gather'):>22} {show('reduce_scatter'):>22} {mib(run['gathered_block'])} ({run['gather_dtype']})")
     before, after = totals["before"], totals["after"]
     ratio = {k: after[k] / before[k] for k in before}
     ratio["total"] = (after["all_gather"] + after["reduce_scatter"]) / (before["all_gather"] + before["reduce_scatter"])
@@ -163,7 +162,9 @@ def bench_plan(quick: bool) -> tuple[dict[str, Any], list[str]]:
     lines += ["  " + line for line in plan_time.report(result)]
     for r in at_10k:
         worst = max(r["plan_s"], r["needs_s"])
-        lines.append(f"  {r['shape']} at {r['modules']:,d} modules: slowest step {worst:.3f} s (goal < {GOALS['plan_10k_s']} s: {verdict(worst, GOALS['plan_10k_s'])})")
+        lines.append(
+            f"  {r['shape']} at {r['modules']:,d} modules: slowest step {worst:.3f} s (goal < {GOALS['plan_10k_s']} s: {verdict(worst, GOALS['plan_10k_s'])})"
+        )
     return result, lines
 
 
@@ -200,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHES)}")
     info = machine()
-    command = "python benchmarks/run.py" + ("" if argv is None and len(sys.argv) == 1 else " " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    command = "python benchmarks/run.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + shlex.join(argv if argv is not None else sys.argv[1:])
+    )
     print(f"autoshard benchmarks: {json.dumps(info)}")
     print(f"command: {command}", flush=True)
     results: dict[str, Any] = {"machine": info, "command": command}

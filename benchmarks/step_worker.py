@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import autoshard  # noqa: E402,F401  registers strategy="fsdp2"
+from autoshard._harness import write_result  # noqa: E402
 from autoshard.demo import Blobs, DinoLike, OnlineProbe  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
 from autoshard.memory import estimate_memory  # noqa: E402
 from autoshard.needs import inspect_needs  # noqa: E402
 from benchmarks.models import HandShardedResharding, HandShardedStepModel, StepModel  # noqa: E402
-from autoshard._harness import write_result  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -112,7 +112,9 @@ def model_states_dino() -> dict[str, Any]:
     with torch.device("meta"):
         twin, twin_probe = DinoLike(), OnlineProbe()
         twin_probe.setup(None, twin, "fit")
-    estimate = estimate_memory(twin, ShardingIntent(precision="32-true"), inspect_needs(twin, callbacks=[twin_probe]), WORLD, rank=RANK, callbacks=[twin_probe])
+    estimate = estimate_memory(
+        twin, ShardingIntent(precision="32-true"), inspect_needs(twin, callbacks=[twin_probe]), WORLD, rank=RANK, callbacks=[twin_probe]
+    )
     pl.seed_everything(0, verbose=False)
     probe = OnlineProbe()
     held = Held([probe])
@@ -154,7 +156,12 @@ def main() -> None:
             "median_step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
             "steps_timed": {k: len(v) for k, v in times.items()},
             "per_round_median_s": per_round,
-            "step_model": {"held": held, "estimate": estimate.model_states, "ideal": estimate.ideal, "parameters": sum(p.numel() for p in twin.parameters())},
+            "step_model": {
+                "held": held,
+                "estimate": estimate.model_states,
+                "ideal": estimate.ideal,
+                "parameters": sum(p.numel() for p in twin.parameters()),
+            },
             "dino": model_states_dino(),
         },
     )

@@ -46,7 +46,7 @@ def blobs(batch: int) -> list[torch.Tensor]:
     return [torch.randn(batch, 16), torch.randint(0, 4, (batch,))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured(model: str, batch: int, ac: bool = False, precision: str = "bf16-mixed", world: int = 2) -> StepMemory:
     """One measurement per configuration, shared by the tests that compare them."""
     intent = ShardingIntent(activation_checkpointing=ac)
@@ -237,7 +237,9 @@ class TwoOptimizersManual(pl.LightningModule):
 
 def test_a_manual_step_runs_with_lightning_optimizers_schedulers_and_a_closure() -> None:
     intent = ShardingIntent()
-    step = measure_step(TwoOptimizersManual, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: (torch.randn(32, 16), torch.randn(32, 32)))
+    step = measure_step(
+        TwoOptimizersManual, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: (torch.randn(32, 16), torch.randn(32, 32))
+    )
     assert not step.forward_only and step.incomplete == "" and step.activations > 0
     numel = sum(p.numel() for p in TwoOptimizersManual().parameters())
     # Both optimizers stepped through LightningOptimizer: Adam's two fp32 states of every parameter, half per rank.
@@ -254,7 +256,9 @@ class ReadsTheDatamodule(TwoOptimizersManual):
 def test_a_manual_step_reading_what_the_stand_in_trainer_lacks_names_it() -> None:
     intent = ShardingIntent()
     with pytest.raises(AutoShardError) as info:
-        measure_step(ReadsTheDatamodule, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: (torch.randn(32, 16), torch.randn(32, 32)))
+        measure_step(
+            ReadsTheDatamodule, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: (torch.randn(32, 16), torch.randn(32, 32))
+        )
     message = str(info.value)
     assert "self.trainer.datamodule is not available in autoshard's simulated step" in message
     assert "`self.classes = self.trainer.datamodule.num_classes`" in message and "measuring_callback()" in message

@@ -16,9 +16,7 @@ from autoshard.capability import Format
 SRC = Path(autoshard.__file__).parent
 # `x == "fsdp2"`, `"deepspeed_zero3" != y`, `x in ("fsdp2", ...)`: each backend name, quoted, next to a comparison.
 _NAMES = "|".join(re.escape(name) for name in BACKENDS)
-_COMPARED = re.compile(
-    rf"""(==|!=|\bin)\s*\(?\s*["']({_NAMES})["']|["']({_NAMES})["']\s*(==|!=|\bin\b)"""
-)
+_COMPARED = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({_NAMES})["']|["']({_NAMES})["']\s*(==|!=|\bin\b)""")
 
 
 def test_no_backend_name_is_compared_outside_backends_and_adapters():

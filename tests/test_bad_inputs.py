@@ -48,7 +48,12 @@ def isolated_process_state() -> Iterator[None]:
 
 def trainer(**kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     return pl.Trainer(**{**defaults, **kwargs})
@@ -131,8 +136,11 @@ def test_02_fsdp1_by_class() -> None:
 @pytest.mark.parametrize("strategy", ["fsdp2", "auto-shard"])
 def test_03_fp16_mixed_under_fsdp2(strategy: str) -> None:
     text = refused(
-        IncompatibleBackendError, lambda: trainer(strategy=strategy, precision="16-mixed"),
-        "precision='16-mixed') is not supported", "no sharded gradient scaler", "Fix: use Trainer(precision='bf16-mixed')",
+        IncompatibleBackendError,
+        lambda: trainer(strategy=strategy, precision="16-mixed"),
+        "precision='16-mixed') is not supported",
+        "no sharded gradient scaler",
+        "Fix: use Trainer(precision='bf16-mixed')",
     )
     assert "Fabric" not in text and "autoshard-deepspeed" in text
 
@@ -141,14 +149,21 @@ def test_03_fp16_mixed_under_fsdp2(strategy: str) -> None:
 def test_04_several_optimizers_under_deepspeed() -> None:
     needs = MethodNeeds(optimizer_sources=(("configure_optimizers", 2),))
     refused(
-        IncompatibleBackendError, lambda: select_backend(needs, prefer="deepspeed_zero3"),
-        "multiple optimizers [2 optimizers", "exactly one optimizer", "Backend that works: fsdp2", "Fix: use strategy='fsdp2'",
+        IncompatibleBackendError,
+        lambda: select_backend(needs, prefer="deepspeed_zero3"),
+        "multiple optimizers [2 optimizers",
+        "exactly one optimizer",
+        "Backend that works: fsdp2",
+        "Fix: use strategy='fsdp2'",
     )
     pytest.importorskip("deepspeed")
     model = TwoOptimizers()
     refused(
-        IncompatibleBackendError, lambda: trainer(strategy="autoshard-deepspeed").fit(model, data()),
-        "refused before the engine is built", "2 from configure_optimizers", "Backend that works: fsdp2",
+        IncompatibleBackendError,
+        lambda: trainer(strategy="autoshard-deepspeed").fit(model, data()),
+        "refused before the engine is built",
+        "2 from configure_optimizers",
+        "Backend that works: fsdp2",
     )
     assert model.steps == 0
 
@@ -159,14 +174,19 @@ def test_05_probe_optimizer_under_deepspeed() -> None:
     probe.setup(None, model, "fit")  # what Lightning does before strategy setup: the probe builds its optimizer
     needs = inspect_needs(model, callbacks=[probe])
     refused(
-        IncompatibleBackendError, lambda: select_backend(needs, prefer="deepspeed_zero3"),
-        "1 from configure_optimizers, 1 from callback OnlineProbe", "Backend that works: fsdp2",
+        IncompatibleBackendError,
+        lambda: select_backend(needs, prefer="deepspeed_zero3"),
+        "1 from configure_optimizers, 1 from callback OnlineProbe",
+        "Backend that works: fsdp2",
     )
     pytest.importorskip("deepspeed")
     model = Net()
     refused(
-        IncompatibleBackendError, lambda: trainer(strategy="deepspeed_stage_3", callbacks=[OnlineProbe()]).fit(model, data()),
-        "refused before the engine is built", "1 from callback OnlineProbe", "Fix: use strategy='fsdp2'",
+        IncompatibleBackendError,
+        lambda: trainer(strategy="deepspeed_stage_3", callbacks=[OnlineProbe()]).fit(model, data()),
+        "refused before the engine is built",
+        "1 from callback OnlineProbe",
+        "Fix: use strategy='fsdp2'",
     )
     assert model.steps == 0
 
@@ -174,14 +194,20 @@ def test_05_probe_optimizer_under_deepspeed() -> None:
 def test_06_ema_teacher_under_deepspeed() -> None:
     needs = inspect_needs(DinoLike())
     refused(
-        IncompatibleBackendError, lambda: select_backend(needs, prefer="deepspeed_zero3"),
-        "EMA teacher/student [teacher 'teacher' follows student 'student']", "placeholder", "Backend that works: fsdp2",
+        IncompatibleBackendError,
+        lambda: select_backend(needs, prefer="deepspeed_zero3"),
+        "EMA teacher/student [teacher 'teacher' follows student 'student']",
+        "placeholder",
+        "Backend that works: fsdp2",
     )
     pytest.importorskip("deepspeed")
     for name in ("autoshard-deepspeed", "deepspeed_stage_3"):
         refused(
-            IncompatibleBackendError, lambda: trainer(strategy=name).fit(DinoLike(), data()),
-            "refused before the engine is built", "EMA teacher/student", "Fix: use strategy='fsdp2'",
+            IncompatibleBackendError,
+            lambda: trainer(strategy=name).fit(DinoLike(), data()),
+            "refused before the engine is built",
+            "EMA teacher/student",
+            "Fix: use strategy='fsdp2'",
         )
 
 
@@ -189,8 +215,11 @@ def test_06_ema_teacher_under_deepspeed() -> None:
 def test_07_no_parameter_owning_children_under_strict() -> None:
     model = Flat()
     refused(
-        AutoShardError, lambda: trainer(strategy=FSDP2Strategy(intent={"strict": True})).fit(model, data()),
-        "no parameter-owning child modules found to shard in Flat", "Fix: put them in child modules", "parallelize_fn",
+        AutoShardError,
+        lambda: trainer(strategy=FSDP2Strategy(intent={"strict": True})).fit(model, data()),
+        "no parameter-owning child modules found to shard in Flat",
+        "Fix: put them in child modules",
+        "parallelize_fn",
     )
     assert model.steps == 0
 
@@ -198,8 +227,11 @@ def test_07_no_parameter_owning_children_under_strict() -> None:
 def test_08_teacher_student_structure_mismatch() -> None:
     model = Mismatched()
     refused(
-        AutoShardError, lambda: trainer(strategy="fsdp2").fit(model, data()),
-        "EMA teacher 'teacher' and student 'student' differ in structure", "(5, 8) vs (4, 8)", "copy.deepcopy(student)",
+        AutoShardError,
+        lambda: trainer(strategy="fsdp2").fit(model, data()),
+        "EMA teacher 'teacher' and student 'student' differ in structure",
+        "(5, 8) vs (4, 8)",
+        "copy.deepcopy(student)",
     )
     assert model.steps == 0
 
@@ -207,19 +239,31 @@ def test_08_teacher_student_structure_mismatch() -> None:
 # -- 9-10: world size ---------------------------------------------------------------------------------------------
 def test_09_dp_times_tp_not_world_size() -> None:
     refused(
-        IntentError, lambda: trainer(strategy=FSDP2Strategy(intent={"data_parallel_size": 3}), devices=2),
-        "3 * 1 = 3 does not match the world size 2", "set data_parallel_size=2",
+        IntentError,
+        lambda: trainer(strategy=FSDP2Strategy(intent={"data_parallel_size": 3}), devices=2),
+        "3 * 1 = 3 does not match the world size 2",
+        "set data_parallel_size=2",
     )
 
 
 def test_10_slurm_tasks_differ_from_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    slurm = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train",
-             "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    slurm = {
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
     refused(
-        IntentError, lambda: trainer(strategy="fsdp2", devices=2),
-        "SLURM started 4 task(s) per node but Trainer(devices=2)", "Fix: set Trainer(devices=4)", "srun --ntasks-per-node=2",
+        IntentError,
+        lambda: trainer(strategy="fsdp2", devices=2),
+        "SLURM started 4 task(s) per node but Trainer(devices=2)",
+        "Fix: set Trainer(devices=4)",
+        "srun --ntasks-per-node=2",
     )
 
 
@@ -231,7 +275,9 @@ def test_11_deepspeed_not_installed() -> None:
     refused(
         BackendUnavailableError,
         lambda: select_backend(MethodNeeds(), prefer="deepspeed_zero3", available={"deepspeed_zero3": absent}),
-        "deepspeed is not installed", "Backend that works: fsdp2", 'Fix: pip install "autoshard[deepspeed]"',
+        "deepspeed is not installed",
+        "Backend that works: fsdp2",
+        'Fix: pip install "autoshard[deepspeed]"',
     )
 
 
@@ -243,16 +289,20 @@ def test_12_torch_or_lightning_too_old(package: str) -> None:
     assert not old.ok and old.detail == f"{package} {version(package)} is older than the required 99.0"
     assert old.fix == f'pip install -U "{package}>=99.0"'
     refused(
-        BackendUnavailableError, lambda: select_backend(MethodNeeds(), prefer="fsdp2", available={"fsdp2": old}),
-        f"{package} {version(package)} is older than the required 99.0", f'Fix: pip install -U "{package}>=99.0"',
+        BackendUnavailableError,
+        lambda: select_backend(MethodNeeds(), prefer="fsdp2", available={"fsdp2": old}),
+        f"{package} {version(package)} is older than the required 99.0",
+        f'Fix: pip install -U "{package}>=99.0"',
     )
 
 
 # -- 13-14: names that do not exist -------------------------------------------------------------------------------
 def test_13_unknown_backend() -> None:
     refused(
-        IntentError, lambda: select_backend(MethodNeeds(), prefer="fsdp3"),
-        "unknown backend 'fsdp3' (did you mean 'fsdp2'?)", "choose one of 'auto', 'fsdp2', 'deepspeed_zero3'",
+        IntentError,
+        lambda: select_backend(MethodNeeds(), prefer="fsdp3"),
+        "unknown backend 'fsdp3' (did you mean 'fsdp2'?)",
+        "choose one of 'auto', 'fsdp2', 'deepspeed_zero3'",
     )
     # A Lightning strategy name that does not exist is Lightning's to refuse, at construction; ours are in its list.
     refused(ValueError, lambda: trainer(strategy="fsdp3"), "invalid strategy name")
@@ -269,12 +319,19 @@ def test_15_checkpoint_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "results.csv").write_text("epoch,loss\n")
     model = Net()
     refused(
-        CheckpointFormatError, lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=str(tmp_path)),
-        "cannot resume", "is not a checkpoint", "no .metadata (DCP), no meta.pt (Lightning), no latest (DeepSpeed)", "Fix:",
+        CheckpointFormatError,
+        lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=str(tmp_path)),
+        "cannot resume",
+        "is not a checkpoint",
+        "no .metadata (DCP), no meta.pt (Lightning), no latest (DeepSpeed)",
+        "Fix:",
     )
     assert model.steps == 0
-    refused(CheckpointFormatError, lambda: trainer(strategy="fsdp2").fit(Net(), data(), ckpt_path=str(tmp_path / "nope.ckpt")),
-            "nothing exists at this path")
+    refused(
+        CheckpointFormatError,
+        lambda: trainer(strategy="fsdp2").fit(Net(), data(), ckpt_path=str(tmp_path / "nope.ckpt")),
+        "nothing exists at this path",
+    )
 
 
 def test_16_interrupted_checkpoint(tmp_path: Path) -> None:
@@ -284,8 +341,10 @@ def test_16_interrupted_checkpoint(tmp_path: Path) -> None:
     (partial / "__0_0.distcp").write_bytes(b"\0" * 64)
     model = Net()
     refused(
-        CheckpointFormatError, lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=str(partial)),
-        "no .metadata: the save did not finish on every rank", "Fix: resume from an earlier complete checkpoint",
+        CheckpointFormatError,
+        lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=str(partial)),
+        "no .metadata: the save did not finish on every rank",
+        "Fix: resume from an earlier complete checkpoint",
     )
     assert model.steps == 0
 
@@ -301,9 +360,13 @@ def deepspeed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_17_deepspeed_checkpoint_resumed_with_fsdp2(deepspeed_checkpoint: Path) -> None:
     model = Net()
     refused(
-        CheckpointFormatError, lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=str(deepspeed_checkpoint)),
-        "cannot resume with fsdp2", "a DeepSpeed ZeRO checkpoint (tag 'checkpoint')", "strategy='autoshard-deepspeed'",
-        f"`autoshard consolidate {deepspeed_checkpoint} weights.pt`", "model.load_state_dict(torch.load('weights.pt'))",
+        CheckpointFormatError,
+        lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=str(deepspeed_checkpoint)),
+        "cannot resume with fsdp2",
+        "a DeepSpeed ZeRO checkpoint (tag 'checkpoint')",
+        "strategy='autoshard-deepspeed'",
+        f"`autoshard consolidate {deepspeed_checkpoint} weights.pt`",
+        "model.load_state_dict(torch.load('weights.pt'))",
     )
     assert model.steps == 0
 
@@ -320,8 +383,12 @@ def fsdp2_checkpoint(tmp_path: Path) -> Path:
 
 def test_18_fsdp2_checkpoint_resumed_with_deepspeed_message(fsdp2_checkpoint: Path) -> None:
     refused(
-        CheckpointFormatError, lambda: resolve_for_load(fsdp2_checkpoint, "deepspeed_zero3"),
-        "cannot resume with DeepSpeed", "written by fsdp2", "resume with strategy='fsdp2'", "autoshard consolidate",
+        CheckpointFormatError,
+        lambda: resolve_for_load(fsdp2_checkpoint, "deepspeed_zero3"),
+        "cannot resume with DeepSpeed",
+        "written by fsdp2",
+        "resume with strategy='fsdp2'",
+        "autoshard consolidate",
     )
 
 
@@ -346,32 +413,41 @@ def test_19_saving_over_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> 
 # -- 20-24: intent mistakes ---------------------------------------------------------------------------------------
 def test_20_precision_given_twice_and_different() -> None:
     refused(
-        IntentError, lambda: trainer(strategy=FSDP2Strategy(intent={"precision": "bf16-true"}), precision="32-true"),
-        "ShardingIntent(precision='bf16-true') but Trainer(precision='32-true')", "Fix: set it once",
+        IntentError,
+        lambda: trainer(strategy=FSDP2Strategy(intent={"precision": "bf16-true"}), precision="32-true"),
+        "ShardingIntent(precision='bf16-true') but Trainer(precision='32-true')",
+        "Fix: set it once",
     )
 
 
 def test_21_nvme_offload_under_fsdp2(tmp_path: Path) -> None:
     intent = {"offload": "params", "offload_device": "nvme", "nvme_path": str(tmp_path)}
     refused(
-        IncompatibleBackendError, lambda: trainer(strategy=FSDP2Strategy(intent=intent)),
-        "FSDP2 can offload to CPU memory only", "Backend that works: deepspeed_zero3", "Fix: use offload_device='cpu'",
+        IncompatibleBackendError,
+        lambda: trainer(strategy=FSDP2Strategy(intent=intent)),
+        "FSDP2 can offload to CPU memory only",
+        "Backend that works: deepspeed_zero3",
+        "Fix: use offload_device='cpu'",
     )
 
 
 def test_22_shard_names_a_module_that_does_not_exist() -> None:
     model = Net()
     refused(
-        IntentError, lambda: trainer(strategy=FSDP2Strategy(intent={"shard": ["encoder"]})).fit(model, data()),
-        "shard names 'encoder', not a module of Net", "top-level modules are body",
+        IntentError,
+        lambda: trainer(strategy=FSDP2Strategy(intent={"shard": ["encoder"]})).fit(model, data()),
+        "shard names 'encoder', not a module of Net",
+        "top-level modules are body",
     )
     assert model.steps == 0
 
 
 def test_23_intent_field_typo() -> None:
     refused(
-        IntentError, lambda: ShardingIntent.from_dict({"reshard_after_forwad": False}),
-        "'reshard_after_forwad' (did you mean 'reshard_after_forward'?)", "Valid fields are",
+        IntentError,
+        lambda: ShardingIntent.from_dict({"reshard_after_forwad": False}),
+        "'reshard_after_forwad' (did you mean 'reshard_after_forward'?)",
+        "Valid fields are",
     )
 
 
@@ -387,16 +463,21 @@ def test_25_auto_shard_chose_deepspeed_for_the_intent_and_the_method_has_an_ema_
     from autoshard.lightning import AutoShardStrategy
 
     text = refused(
-        IncompatibleBackendError, lambda: trainer(strategy=AutoShardStrategy(intent={"offload": "optimizer"})).fit(DinoLike(), data()),
-        "auto-shard chose DeepSpeed when the Trainer was built", "EMA teacher/student", "Backend that works: fsdp2",
+        IncompatibleBackendError,
+        lambda: trainer(strategy=AutoShardStrategy(intent={"offload": "optimizer"})).fit(DinoLike(), data()),
+        "auto-shard chose DeepSpeed when the Trainer was built",
+        "EMA teacher/student",
+        "Backend that works: fsdp2",
     )
     assert text.rpartition("Fix: ")[2] == "use strategy='fsdp2'", text
 
 
 def test_26_nvme_path_without_nvme_offload() -> None:
     refused(
-        IntentError, lambda: ShardingIntent(offload="optimizer", nvme_path="/local_nvme"),
-        "nvme_path='/local_nvme' is set but offload_device='cpu', so nothing would go to it", "Fix: set offload_device='nvme'",
+        IntentError,
+        lambda: ShardingIntent(offload="optimizer", nvme_path="/local_nvme"),
+        "nvme_path='/local_nvme' is set but offload_device='cpu', so nothing would go to it",
+        "Fix: set offload_device='nvme'",
     )
 
 
@@ -414,8 +495,10 @@ def test_28_intent_field_misspelt_as_a_strategy_keyword() -> None:
 
 def test_29_tensor_parallel_without_a_layout() -> None:
     refused(
-        IntentError, lambda: trainer(strategy=FSDP2Strategy(tensor_parallel_size=1 + 1), devices=2),
-        "tensor_parallel_size=2 needs a parallelize_fn", "Fix: pass FSDP2Strategy(parallelize_fn=fn)",
+        IntentError,
+        lambda: trainer(strategy=FSDP2Strategy(tensor_parallel_size=1 + 1), devices=2),
+        "tensor_parallel_size=2 needs a parallelize_fn",
+        "Fix: pass FSDP2Strategy(parallelize_fn=fn)",
     )
 
 
@@ -424,8 +507,10 @@ def test_30_resume_from_another_models_checkpoint(fsdp2_checkpoint: Path) -> Non
     model = Net()
     model.extra = nn.Linear(4, 2)  # a key the checkpoint (written by a plain Net) does not have
     refused(
-        CheckpointFormatError, lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=fsdp2_checkpoint),
-        "extra.weight", "Fix:",
+        CheckpointFormatError,
+        lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=fsdp2_checkpoint),
+        "extra.weight",
+        "Fix:",
     )
     assert model.steps == 0
 
@@ -451,9 +536,11 @@ def test_31_zero_dim_parameter_under_deepspeed() -> None:
         model = Temperature()
         t = trainer(strategy=strategy)
         text = refused(
-            IncompatibleBackendError, lambda: t.fit(model, data()),
+            IncompatibleBackendError,
+            lambda: t.fit(model, data()),
             "Temperature has 0-dim parameter(s) 'temperature', so it cannot train under DeepSpeed ZeRO stage",
-            "Backend that works: fsdp2", "give the parameter shape (1,): nn.Parameter(torch.ones(1))",
+            "Backend that works: fsdp2",
+            "give the parameter shape (1,): nn.Parameter(torch.ones(1))",
         )
         assert text.rpartition("Fix: ")[2].startswith("use strategy='fsdp2'"), text
         assert model.steps == 0
@@ -464,7 +551,8 @@ def test_32_mics_keys_in_zero_overrides() -> None:
     from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
     refused(
-        IntentError, lambda: AutoShardDeepSpeedStrategy(zero_overrides={"mics_shard_size": 8}),
+        IntentError,
+        lambda: AutoShardDeepSpeedStrategy(zero_overrides={"mics_shard_size": 8}),
         "'zero_optimization.mics_shard_size': is MiCS, which DeepSpeed removed in 0.19.7",
         "Fix: remove it; for hybrid sharding use ShardingIntent(shard_size=N) with strategy='fsdp2'",
     )
@@ -475,15 +563,19 @@ def test_33_shard_size_under_deepspeed() -> None:
     from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
     text = refused(
-        IncompatibleBackendError, lambda: AutoShardDeepSpeedStrategy(shard_size="node"),
-        "hybrid sharding (HSDP) [shard_size='node']", "DeepSpeed 0.19.7 removed", "ZeRO++ hpZ (zero_hpz_partition_size), is not hybrid sharding",
+        IncompatibleBackendError,
+        lambda: AutoShardDeepSpeedStrategy(shard_size="node"),
+        "hybrid sharding (HSDP) [shard_size='node']",
+        "DeepSpeed 0.19.7 removed",
+        "ZeRO++ hpZ (zero_hpz_partition_size), is not hybrid sharding",
         "Backend that works: fsdp2",
     )
     assert text.rpartition("Fix: ")[2].startswith("use strategy='fsdp2' (or strategy='auto-shard'), which shards within shard_size groups")
     refused(  # the memory estimate, asked for directly, refuses what the matrix refuses
         IncompatibleBackendError,
         lambda: estimate_memory(Net(), ShardingIntent(shard_size=2), MethodNeeds(), 8, "deepspeed_zero3"),
-        "no deepspeed_zero3 memory estimate for shard_size=2 on 8 ranks", "Fix: use strategy='fsdp2'",
+        "no deepspeed_zero3 memory estimate for shard_size=2 on 8 ranks",
+        "Fix: use strategy='fsdp2'",
     )
 
 
@@ -499,4 +591,3 @@ def test_catalog_has_a_test_per_row() -> None:
     sources = [Path(__file__).read_text()] + [f.read_text() for f in sorted(root.glob("tests/**/test_bad_inputs_*.py"))]
     tests = {m for text in sources for m in re.findall(r"^def test_(\d+)_", text, flags=re.M)}
     assert len(rows) >= 15 and {f"{int(r):02d}" for r in rows} <= {f"{int(t):02d}" for t in tests}, (rows, tests)
-

@@ -203,7 +203,7 @@ def test_77_a_batch_function_that_raises_is_named_with_its_line_and_a_fix(capsys
     line = batch_from_disk.__code__.co_firstlineno
     assert code == 1 and out == "" and "Traceback" not in err
     assert err.startswith(f"autoshard: error: the batch function batch_from_disk ({HERE}:{line}) raised FileNotFoundError: ")
-    assert f"at {HERE}:{line + 1} `return (torch.load(\"data/shard-0.pt\"),)`" in err
+    assert f'at {HERE}:{line + 1} `return (torch.load("data/shard-0.pt"),)`' in err
     assert "Fix: make it build tensors of one micro-batch's shapes" in err
     code, answer = run_json(capsys, *argv)
     assert code == 1 and answer["error"]["message"].startswith("the batch function batch_from_disk")
@@ -239,21 +239,27 @@ def test_80_a_budget_without_a_batch_cannot_say_fits(capsys: pytest.CaptureFixtu
     assert code == 1 and report["budget"]["fits"] is None and report["budget"]["missing"] == "activations"
     assert report["error"]["type"] == "IncompleteEstimate"
     assert report["error"]["message"].startswith("activations not counted (world size 2): no --batch was given, and Plain has no example_input_array")
-    assert report["error"]["message"].endswith("Fix: pass --batch FILE.py:make_batch (a function of no arguments returning one micro-batch, as your DataLoader yields it)")
+    assert report["error"]["message"].endswith(
+        "Fix: pass --batch FILE.py:make_batch (a function of no arguments returning one micro-batch, as your DataLoader yields it)"
+    )
     # Lower bound already over the budget: that much is certain, and said.
     code, out, _ = run(capsys, "explain", f"{__name__}:Plain", "--budget", "1KiB", "--world-sizes", "2")
     assert code == 1 and "with activations not counted: does NOT fit, even without them" in out
 
 
 def test_81_no_step_with_a_budget_says_drop_no_step_not_pass_batch(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "explain", f"{__name__}:Plain", "--batch", f"{__name__}:make_batch", "--no-step", "--budget", "1GiB", "--world-sizes", "2")
+    code, out, _ = run(
+        capsys, "explain", f"{__name__}:Plain", "--batch", f"{__name__}:make_batch", "--no-step", "--budget", "1GiB", "--world-sizes", "2"
+    )
     assert code == 1 and "cannot tell whether it fits" in out
     assert "activations not counted (world size 2): --no-step asks for model states only. Fix: drop --no-step\n" in out
     assert "activations are not counted: --no-step (model states only)" in out and "pass --batch" not in out
 
 
 def test_82_a_step_that_falls_back_to_a_forward_is_not_a_whole_step(capsys: pytest.CaptureFixture[str]) -> None:
-    code, report = run_json(capsys, "explain", f"{__name__}:NeedsATrainer", "--batch", f"{__name__}:make_batch", "--budget", "1GiB", "--world-sizes", "2")
+    code, report = run_json(
+        capsys, "explain", f"{__name__}:NeedsATrainer", "--batch", f"{__name__}:make_batch", "--budget", "1GiB", "--world-sizes", "2"
+    )
     assert code == 1 and report["memory"][0]["forward_only"] and report["memory"][0]["activations"] > 0
     assert report["budget"]["fits"] is None and report["budget"]["missing"] == "the backward and the optimizer step"
     message = report["error"]["message"]

@@ -43,7 +43,12 @@ def isolated_environment() -> Iterator[None]:
 
 def trainer(**kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     return pl.Trainer(**{**defaults, **kwargs})
@@ -170,10 +175,14 @@ def test_90_bf16_true_under_fsdp2_has_no_fp32_master_copy() -> None:
     run = trainer(strategy="fsdp2", precision="bf16-true")
     said = autoshard_warnings(lambda: run.fit(Net(), data()))
     assert len(said) == 1, said
-    assert said[0].startswith("autoshard: partial support on fsdp2 for bf16 weights (bf16-true) [precision='bf16-true']: the"
-                              " module is converted to bf16 (Lightning's meaning of bf16-true): no fp32 master copy")
-    assert said[0].endswith("Fix: use precision='bf16-mixed' (fp32 weights, bf16 compute and all-gather), or"
-                            " strategy='autoshard-deepspeed' if the method has one optimizer and no EMA teacher")
+    assert said[0].startswith(
+        "autoshard: partial support on fsdp2 for bf16 weights (bf16-true) [precision='bf16-true']: the"
+        " module is converted to bf16 (Lightning's meaning of bf16-true): no fp32 master copy"
+    )
+    assert said[0].endswith(
+        "Fix: use precision='bf16-mixed' (fp32 weights, bf16 compute and all-gather), or"
+        " strategy='autoshard-deepspeed' if the method has one optimizer and no EMA teacher"
+    )
     # Rank 0 only: on 2 gloo ranks, tests/distributed/test_deepspeed_multi_forward.py (rank 1 says nothing).
 
 
@@ -187,7 +196,9 @@ def test_91_several_forwards_per_step_under_zero3(strategy: str) -> None:
     said = autoshard_warnings(lambda: run.fit(model, data()))
     assert run.global_step == 1 and type(run.strategy.model).__name__ == "DeepSpeedEngine"
     (caveat,) = [w for w in said if "several forwards per step" in w]
-    assert caveat.startswith("autoshard: partial support on deepspeed_zero3 for several forwards per step [declared"
-                             " multi_forward=True]: trains correctly: measured on 2 ranks")
+    assert caveat.startswith(
+        "autoshard: partial support on deepspeed_zero3 for several forwards per step [declared"
+        " multi_forward=True]: trains correctly: measured on 2 ranks"
+    )
     assert "invalidates its parameter prefetch trace at every such step" in caveat
     assert "Fix: use strategy='fsdp2' (or strategy='auto-shard')" in caveat

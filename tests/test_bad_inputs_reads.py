@@ -118,7 +118,12 @@ def lightning_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     folder = tmp_path_factory.mktemp("lightning")
-    t = trainer(max_epochs=2, max_steps=-1, enable_checkpointing=True, callbacks=[ModelCheckpoint(folder, monitor="loss", save_last=True), EarlyStopping("loss")])
+    t = trainer(
+        max_epochs=2,
+        max_steps=-1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(folder, monitor="loss", save_last=True), EarlyStopping("loss")],
+    )
     t.fit(Net(), data())
     return folder / "last.ckpt"
 
@@ -178,8 +183,10 @@ def test_50_checkpoint_whose_pickle_runs_code_converted(tmp_path: Path, capsys: 
     marker = tmp_path / "MARKER"
     evil = crafted(tmp_path / "last.ckpt", marker)
     refused(
-        UntrustedPickleError, lambda: convert(evil, tmp_path / "hf", "safetensors"),
-        f"cannot convert: {str(evil)!r} is a pickle that names `posix.system`", "torch.load(weights_only=True)",
+        UntrustedPickleError,
+        lambda: convert(evil, tmp_path / "hf", "safetensors"),
+        f"cannot convert: {str(evil)!r} is a pickle that names `posix.system`",
+        "torch.load(weights_only=True)",
         "Fix: if you trust who wrote it (your own run), pass --trust-pickle (trust_pickle=True)",
     )
     assert cli(["convert", str(evil), str(tmp_path / "hf"), "--to", "safetensors", "--quiet"]) == 1
@@ -193,7 +200,12 @@ def test_51_checkpoint_whose_pickle_runs_code_consolidated_or_loaded(tmp_path: P
     marker = tmp_path / "MARKER"
     evil = crafted(tmp_path / "last.ckpt", marker)
     refused(UntrustedPickleError, lambda: consolidate(evil, tmp_path / "w.pt"), "cannot consolidate", "`posix.system`", "--trust-pickle")
-    refused(InitFromError, lambda: plan_init_from(nn.Linear(2, 2), {"": str(evil)}), "`posix.system`", f"Fix: write the weights alone with `autoshard consolidate {evil} weights.pt --trust-pickle`")
+    refused(
+        InitFromError,
+        lambda: plan_init_from(nn.Linear(2, 2), {"": str(evil)}),
+        "`posix.system`",
+        f"Fix: write the weights alone with `autoshard consolidate {evil} weights.pt --trust-pickle`",
+    )
     ds = stock_copy(lightning_deepspeed, tmp_path / "ds.ckpt")
     states = ds / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     saved = torch.load(states, weights_only=False)
@@ -210,8 +222,17 @@ def test_52_dcp_metadata_whose_pickle_runs_code(tmp_path: Path, dcp: Path, fsdp2
     for path in (dcp, shutil.copytree(fsdp2_checkpoint, tmp_path / "fsdp2.ckpt")):
         (path / MANIFEST).unlink(missing_ok=True)
         (path / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-        for run in (lambda p=path: convert(p, tmp_path / "out", "safetensors"), lambda p=path: consolidate(p, tmp_path / "w.pt"), lambda p=path: resolve_for_load(p)):
-            refused(UntrustedPickleError, run, f"{str(path / '.metadata')!r} is a pickle that names `posix.system`", "Fix: restore the checkpoint from a backup")
+        for run in (
+            lambda p=path: convert(p, tmp_path / "out", "safetensors"),
+            lambda p=path: consolidate(p, tmp_path / "w.pt"),
+            lambda p=path: resolve_for_load(p),
+        ):
+            refused(
+                UntrustedPickleError,
+                run,
+                f"{str(path / '.metadata')!r} is a pickle that names `posix.system`",
+                "Fix: restore the checkpoint from a backup",
+            )
     assert not marker.exists()
 
 
@@ -234,9 +255,22 @@ def test_54_stale_deepspeed_latest(tmp_path: Path, lightning_deepspeed: Path) ->
     shutil.copytree(ds / "checkpoint", ds / "global_step1")
     (ds / "latest").write_text("global_step9")
     present = "whose 'latest' names tag 'global_step9', which is not there (tags present: checkpoint, global_step1)"
-    text = refused(CheckpointFormatError, lambda: convert(ds, tmp_path / "hf", "safetensors"), "cannot convert", present, "never guesses another", "Fix: pass --tag with the one you mean, e.g. --tag global_step1")
+    text = refused(
+        CheckpointFormatError,
+        lambda: convert(ds, tmp_path / "hf", "safetensors"),
+        "cannot convert",
+        present,
+        "never guesses another",
+        "Fix: pass --tag with the one you mean, e.g. --tag global_step1",
+    )
     refused(CheckpointFormatError, lambda: consolidate(ds, tmp_path / "w.pt"), "cannot consolidate", present)
-    refused(CheckpointFormatError, lambda: resolve_for_load(ds, "deepspeed_zero3"), "cannot resume", present, f"Fix: write the tag to resume into it, e.g. `echo global_step1 > {str(ds / 'latest')!r}`")
+    refused(
+        CheckpointFormatError,
+        lambda: resolve_for_load(ds, "deepspeed_zero3"),
+        "cannot resume",
+        present,
+        f"Fix: write the tag to resume into it, e.g. `echo global_step1 > {str(ds / 'latest')!r}`",
+    )
     assert "--tag" in text and not (tmp_path / "hf").exists()
     assert convert(ds, tmp_path / "hf", "safetensors", tag="checkpoint").tensors == 5  # the Fix
     assert consolidate(ds, tmp_path / "w.pt", tag="global_step1").tensors == 5
@@ -246,9 +280,14 @@ def test_54_stale_deepspeed_latest(tmp_path: Path, lightning_deepspeed: Path) ->
 
 def test_55_deepspeed_tag_that_does_not_exist(tmp_path: Path, lightning_deepspeed: Path) -> None:
     ds = stock_copy(lightning_deepspeed, tmp_path / "run.ckpt")
-    for run in (lambda: convert(ds, tmp_path / "hf", "safetensors", tag="global_step2"), lambda: consolidate(ds, tmp_path / "w.pt", tag="global_step2")):
+    for run in (
+        lambda: convert(ds, tmp_path / "hf", "safetensors", tag="global_step2"),
+        lambda: consolidate(ds, tmp_path / "w.pt", tag="global_step2"),
+    ):
         refused(
-            CheckpointFormatError, run, f"{str(ds)!r} with --tag 'global_step2': no such tag directory (its tags: checkpoint; 'latest' names 'checkpoint')",
+            CheckpointFormatError,
+            run,
+            f"{str(ds)!r} with --tag 'global_step2': no such tag directory (its tags: checkpoint; 'latest' names 'checkpoint')",
             "Fix: --tag checkpoint, or leave --tag out to read the tag 'latest' names",
         )
     assert cli(["consolidate", str(ds), str(tmp_path / "w.pt"), "--tag", "checkpoint"]) == 0
@@ -258,8 +297,18 @@ def test_56_truncated_deepspeed_shard(tmp_path: Path, lightning_deepspeed: Path)
     ds = stock_copy(lightning_deepspeed, tmp_path / "run.ckpt")
     shard = ds / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     truncate(shard)
-    for action, run in (("convert", lambda: convert(ds, tmp_path / "hf", "safetensors")), ("consolidate", lambda: consolidate(ds, tmp_path / "w.pt"))):
-        refused(CheckpointFormatError, run, f"cannot {action}: {str(shard)!r} (", "bytes) cannot be read", "truncated or damaged", "Fix: copy the checkpoint again from where it was written, or use an earlier one")
+    for action, run in (
+        ("convert", lambda: convert(ds, tmp_path / "hf", "safetensors")),
+        ("consolidate", lambda: consolidate(ds, tmp_path / "w.pt")),
+    ):
+        refused(
+            CheckpointFormatError,
+            run,
+            f"cannot {action}: {str(shard)!r} (",
+            "bytes) cannot be read",
+            "truncated or damaged",
+            "Fix: copy the checkpoint again from where it was written, or use an earlier one",
+        )
 
 
 def test_57_truncated_full_ckpt(tmp_path: Path, lightning_ckpt: Path) -> None:
@@ -281,8 +330,16 @@ def test_58_dcp_checkpoint_without_or_with_a_torn_metadata(tmp_path: Path, dcp: 
     for name, damage in (("no-metadata.ckpt", lambda p: (p / ".metadata").unlink()), ("torn.ckpt", lambda p: truncate(p / ".metadata"))):
         broken = shutil.copytree(dcp, tmp_path / name)
         damage(broken)
-        for action, run in (("convert", lambda p=broken: convert(p, tmp_path / "hf", "safetensors")), ("consolidate", lambda p=broken: consolidate(p, tmp_path / "w.pt"))):
-            text = refused(CheckpointFormatError, run, f"cannot {action}: {str(broken)!r} is a distributed checkpoint", f"Fix: {action} an earlier complete checkpoint, e.g. {str(dcp)!r}")
+        for action, run in (
+            ("convert", lambda p=broken: convert(p, tmp_path / "hf", "safetensors")),
+            ("consolidate", lambda p=broken: consolidate(p, tmp_path / "w.pt")),
+        ):
+            text = refused(
+                CheckpointFormatError,
+                run,
+                f"cannot {action}: {str(broken)!r} is a distributed checkpoint",
+                f"Fix: {action} an earlier complete checkpoint, e.g. {str(dcp)!r}",
+            )
             assert " is has " not in text and "ModelCheckpoint printed" not in text
     assert consolidate(dcp, tmp_path / "w.pt").tensors == 5  # the Fix
 
@@ -292,8 +349,10 @@ def test_59_resume_from_another_models_checkpoint_with_other_shapes(tmp_path: Pa
     """strict=False skips missing and unexpected names, not another shape: the Fix leaves those out, and works."""
     model = Net(width=16)  # body.2 is (16, 32) here, (32, 32) in the checkpoint
     text = refused(
-        CheckpointFormatError, lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=fsdp2_checkpoint),
-        "2 with another shape: body.2.bias (checkpoint (32,), model (16,))", "strict=False skips missing and unexpected names only",
+        CheckpointFormatError,
+        lambda: trainer(strategy="fsdp2").fit(model, data(), ckpt_path=fsdp2_checkpoint),
+        "2 with another shape: body.2.bias (checkpoint (32,), model (16,))",
+        "strict=False skips missing and unexpected names only",
     )
     monkeypatch.chdir(tmp_path)
     command = re.search(r"run `autoshard (consolidate [^`]+)`", text).group(1)  # type: ignore[union-attr]
@@ -313,9 +372,11 @@ def test_60_deepspeed_checkpoint_for_3_ranks_resumed_on_2(tmp_path: Path, dcp: P
     three = tmp_path / "ds3"
     convert(dcp, three, "deepspeed", world_size=3, precision="32-true")
     text = refused(
-        CheckpointFormatError, lambda: resolve_for_load(three, "deepspeed_zero3", world_size=2),
+        CheckpointFormatError,
+        lambda: resolve_for_load(three, "deepspeed_zero3", world_size=2),
         "ZeRO-3 partitions are for 3 ranks (zero_pp_rank_0 ... zero_pp_rank_2), and this run has 2 (devices x nodes)",
-        "cannot reshard them", f"Fix: `autoshard convert {three} {three}-world2 --to deepspeed --world-size 2`",
+        "cannot reshard them",
+        f"Fix: `autoshard convert {three} {three}-world2 --to deepspeed --world-size 2`",
     )
     refused(CheckpointFormatError, lambda: AutoShardDeepSpeedStrategy().load_checkpoint(three), "this run has 1", "--world-size 1")
     command = re.search(r"Fix: `autoshard (convert [^`]+)`", text).group(1)  # type: ignore[union-attr]
@@ -326,7 +387,13 @@ def test_60_deepspeed_checkpoint_for_3_ranks_resumed_on_2(tmp_path: Path, dcp: P
 # -- 61: convert --module -----------------------------------------------------------------------------------------
 def test_61_convert_module_names_a_buffer(tmp_path: Path, dcp: Path) -> None:
     """'centre' is a buffer at the top level: it used to be offered as a submodule to pass."""
-    text = refused(ConvertError, lambda: convert(dcp, tmp_path / "hf", "safetensors", module="centre"), "--module 'centre' names a buffer of", "not a submodule", "Fix: pass one of its submodules: 'body', 'head'")
+    text = refused(
+        ConvertError,
+        lambda: convert(dcp, tmp_path / "hf", "safetensors", module="centre"),
+        "--module 'centre' names a buffer of",
+        "not a submodule",
+        "Fix: pass one of its submodules: 'body', 'head'",
+    )
     assert "'centre'" not in text.split("Fix:")[1]
     assert convert(dcp, tmp_path / "hf", "safetensors", module="body").tensors == 2  # the Fix
 
@@ -346,9 +413,12 @@ def test_62_init_from_integers_into_float_weights(tmp_path: Path) -> None:
     model = nn.Linear(4, 3)
     ints = save_safetensors({"weight": torch.arange(12).reshape(3, 4), "bias": torch.zeros(3, dtype=torch.int64)}, tmp_path / "ints.safetensors")
     refused(
-        InitFromError, lambda: plan_init_from(model, {"": str(ints)}),
+        InitFromError,
+        lambda: plan_init_from(model, {"": str(ints)}),
         f"init_from {str(ints)!r} does not match Linear: bias is int64 in the file and float32 in the model (and 1 more: weight)",
-        "cast int values into float tensors", "nothing was loaded", "Fix: point init_from at this model's own weights",
+        "cast int values into float tensors",
+        "nothing was loaded",
+        "Fix: point init_from at this model's own weights",
     )
     half = {"weight": torch.randn(3, 4).half(), "bias": torch.randn(3).half()}
     plan = plan_init_from(model, {"": str(save_safetensors(half, tmp_path / "half.safetensors"))})
@@ -363,7 +433,13 @@ def test_63_init_from_truncated_safetensors(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     path = save_safetensors({"weight": torch.randn(64, 4), "bias": torch.randn(64)}, tmp_path / "model.safetensors")
     truncate(path)
-    refused(InitFromError, lambda: plan_init_from(nn.Linear(4, 64), {"": str(path)}), f"init_from: {str(path)!r} is truncated: it holds", "bytes where its safetensors header says", "Fix: download or copy the file again")
+    refused(
+        InitFromError,
+        lambda: plan_init_from(nn.Linear(4, 64), {"": str(path)}),
+        f"init_from: {str(path)!r} is truncated: it holds",
+        "bytes where its safetensors header says",
+        "Fix: download or copy the file again",
+    )
 
 
 # -- not refused any more ---------------------------------------------------------------------------------------
@@ -418,7 +494,9 @@ def test_zero3_optimizer_files_need_exactly_this_type(name: str, lightning_deeps
 def test_zero2_optimizer_files_need_fragment_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = "deepspeed.utils.tensor_fragment.fragment_address"
     pytest.importorskip("deepspeed")
-    done = subprocess.run([sys.executable, "-c", ZERO2_WRITER, str(tmp_path / "z2"), str(free_port())], capture_output=True, text=True, timeout=150, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", ZERO2_WRITER, str(tmp_path / "z2"), str(free_port())], capture_output=True, text=True, timeout=150, check=False
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     optim = tmp_path / "z2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     assert name in torch.serialization.get_unsafe_globals_in_checkpoint(str(optim))

@@ -25,7 +25,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -41,20 +40,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
     pytest.mark.filterwarnings("ignore:autoshard.*has no manifest"),  # the hand-made DCP sources have none
 ]
+from tests.test_bad_inputs import isolated_process_state  # noqa: E402, F401  (an autouse fixture)
+
 FORK = multiprocessing.get_context("fork")
 QUIET = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-
-
-@pytest.fixture(autouse=True)
-def isolated_process_state() -> Iterator[None]:
-    """In-process fits set MASTER_PORT & co. and create a process group: undo both after each test."""
-    environ = dict(os.environ)
-    was_initialized = dist.is_available() and dist.is_initialized()
-    yield
-    if not was_initialized and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
 
 
 def refused(error: type[Exception], run: Any, *expected: str) -> str:
@@ -128,9 +117,12 @@ def test_35_convert_into_a_project_directory(tmp_path: Path) -> None:
     (project / "src" / "train.py").write_text("print('mine')")
     (project / "README.md").write_text("# mine")
     before = tree(project)
-    text = refused(ConvertError, lambda: convert(source, project, "safetensors"),
-                   f"refusing to overwrite {str(project)!r}: it already exists (a directory holding README.md, src",
-                   "autoshard did not write it (no autoshard-manifest.json in it)")
+    text = refused(
+        ConvertError,
+        lambda: convert(source, project, "safetensors"),
+        f"refusing to overwrite {str(project)!r}: it already exists (a directory holding README.md, src",
+        "autoshard did not write it (no autoshard-manifest.json in it)",
+    )
     assert "--force" in text and not text.rstrip().endswith("to replace it")  # the fix is not --force: refused too
     refused(ConvertError, lambda: convert(source, project, "safetensors", force=True), "even with --force")
     assert tree(project) == before
@@ -141,9 +133,12 @@ def test_35_convert_into_a_project_directory(tmp_path: Path) -> None:
 def test_36_convert_into_a_directory_inside_the_source(tmp_path: Path) -> None:
     source = lightning_dcp(tmp_path / "last.ckpt")
     before = tree(source)
-    refused(ConvertError, lambda: convert(source, source / "hf", "safetensors"),
-            f"it is inside the checkpoint being converted ({str(source)!r})",
-            f"Fix: choose a new output path outside it, e.g. {str(source) + '-safetensors'!r}")
+    refused(
+        ConvertError,
+        lambda: convert(source, source / "hf", "safetensors"),
+        f"it is inside the checkpoint being converted ({str(source)!r})",
+        f"Fix: choose a new output path outside it, e.g. {str(source) + '-safetensors'!r}",
+    )
     assert tree(source) == before
 
 
@@ -152,8 +147,12 @@ def test_37_convert_force_over_an_output_of_another_kind(tmp_path: Path) -> None
     out = tmp_path / "out"
     convert(source, out, "safetensors")
     before = tree(out)
-    refused(ConvertError, lambda: convert(source, out, "deepspeed", force=True, world_size=1, precision="32-true"),
-            "even with --force", "it was written by 'autoshard convert --to safetensors', not by 'autoshard convert --to deepspeed'")
+    refused(
+        ConvertError,
+        lambda: convert(source, out, "deepspeed", force=True, world_size=1, precision="32-true"),
+        "even with --force",
+        "it was written by 'autoshard convert --to safetensors', not by 'autoshard convert --to deepspeed'",
+    )
     assert tree(out) == before
     convert(source, out, "safetensors", force=True)  # works: the same kind
     assert json.loads((out / MANIFEST).read_text())["kind"] == "autoshard convert --to safetensors"
@@ -164,8 +163,11 @@ def test_38_convert_force_over_its_own_output_holding_a_file_of_yours(tmp_path: 
     out = tmp_path / "hf"
     convert(source, out, "safetensors")
     (out / "config.json").write_text("{}")  # the user completed the Hugging Face directory
-    refused(ConvertError, lambda: convert(source, out, "safetensors", force=True),
-            "it also holds config.json, which its autoshard-manifest.json does not list")
+    refused(
+        ConvertError,
+        lambda: convert(source, out, "safetensors", force=True),
+        "it also holds config.json, which its autoshard-manifest.json does not list",
+    )
     assert (out / "config.json").read_text() == "{}"
 
 
@@ -190,9 +192,12 @@ def test_40_consolidate_into_the_checkpoint_directory(tmp_path: Path) -> None:
     """DeepSpeed's zero_to_fp32.py habit: the output inside the checkpoint, which the next save replaces whole."""
     source = lightning_dcp(tmp_path / "last.ckpt")
     before = tree(source)
-    refused(CheckpointFormatError, lambda: consolidate(source, source / "pytorch_model.bin"),
-            "it is inside the checkpoint being consolidated",
-            f"Fix: choose an output path outside it, e.g. {str(tmp_path / 'weights.pt')!r}")
+    refused(
+        CheckpointFormatError,
+        lambda: consolidate(source, source / "pytorch_model.bin"),
+        "it is inside the checkpoint being consolidated",
+        f"Fix: choose an output path outside it, e.g. {str(tmp_path / 'weights.pt')!r}",
+    )
     assert tree(source) == before
 
 
@@ -232,8 +237,10 @@ def corrupted_source(tmp_path: Path) -> Path:
 def test_41_read_only_destination(tmp_path: Path, read_only_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Before: a traceback (PermissionError / OSError: Read-only file system) after the whole source was read."""
     source = corrupted_source(tmp_path)
-    for command in (["consolidate", str(source), str(read_only_dir / "weights.pt")],
-                    ["convert", str(source), str(read_only_dir / "hf"), "--to", "safetensors"]):
+    for command in (
+        ["consolidate", str(source), str(read_only_dir / "weights.pt")],
+        ["convert", str(source), str(read_only_dir / "hf"), "--to", "safetensors"],
+    ):
         assert main(command) == 1
         err = capsys.readouterr().err
         assert f"the directory {str(read_only_dir)!r} is not writable (" in err and "refused before reading the checkpoint" in err
@@ -244,10 +251,17 @@ def test_41_read_only_destination(tmp_path: Path, read_only_dir: Path, capsys: p
 def test_42_destination_under_a_file(tmp_path: Path) -> None:
     source = corrupted_source(tmp_path)
     (tmp_path / "results").write_text("a file, not a directory")
-    refused(CheckpointFormatError, lambda: consolidate(source, tmp_path / "results" / "weights.pt"),
-            f"{str(tmp_path / 'results')!r} is a file, not a directory", "refused before reading the checkpoint")
-    refused(ConvertError, lambda: convert(source, tmp_path / "results" / "sub" / "hf", "safetensors"),
-            f"{str(tmp_path / 'results')!r} is a file, not a directory, so {str(tmp_path / 'results' / 'sub')!r} cannot be created")
+    refused(
+        CheckpointFormatError,
+        lambda: consolidate(source, tmp_path / "results" / "weights.pt"),
+        f"{str(tmp_path / 'results')!r} is a file, not a directory",
+        "refused before reading the checkpoint",
+    )
+    refused(
+        ConvertError,
+        lambda: convert(source, tmp_path / "results" / "sub" / "hf", "safetensors"),
+        f"{str(tmp_path / 'results')!r} is a file, not a directory, so {str(tmp_path / 'results' / 'sub')!r} cannot be created",
+    )
 
 
 # -- 43-44: two writers, one destination: they take turns -------------------------------------------------------------
@@ -296,8 +310,13 @@ def test_43_two_consolidates_to_one_output_at_once(tmp_path: Path) -> None:
     assert (first, second) == ("CheckpointFormatError", "ok") and "refusing to overwrite" in text, text
     assert text.endswith("Fix: choose another output path, or pass --force (force=True) to replace it")
     assert check_integrity(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "reference.pt", "reference.pt.autoshard-manifest.json",
-                                                          "weights.pt", "weights.pt.autoshard-manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt",
+        "reference.pt",
+        "reference.pt.autoshard-manifest.json",
+        "weights.pt",
+        "weights.pt.autoshard-manifest.json",
+    ]
 
 
 def test_44_two_processes_save_one_full_checkpoint_at_once(tmp_path: Path) -> None:
@@ -354,9 +373,13 @@ def deepspeed_round(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("ds")
     (work / "ckpt").mkdir()
     worker = Path(__file__).parent / "distributed" / "publish_worker.py"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(worker), "--deepspeed", str(work)], env=env, cwd=work,
-                          capture_output=True, text=True, timeout=170)
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run([sys.executable, str(worker), "--deepspeed", str(work)], env=env, cwd=work, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return {**json.loads((work / "result.json").read_text()), "saved": work / "ckpt" / "last.ckpt"}
 
@@ -384,6 +407,19 @@ def flipped_copy(source: Path, where: Path) -> tuple[Path, Path]:
     data_[len(data_) // 2] ^= 0x40
     shard.write_bytes(bytes(data_))
     return where, shard
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(200)
+def test_64_resume_of_a_deepspeed_checkpoint_whose_pickle_runs_code(deepspeed_round: dict[str, Any]) -> None:
+    """Before: DeepSpeed's engine reads its files with torch.load(weights_only=False), so resuming ran the command.
+    (A read-side row, tested here beside the DeepSpeed round it shares.)"""
+    evil = deepspeed_round["evil"]
+    assert evil["ran"] is False and evil["steps"] == 0, evil
+    assert evil["type"] == "UntrustedPickleError", evil
+    assert "cannot resume" in evil["message"] and "`posix.system`" in evil["message"], evil["message"]
+    assert evil["message"].rpartition("Fix: ")[2].startswith("if you trust who wrote it (your own run), resume with trainer.fit(model, ckpt_path=")
+    assert "weights_only=False" in evil["message"]
 
 
 @pytest.mark.deepspeed

@@ -41,7 +41,15 @@ def test_json_memory_entries_carry_activations_and_the_total_includes_them(capsy
     code = cli.main(["explain", TARGET, "--world-sizes", "2", "--batch", BATCH, "--budget", "80GiB", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["error"] is None and out["incomplete"] is None
-    assert out["budget"] == {"budget": 80 * 2**30, "world_size": 2, "peak": out["memory"][0]["device"], "fits": True, "changes": [], "notes": [], "missing": ""}
+    assert out["budget"] == {
+        "budget": 80 * 2**30,
+        "world_size": 2,
+        "peak": out["memory"][0]["device"],
+        "fits": True,
+        "changes": [],
+        "notes": [],
+        "missing": "",
+    }
     (entry,) = out["memory"]
     assert entry["activations"] > 0
     assert entry["total"] == entry["model_states"] + entry["step_gathered"] + entry["activations"] + entry["other_at_peak"]

@@ -9,8 +9,8 @@ a real ZeRO-3 engine in a subprocess.
 from __future__ import annotations
 
 import argparse
-import json
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -36,7 +36,6 @@ from autoshard.checkpoint import (
 from autoshard.checkpoint_io import aside_path, commit, staging_path
 from autoshard.cli import main
 from autoshard.consolidate import cmd_consolidate, consolidate, register_cli
-
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -480,9 +479,7 @@ def make_deepspeed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = tmp_path_factory.getbasetemp() / "deepspeed-zero3" / "epoch=0-step=2.ckpt"
     if not Path(str(path) + ".ref").exists():
-        done = subprocess.run(
-            [sys.executable, "-c", DEEPSPEED_WRITER, str(path), str(free_port())], capture_output=True, text=True, timeout=150
-        )
+        done = subprocess.run([sys.executable, "-c", DEEPSPEED_WRITER, str(path), str(free_port())], capture_output=True, text=True, timeout=150)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return path
 

@@ -55,8 +55,7 @@ def test_bad_format_and_missing_command_are_usage_errors(capsys):
 
 
 def test_refusals_print_the_message_not_a_traceback(capsys, monkeypatch):
-    from autoshard import IncompatibleBackendError
-    from autoshard import cli
+    from autoshard import IncompatibleBackendError, cli
 
     def refuse(args):
         raise IncompatibleBackendError("autoshard cannot run this on fsdp1")
@@ -160,9 +159,7 @@ def test_import_autoshard_registers_the_strategies_whatever_comes_first(first):
 @pytest.mark.parametrize("module", ["autoshard.checkpoint", "autoshard.explain", "autoshard"])
 def test_python_dash_m_runs_without_a_runpy_warning(module):
     """runpy warns when the package's __init__ already imported the module it is about to run as __main__."""
-    done = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-m", module, "--help"], capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "RuntimeWarning" not in done.stderr, done.stderr[-3000:]
     assert done.stdout.startswith("usage: autoshard")
 
@@ -241,8 +238,12 @@ def test_json_answers_json_even_for_an_unexpected_exception(capsys, monkeypatch)
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["matrix", "--json"], True), (["matrix", "--format", "json"], True), (["matrix", "--format=json"], True),
-        (["explain", "x", "--", "--json"], False), (["explain", "x"], False), (["matrix", "--format", "text"], False),
+        (["matrix", "--json"], True),
+        (["matrix", "--format", "json"], True),
+        (["matrix", "--format=json"], True),
+        (["explain", "x", "--", "--json"], False),
+        (["explain", "x"], False),
+        (["matrix", "--format", "text"], False),
     ],
 )
 def test_json_is_read_from_the_words_typed(argv, expected):
@@ -255,6 +256,5 @@ def test_matrix_format_json_with_a_bad_option_answers_json(capsys):
     assert main(["matrix", "--format", "json", "--detials"]) == 1
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["message"] == (
-        "unrecognized arguments: --detials. Fix: --details (not --detials); options are never abbreviated"
-        " (`autoshard matrix --help` lists them)"
+        "unrecognized arguments: --detials. Fix: --details (not --detials); options are never abbreviated (`autoshard matrix --help` lists them)"
     )

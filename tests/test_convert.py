@@ -159,7 +159,10 @@ def test_refuses_an_existing_output_and_the_source_itself(dcp: tuple[Path, Train
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "mine.txt").write_text("keep me")
     # Not written by convert: never replaced, and the refusal does not point at --force (it would be refused too).
-    with pytest.raises(ConvertError, match=r"refusing to overwrite .*taken': it already exists \(a directory holding mine.txt.*Fix: choose a new output path, e\.g\. .*, or move .* away first$"):
+    with pytest.raises(
+        ConvertError,
+        match=r"refusing to overwrite .*taken': it already exists \(a directory holding mine.txt.*Fix: choose a new output path, e\.g\. .*, or move .* away first$",
+    ):
         convert(src, tmp_path / "taken", "safetensors")
     with pytest.raises(ConvertError, match=r"even with --force: .*autoshard did not write it"):
         convert(src, tmp_path / "taken", "safetensors", force=True)
@@ -197,12 +200,16 @@ def test_refuses_what_deepspeed_cannot_hold(tmp_path: Path) -> None:
     odd = trained_state(tmp_path / "odd")
     odd.optimizers[0].state["head.bias"]["step"] = torch.tensor(1.0)  # a parameter that stepped once less
     write_dcp(odd, tmp_path / "odd")
-    with pytest.raises(ConvertError, match=r"optimizer state 'step' differs between parameters \(head.weight: 2, head.bias: 1\).*one 'step' per flat group"):
+    with pytest.raises(
+        ConvertError, match=r"optimizer state 'step' differs between parameters \(head.weight: 2, head.bias: 1\).*one 'step' per flat group"
+    ):
         convert(tmp_path / "odd", tmp_path / "o2", "deepspeed", world_size=2, precision="32-true")
     factored = trained_state(tmp_path / "factored")
     factored.optimizers[0].state["body.weight"]["exp_avg_sq_row"] = torch.ones(7)  # Adafactor-like: one value per row
     write_dcp(factored, tmp_path / "factored")
-    with pytest.raises(ConvertError, match=r"'exp_avg_sq_row' of body.weight has shape \(7,\), not the parameter's \(7, 5\), so it has no per-element mapping"):
+    with pytest.raises(
+        ConvertError, match=r"'exp_avg_sq_row' of body.weight has shape \(7,\), not the parameter's \(7, 5\), so it has no per-element mapping"
+    ):
         convert(tmp_path / "factored", tmp_path / "o3", "deepspeed", world_size=2, precision="32-true")
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))
 
@@ -212,11 +219,16 @@ def test_refuses_what_is_already_the_target_or_has_no_trainer_state(dcp: tuple[P
     with pytest.raises(ConvertError, match="is already a DCP checkpoint, which fsdp2 resumes as is at any world size. Fix:"):
         convert(src, tmp_path / "o", "dcp")
     torch.save(Net().state_dict(), tmp_path / "weights.pt")
-    with pytest.raises(ConvertError, match=r"holds no Lightning trainer state \(epoch, global_step, loops\).*Fix: convert the weights with --to safetensors"):
+    with pytest.raises(
+        ConvertError, match=r"holds no Lightning trainer state \(epoch, global_step, loops\).*Fix: convert the weights with --to safetensors"
+    ):
         convert(tmp_path / "weights.pt", tmp_path / "o", "deepspeed", world_size=2, precision="32-true")
     with pytest.raises(ConvertError, match="--max-shard-size 'lots' is not a size. Fix: write it as 5GB"):
         convert(src, tmp_path / "o", "safetensors", max_shard_size="lots")
-    with pytest.raises(ConvertError, match=r"--to deepspeed needs the precision of the run that resumes it: DeepSpeed names its optimizer files after it \(bf16_zero_pp_rank_\* under bf16\).*Fix: pass --precision"):
+    with pytest.raises(
+        ConvertError,
+        match=r"--to deepspeed needs the precision of the run that resumes it: DeepSpeed names its optimizer files after it \(bf16_zero_pp_rank_\* under bf16\).*Fix: pass --precision",
+    ):
         convert(src, tmp_path / "o", "deepspeed", world_size=2)
     with pytest.raises(ConvertError, match="fp16 training resumes with its dynamic loss scale, which only a DeepSpeed fp16 checkpoint holds"):
         convert(src, tmp_path / "o", "deepspeed", world_size=2, precision="16-mixed")
@@ -237,7 +249,9 @@ def test_refuses_a_zero_stage_2_checkpoint(tmp_path: Path) -> None:
         convert(ckpt, tmp_path / "o", "dcp")
 
 
-def test_cli_prints_a_summary_or_json_and_refuses_with_exit_1(dcp: tuple[Path, TrainingState], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_a_summary_or_json_and_refuses_with_exit_1(
+    dcp: tuple[Path, TrainingState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from autoshard.cli import main
 
     src, _ = dcp
@@ -316,7 +330,10 @@ def test_meta_init_accepts_modules_init_from_fills(tmp_path: Path) -> None:
             self.w = nn.Parameter(torch.empty(3, device="meta"))
 
     model = nn.Sequential(NoReset(), nn.Linear(3, 3, device="meta"))
-    with pytest.raises(AutoShardError, match=r"NoReset own parameters or buffers and define no reset_parameters\(\), so they would start from uninitialized memory \(no init_from file holds them\)"):
+    with pytest.raises(
+        AutoShardError,
+        match=r"NoReset own parameters or buffers and define no reset_parameters\(\), so they would start from uninitialized memory \(no init_from file holds them\)",
+    ):
         check_meta_init(model)
     assert check_meta_init(model, covered={"0.w"}) is True
 
@@ -342,6 +359,8 @@ def test_deepspeed_refuses_init_from_and_auto_shard_picks_fsdp2() -> None:
     from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
     from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
-    with pytest.raises(IncompatibleBackendError, match=r"(?s)pretrained weights into shards \(init_from\).*no hook between the two.*Fix: use strategy='fsdp2'"):
+    with pytest.raises(
+        IncompatibleBackendError, match=r"(?s)pretrained weights into shards \(init_from\).*no hook between the two.*Fix: use strategy='fsdp2'"
+    ):
         AutoShardDeepSpeedStrategy({"init_from": "w.safetensors"})
     assert type(AutoShardStrategy(init_from="w.safetensors")) is AutoShardStrategy and issubclass(AutoShardStrategy, FSDP2Strategy)

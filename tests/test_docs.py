@@ -73,9 +73,8 @@ def test_every_message_the_guide_quotes_still_exists_in_src(guide: str, template
     messages = quoted_messages(guide)
     assert len(messages) >= 20, messages
     missing = [m for m in messages if not any(found_in(m, t) for t in templates)]
-    assert not missing, (
-        "docs/guide.md quotes messages that src/autoshard no longer prints (update the guide, or the message):\n"
-        + "\n".join(f"  {m!r}" for m in missing)
+    assert not missing, "docs/guide.md quotes messages that src/autoshard no longer prints (update the guide, or the message):\n" + "\n".join(
+        f"  {m!r}" for m in missing
     )
 
 
@@ -104,10 +103,28 @@ def test_guide_quotes_the_signals_users_look_for(guide: str, message: str) -> No
 @pytest.mark.parametrize(
     "topic",
     [
-        "## Quick start", "```yaml", "```python", "torchrun", "srun", "SLURM_NTASKS", "## Debugging", "## What gets sharded",
-        "OnlineProbe", "## Teacher/student", "## Mixed precision", "MixedPrecisionPolicy", "parallelize_fn",
-        "(module, device_mesh) -> None", "## Checkpoints", "checkpoints.md", "## DeepSpeed", "deepspeed.md", "## FSDP1",
-        "experimental upstream", "autoshard explain", "empty_init=True",
+        "## Quick start",
+        "```yaml",
+        "```python",
+        "torchrun",
+        "srun",
+        "SLURM_NTASKS",
+        "## Debugging",
+        "## What gets sharded",
+        "OnlineProbe",
+        "## Teacher/student",
+        "## Mixed precision",
+        "MixedPrecisionPolicy",
+        "parallelize_fn",
+        "(module, device_mesh) -> None",
+        "## Checkpoints",
+        "checkpoints.md",
+        "## DeepSpeed",
+        "deepspeed.md",
+        "## FSDP1",
+        "experimental upstream",
+        "autoshard explain",
+        "empty_init=True",
     ],
 )
 def test_guide_covers_the_fsdp2_page_users_know_and_more(guide: str, topic: str) -> None:

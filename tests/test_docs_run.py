@@ -44,8 +44,14 @@ NOT_TYPED = {
 }
 ELSEWHERE = {"autoshard.demo": "tests/distributed/test_fsdp2.py::test_demo_trains_through_lightning_launcher"}
 THIS_MACHINE = {
-    "accelerator": "cpu", "devices": 1, "num_nodes": 1, "max_steps": 1, "logger": False,
-    "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+    "accelerator": "cpu",
+    "devices": 1,
+    "num_nodes": 1,
+    "max_steps": 1,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
 }
 
 
@@ -236,7 +242,9 @@ def test_yaml_configs_build_their_trainer(block: Block, workdir: Path, monkeypat
 
 
 @pytest.mark.parametrize(("block", "line"), COMMANDS, ids=[f"{b.page}:{b.line} {line.split('#')[0].strip()}" for b, line in COMMANDS])
-def test_shell_commands_run_as_typed(block: Block, line: str, workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shell_commands_run_as_typed(
+    block: Block, line: str, workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     argv = shlex.split(line, comments=True)
     tool, args = argv[0], argv[1:]
     if tool == "autoshard":

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from autoshard.backends.matrix import MATRIX_BEGIN, MATRIX_END, matrix_markdown, write_matrix
-from autoshard.errors import AutoShardError
 from autoshard.demo import DinoLike
+from autoshard.errors import AutoShardError
 from autoshard.explain import main, register_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,8 +139,15 @@ def test_intent_options_file_and_precision_reach_the_plan(tmp_path: Path) -> Non
     intent_file = tmp_path / "intent.yaml"
     intent_file.write_text("intent:\n  reshard_after_forward: false\n  exclude: [student.head]\n")
     report = as_json(
-        "autoshard.demo:DinoLike", "--intent-file", str(intent_file), "--intent", "param_dtype=bfloat16",
-        "--precision", "bf16-true", "--world-sizes", "2",
+        "autoshard.demo:DinoLike",
+        "--intent-file",
+        str(intent_file),
+        "--intent",
+        "param_dtype=bfloat16",
+        "--precision",
+        "bf16-true",
+        "--world-sizes",
+        "2",
     )
     assert report["intent"]["reshard_after_forward"] is False and report["intent"]["precision"] == "bf16-true"
     assert report["plan"]["settings"]["mp_policy"]["param_dtype"] == "bfloat16"

@@ -26,8 +26,15 @@ STEPS = 10
 def fit(strategy: Any, model: pl.LightningModule, callbacks: list | None = None) -> pl.Trainer:
     pl.seed_everything(0)  # the views' noise and the sampler's order: the same run every time
     trainer = pl.Trainer(
-        strategy=strategy, accelerator=ACCELERATOR, devices=1, precision="bf16-mixed", max_steps=STEPS,
-        callbacks=callbacks or [], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        strategy=strategy,
+        accelerator=ACCELERATOR,
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=STEPS,
+        callbacks=callbacks or [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(Blobs(n=16 * STEPS), batch_size=16))
@@ -135,8 +142,16 @@ def test_simulated_step_peak_is_within_ten_percent_of_cuda_max_memory_allocated(
     ids = torch.randint(0, 4096, (16 * 3, 256), generator=torch.Generator().manual_seed(0))
     peak = Peak()
     trainer = pl.Trainer(
-        strategy="auto-shard", accelerator=ACCELERATOR, devices=1, precision="bf16-mixed", max_steps=3,
-        callbacks=[peak], logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy="auto-shard",
+        accelerator=ACCELERATOR,
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=3,
+        callbacks=[peak],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(GPT(), DataLoader(torch.utils.data.TensorDataset(ids), batch_size=16))
     torch.distributed.destroy_process_group()  # the simulation builds a fake process group of its own

@@ -43,9 +43,7 @@ def test_node_means_the_devices_of_one_node(dino: object) -> None:
 
 
 def test_hybrid_sharding_keeps_gathers_inside_the_node(dino: object) -> None:
-    pure, hybrid = (
-        estimate_memory(dino, ShardingIntent(shard_size=size), world_size=16, devices_per_node=8) for size in (None, "node")
-    )
+    pure, hybrid = (estimate_memory(dino, ShardingIntent(shard_size=size), world_size=16, devices_per_node=8) for size in (None, "node"))
     assert pure.intra_node_bytes == 0 and pure.inter_node_bytes > 0  # every gather spans both nodes
     gathers = {t.collective: t for t in hybrid.traffic}
     assert not gathers["all-gather of parameters (forward, backward)"].inter_node

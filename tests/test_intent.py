@@ -42,27 +42,66 @@ def test_misspelled_precision_names_the_choices():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({'offload': 'everything'}, "unknown offload 'everything': choose one of 'none', 'optimizer', 'params'. Fix: offload='none'"),
-        ({'offload': 'optimiser'}, "unknown offload 'optimiser' (did you mean 'optimizer'?): choose one of 'none', 'optimizer', 'params'. Fix: offload='optimizer'"),
-        ({'offload': 'cpu'}, "unknown offload 'cpu' (offload says what to move: 'optimizer' or 'params'; offload_device='cpu' says where): choose one of 'none', 'optimizer', 'params'. Fix: offload='params', offload_device='cpu'"),
-        ({'offload': 'params', 'offload_device': 'disk'}, "unknown offload_device 'disk': choose one of 'cpu', 'nvme'. Fix: offload_device='cpu'"),
-        ({'checkpoint': 'sharded'}, "unknown checkpoint 'sharded': choose one of 'distributed', 'full'. Fix: checkpoint='distributed'"),
-        ({'param_dtype': 'bf16'}, "unknown param_dtype 'bf16' (did you mean 'bfloat16'?): choose one of 'float32', 'bfloat16', 'float16'. Fix: param_dtype='bfloat16'"),
-        ({'reshard_after_forward': 'yes'}, "reshard_after_forward must be true or false, got 'yes'. Fix: reshard_after_forward=True or reshard_after_forward=False"),
-        ({'activation_checkpointing': 1}, 'activation_checkpointing must be true or false, got 1. Fix: activation_checkpointing=True or activation_checkpointing=False'),
-        ({'offload_device': 'nvme'}, "offload_device='nvme' with offload='none' offloads nothing. Fix: add offload='optimizer' or offload='params'"),
-        ({'offload': 'optimizer', 'offload_device': 'nvme'}, "offload_device='nvme' needs a directory to offload to. Fix: add nvme_path=, a directory on a local NVMe drive"),
-        ({'data_parallel_size': -2}, "data_parallel_size must be a positive integer or 'auto', got -2. Fix: data_parallel_size='auto' (or a whole number >= 1)"),
-        ({'data_parallel_size': 0}, "data_parallel_size must be a positive integer or 'auto', got 0. Fix: data_parallel_size='auto' (or a whole number >= 1)"),
-        ({'tensor_parallel_size': -1}, "tensor_parallel_size must be a positive integer or 'auto', got -1. Fix: tensor_parallel_size='auto' (or a whole number >= 1)"),
-        ({'tensor_parallel_size': 2.0}, "tensor_parallel_size must be a positive integer or 'auto', got 2.0. Fix: tensor_parallel_size='auto' (or a whole number >= 1)"),
-        ({'data_parallel_size': True}, "data_parallel_size must be a positive integer or 'auto', got True. Fix: data_parallel_size='auto' (or a whole number >= 1)"),
-        ({'shard': []}, 'shard=[] would shard nothing. Fix: leave shard unset to shard every trainable subtree'),
-        ({'shard': ['backbone.']}, "shard holds 'backbone.': each entry must be a dotted module path. Fix: write it as a path such as 'backbone.blocks' (no leading or trailing dot)"),
-        ({'nvme_path': 5}, "nvme_path must be a directory path, got 5. Fix: nvme_path='/local_nvme/offload'"),
-        ({'exclude': 3}, "exclude must be a list of module paths, got 3. Fix: exclude=['backbone'] (dotted paths of modules)"),
-        ({'shard': ['head'], 'exclude': 'head'}, 'head is both in shard and in exclude. Fix: keep it in one of them'),
-        ({"nvme_path": "/nvme"}, "nvme_path='/nvme' is set but offload_device='cpu', so nothing would go to it. Fix: set offload_device='nvme' (with offload='optimizer' or 'params'), or drop nvme_path"),
+        ({"offload": "everything"}, "unknown offload 'everything': choose one of 'none', 'optimizer', 'params'. Fix: offload='none'"),
+        (
+            {"offload": "optimiser"},
+            "unknown offload 'optimiser' (did you mean 'optimizer'?): choose one of 'none', 'optimizer', 'params'. Fix: offload='optimizer'",
+        ),
+        (
+            {"offload": "cpu"},
+            "unknown offload 'cpu' (offload says what to move: 'optimizer' or 'params'; offload_device='cpu' says where): choose one of 'none', 'optimizer', 'params'. Fix: offload='params', offload_device='cpu'",
+        ),
+        ({"offload": "params", "offload_device": "disk"}, "unknown offload_device 'disk': choose one of 'cpu', 'nvme'. Fix: offload_device='cpu'"),
+        ({"checkpoint": "sharded"}, "unknown checkpoint 'sharded': choose one of 'distributed', 'full'. Fix: checkpoint='distributed'"),
+        (
+            {"param_dtype": "bf16"},
+            "unknown param_dtype 'bf16' (did you mean 'bfloat16'?): choose one of 'float32', 'bfloat16', 'float16'. Fix: param_dtype='bfloat16'",
+        ),
+        (
+            {"reshard_after_forward": "yes"},
+            "reshard_after_forward must be true or false, got 'yes'. Fix: reshard_after_forward=True or reshard_after_forward=False",
+        ),
+        (
+            {"activation_checkpointing": 1},
+            "activation_checkpointing must be true or false, got 1. Fix: activation_checkpointing=True or activation_checkpointing=False",
+        ),
+        ({"offload_device": "nvme"}, "offload_device='nvme' with offload='none' offloads nothing. Fix: add offload='optimizer' or offload='params'"),
+        (
+            {"offload": "optimizer", "offload_device": "nvme"},
+            "offload_device='nvme' needs a directory to offload to. Fix: add nvme_path=, a directory on a local NVMe drive",
+        ),
+        (
+            {"data_parallel_size": -2},
+            "data_parallel_size must be a positive integer or 'auto', got -2. Fix: data_parallel_size='auto' (or a whole number >= 1)",
+        ),
+        (
+            {"data_parallel_size": 0},
+            "data_parallel_size must be a positive integer or 'auto', got 0. Fix: data_parallel_size='auto' (or a whole number >= 1)",
+        ),
+        (
+            {"tensor_parallel_size": -1},
+            "tensor_parallel_size must be a positive integer or 'auto', got -1. Fix: tensor_parallel_size='auto' (or a whole number >= 1)",
+        ),
+        (
+            {"tensor_parallel_size": 2.0},
+            "tensor_parallel_size must be a positive integer or 'auto', got 2.0. Fix: tensor_parallel_size='auto' (or a whole number >= 1)",
+        ),
+        (
+            {"data_parallel_size": True},
+            "data_parallel_size must be a positive integer or 'auto', got True. Fix: data_parallel_size='auto' (or a whole number >= 1)",
+        ),
+        ({"shard": []}, "shard=[] would shard nothing. Fix: leave shard unset to shard every trainable subtree"),
+        (
+            {"shard": ["backbone."]},
+            "shard holds 'backbone.': each entry must be a dotted module path. Fix: write it as a path such as 'backbone.blocks' (no leading or trailing dot)",
+        ),
+        ({"nvme_path": 5}, "nvme_path must be a directory path, got 5. Fix: nvme_path='/local_nvme/offload'"),
+        ({"exclude": 3}, "exclude must be a list of module paths, got 3. Fix: exclude=['backbone'] (dotted paths of modules)"),
+        ({"shard": ["head"], "exclude": "head"}, "head is both in shard and in exclude. Fix: keep it in one of them"),
+        (
+            {"nvme_path": "/nvme"},
+            "nvme_path='/nvme' is set but offload_device='cpu', so nothing would go to it. Fix: set offload_device='nvme' (with offload='optimizer' or 'params'), or drop nvme_path",
+        ),
     ],
 )
 def test_bad_fields_are_refused_with_the_valid_choices(fields, message):
@@ -77,9 +116,9 @@ def test_intent_errors_are_value_errors():
 
 
 def test_normalises_names_and_dtypes():
-    import torch
-
     from pathlib import Path
+
+    import torch
 
     assert ShardingIntent(offload="params", offload_device="nvme", nvme_path=Path("/nvme")).nvme_path == "/nvme"
     intent = ShardingIntent(shard="backbone", exclude=["backbone.head"], param_dtype=torch.bfloat16, reduce_dtype="float32")
@@ -94,9 +133,7 @@ def test_frozen():
         ShardingIntent().offload = "params"  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(
-    ("world", "dp", "tp", "sizes"), [(8, None, 1, (8, 1)), (8, None, 2, (4, 2)), (8, 2, 4, (2, 4)), (1, None, 1, (1, 1))]
-)
+@pytest.mark.parametrize(("world", "dp", "tp", "sizes"), [(8, None, 1, (8, 1)), (8, None, 2, (4, 2)), (8, 2, 4, (2, 4)), (1, None, 1, (1, 1))])
 def test_mesh_sizes(world, dp, tp, sizes):
     assert ShardingIntent(data_parallel_size=dp, tensor_parallel_size=tp).mesh_sizes(world) == sizes
 

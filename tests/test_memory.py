@@ -222,14 +222,17 @@ def test_zero3_figures_are_deepspeeds_own(world: int, nodes: int, offload: str, 
     model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.Linear(256, 64))
     total, largest = stage3.model_to_params(model)
     cpu, gpu, largest_mem = stage3.estimate_zero3_model_states_mem_needs(
-        total, largest, num_gpus_per_node=world // nodes, num_nodes=nodes,
-        cpu_offload=offload != "none", cpu_offload_params=offload == "params", zero_init=zero_init,
+        total,
+        largest,
+        num_gpus_per_node=world // nodes,
+        num_nodes=nodes,
+        cpu_offload=offload != "none",
+        cpu_offload_params=offload == "params",
+        zero_init=zero_init,
     )
     with torch.device("meta"):
         twin = copy.deepcopy(model).to("meta")
     optimizer = torch.optim.AdamW(twin.parameters())
-    estimate = estimate_memory(
-        twin, {"offload": offload}, NO_NEEDS, world, "deepspeed", optimizers=[optimizer], num_nodes=nodes, zero_init=zero_init
-    )
+    estimate = estimate_memory(twin, {"offload": offload}, NO_NEEDS, world, "deepspeed", optimizers=[optimizer], num_nodes=nodes, zero_init=zero_init)
     assert (estimate.host, estimate.device, estimate.gathered_block) == (cpu, gpu, largest_mem)
     assert zero3_model_states(total, largest, world // nodes, nodes, offload != "none", offload == "params", zero_init) == (cpu, gpu, largest_mem)

@@ -188,9 +188,7 @@ def test_probe_callback_counted_from_callbacks_list():
 
 def test_probe_callback_counted_from_a_real_trainer():
     module = ProbeModule()
-    trainer = pl.Trainer(
-        callbacks=[OnlineProbe(module.probe), DeclaredProbe()], accelerator="cpu", logger=False, enable_checkpointing=False
-    )
+    trainer = pl.Trainer(callbacks=[OnlineProbe(module.probe), DeclaredProbe()], accelerator="cpu", logger=False, enable_checkpointing=False)
     needs = inspect_needs(module, trainer)
     assert needs.num_optimizers == 3
     assert needs.describe_optimizers() == "1 from configure_optimizers, 1 from callback OnlineProbe, 1 from callback DeclaredProbe"

@@ -11,8 +11,7 @@ import torch
 
 from autoshard import Feature, IntentError, MethodNeeds, ShardingIntent, Support, matrix, select_backend
 from autoshard.adapters.fsdp2 import plan_fsdp2, policies
-from autoshard.backends import Availability
-from autoshard.backends import on_backend
+from autoshard.backends import Availability, on_backend
 from autoshard.backends.matrix import precision_table
 from autoshard.precision import Dtype, Precision, resolve_precision
 

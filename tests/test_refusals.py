@@ -51,23 +51,15 @@ REFUSALS: dict[str, Callable[[], Any]] = {
     "hsdp with tensor parallel": lambda: ShardingIntent(shard_size=2, tensor_parallel_size=2),
     "hsdp on deepspeed": lambda: select_backend(MethodNeeds(), ShardingIntent(shard_size=2), prefer="deepspeed_zero3"),
     "hsdp in the deepspeed config": lambda: deepspeed_config(ShardingIntent(shard_size="node"), world_size=4, micro_batch_size=1),
-    "hsdp in the deepspeed memory model": lambda: estimate_memory(
-        nn.Linear(4, 4), ShardingIntent(shard_size=2), MethodNeeds(), 4, "deepspeed_zero3"
-    ),
-    "MiCS key in zero_overrides": lambda: deepspeed_config(
-        ShardingIntent(), world_size=2, micro_batch_size=1, zero_overrides={"mics_shard_size": 2}
-    ),
+    "hsdp in the deepspeed memory model": lambda: estimate_memory(nn.Linear(4, 4), ShardingIntent(shard_size=2), MethodNeeds(), 4, "deepspeed_zero3"),
+    "MiCS key in zero_overrides": lambda: deepspeed_config(ShardingIntent(), world_size=2, micro_batch_size=1, zero_overrides={"mics_shard_size": 2}),
     "unknown backend": lambda: get_backend("fsdp3"),
     "EMA on deepspeed": lambda: select_backend(EMA, prefer="deepspeed_zero3"),
     "optimizers on deepspeed": lambda: select_backend(TWO_OPTIMIZERS, prefer="deepspeed_zero3"),
     "16-mixed on fsdp2": lambda: select_backend(MethodNeeds(), ShardingIntent(precision="16-mixed"), prefer="fsdp2"),
-    "nvme on fsdp2": lambda: select_backend(
-        MethodNeeds(), ShardingIntent(offload="params", offload_device="nvme", nvme_path="/n"), prefer="fsdp2"
-    ),
+    "nvme on fsdp2": lambda: select_backend(MethodNeeds(), ShardingIntent(offload="params", offload_device="nvme", nvme_path="/n"), prefer="fsdp2"),
     "nothing fits": lambda: select_backend(EMA, ShardingIntent(offload="params", offload_device="nvme", nvme_path="/n")),
-    "deepspeed missing": lambda: select_backend(
-        MethodNeeds(), prefer="deepspeed_zero3", available={"deepspeed_zero3": MISSING}
-    ),
+    "deepspeed missing": lambda: select_backend(MethodNeeds(), prefer="deepspeed_zero3", available={"deepspeed_zero3": MISSING}),
     "fsdp1": lambda: select_backend(MethodNeeds(), prefer="fsdp"),
     "strategy keyword typo": lambda: FSDP2Strategy(ofload="params"),
     "explain target without colon": lambda: load_target("train.py"),

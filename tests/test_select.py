@@ -230,10 +230,7 @@ def test_each_caveat_is_a_warning_text_and_can_leave_the_info_lines() -> None:
     decision = select_backend(MethodNeeds(), ShardingIntent(offload="optimizer"), prefer="fsdp2", available=ALL_INSTALLED)
     cell = matrix()["fsdp2"][Feature.CPU_OFFLOAD_OPTIMIZER]
     assert decision.warnings() == [
-        (
-            f"autoshard: partial support on fsdp2 for CPU offload of optimizer state only [offload='optimizer']:"
-            f" {cell.reason}. Fix: {cell.remedy}"
-        )
+        (f"autoshard: partial support on fsdp2 for CPU offload of optimizer state only [offload='optimizer']: {cell.reason}. Fix: {cell.remedy}")
     ]
     assert "caveat:" not in decision.describe(caveats=False) and "caveat:" in decision.describe()
     assert select_backend(MethodNeeds(), prefer="fsdp2", available=ALL_INSTALLED).warnings() == []
@@ -257,9 +254,7 @@ def test_several_forwards_run_on_deepspeed_with_the_measured_caveat() -> None:
 def test_unknown_backend_names_the_choices():
     with pytest.raises(IntentError) as info:
         select_backend(MethodNeeds(), prefer="fsdp3")
-    assert str(info.value) == (
-        "unknown backend 'fsdp3' (did you mean 'fsdp2'?): choose one of 'auto', 'fsdp2', 'deepspeed_zero3'. Fix: 'fsdp2'"
-    )
+    assert str(info.value) == ("unknown backend 'fsdp3' (did you mean 'fsdp2'?): choose one of 'auto', 'fsdp2', 'deepspeed_zero3'. Fix: 'fsdp2'")
     with pytest.raises(IntentError, match="unknown backend 'megatron': choose one of 'auto', 'fsdp2', 'deepspeed_zero3'"):
         select_backend(MethodNeeds(), available={"megatron": INSTALLED})
     with pytest.raises(IntentError, match="unknown backend None"):

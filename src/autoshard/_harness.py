@@ -65,12 +65,21 @@ def _run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int, time
             "PYTHONPATH": os.pathsep.join([str(_project_root(script)), os.environ.get("PYTHONPATH", "")]),
         }
         log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(script), *args, "--out", str(out_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(script), *args, "--out", str(out_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir
+                ),
+                log,
+            )
+        )
     wait_for([(f"rank {rank}", proc, log) for rank, (proc, log) in enumerate(procs)], timeout)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
-def wait_for(procs: Sequence[tuple[str, subprocess.Popen[Any], IO[str]]], timeout: float, stop: Callable[[subprocess.Popen[Any]], None] | None = None) -> None:
+def wait_for(
+    procs: Sequence[tuple[str, subprocess.Popen[Any], IO[str]]], timeout: float, stop: Callable[[subprocess.Popen[Any]], None] | None = None
+) -> None:
     """Wait for every (label, process, log file) until one deadline; at the first failure stop the rest (``stop``:
     how, default kill) and raise with each log's tail. Log files are closed here."""
     deadline, failed = time.monotonic() + timeout, None

@@ -331,6 +331,7 @@ def call_batch(make_batch: Callable[[], Any]) -> Any:
 def describe_batch(batch: Any, limit: int = 240) -> str:
     """A batch's structure with each tensor's dtype and shape, ``(float32[32, 65], int64[32])``: what a user compares
     with what training_step expects."""
+
     def one(x: Any) -> str:
         if isinstance(x, torch.Tensor):
             return f"{str(x.dtype).removeprefix('torch.')}[{', '.join(map(str, x.shape))}]"
@@ -353,7 +354,9 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     import torch.distributed as dist
 
     if not dist.is_available():
-        raise AutoShardError("measuring a sharded step needs torch.distributed, which this torch build lacks. Fix: install a torch build with distributed support")
+        raise AutoShardError(
+            "measuring a sharded step needs torch.distributed, which this torch build lacks. Fix: install a torch build with distributed support"
+        )
     if dist.is_initialized():
         raise AutoShardError(
             "measure_step runs the step on a fake process group of its own, but a process group is already initialized"
@@ -611,7 +614,9 @@ def _train_step(run: _Run, precision: PrecisionPlan) -> None:
             try:
                 hook(*args)
             except Exception as exc:  # a probe that logs float(loss): what ran before the failure is measured
-                run.notes.append(f"{type(owner).__name__}.on_train_batch_end stopped on fake tensors: {_why(exc)}; what it does after that is not measured")
+                run.notes.append(
+                    f"{type(owner).__name__}.on_train_batch_end stopped on fake tensors: {_why(exc)}; what it does after that is not measured"
+                )
     del out
 
 
@@ -762,8 +767,7 @@ def measure_step(
             else:
                 fix = f"make example_input_array, {describe_batch(run.batch)}, what forward takes, or estimate on a real device"
             raise AutoShardError(
-                f"activation memory could not be measured: forward(example_input_array) failed on fake tensors: {_why(exc)}."
-                f" Fix: {fix}"
+                f"activation memory could not be measured: forward(example_input_array) failed on fake tensors: {_why(exc)}. Fix: {fix}"
             ) from exc
         return tracker.step_memory(world_size, rank, True, notes, incomplete=incomplete, **extra)
 
@@ -796,6 +800,13 @@ def _step_failed(exc: BaseException, make_batch: Callable[[], Any], batch: Any) 
 
 
 __all__ = [
-    "StepMemory", "call_batch", "describe_batch", "fake_world", "load_batch", "measure_step", "measuring_callback",
-    "step_tracker", "where_defined",
+    "StepMemory",
+    "call_batch",
+    "describe_batch",
+    "fake_world",
+    "load_batch",
+    "measure_step",
+    "measuring_callback",
+    "step_tracker",
+    "where_defined",
 ]

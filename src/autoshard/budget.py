@@ -149,17 +149,29 @@ def check_budget(
         size = group * 2
         while size < world_size:
             if world_size % size == 0:
-                made = add(f"shard_size={size} (was {intent.shard_size!r})", f"gathers span {size} ranks", Option(intent.replace(shard_size=size), world_size))
+                made = add(
+                    f"shard_size={size} (was {intent.shard_size!r})",
+                    f"gathers span {size} ranks",
+                    Option(intent.replace(shard_size=size), world_size),
+                )
                 if made.fits:
                     break
                 changes.pop()
             size *= 2
         else:
             if group < world_size:  # a group of every rank is already pure FSDP
-                add("shard_size=None (shard over every rank)", "gathers and reduce-scatters cross nodes", Option(intent.replace(shard_size=None), world_size))
+                add(
+                    "shard_size=None (shard over every rank)",
+                    "gathers and reduce-scatters cross nodes",
+                    Option(intent.replace(shard_size=None), world_size),
+                )
     # 2. Activation checkpointing: about a third more compute, same results.
     if not intent.activation_checkpointing:
-        add("activation_checkpointing=True", "~1/3 more compute (forward recomputed in backward)", Option(intent.replace(activation_checkpointing=True), world_size))
+        add(
+            "activation_checkpointing=True",
+            "~1/3 more compute (forward recomputed in backward)",
+            Option(intent.replace(activation_checkpointing=True), world_size),
+        )
     # 3. A smaller micro-batch: same global batch with gradient accumulation. Activations shrink about linearly:
     #    the prediction picks the largest micro-batch expected to fit, and one simulated step checks it.
     if batch_rows is not None and batch_rows > 1:
@@ -180,7 +192,9 @@ def check_budget(
         notes.append("a smaller micro-batch is not estimated: pass --batch with tensors that share dim 0")
     # 4. Offload: states in CPU memory, slowest.
     if intent.offload == "none":
-        add("offload='params' (CPU memory)", "host-device copies every step (often 2-5x slower)", Option(intent.replace(offload="params"), world_size))
+        add(
+            "offload='params' (CPU memory)", "host-device copies every step (often 2-5x slower)", Option(intent.replace(offload="params"), world_size)
+        )
     if not any(c.fits for c in changes):
         combined = intent.replace(activation_checkpointing=True, offload="params", shard_size=None)
         ranks = min(world_size * 8, MAX_RANKS)

@@ -167,15 +167,15 @@ def detect_format(path: str | os.PathLike[str], verify: bool = True) -> Checkpoi
         return CheckpointInfo(p, Format.DCP_RAW, f"DCP shards ({len(shards)} file(s)) and .metadata, but no meta.pt (no trainer state)")
     if shards or has_meta:
         found = ", ".join(shards[:4] + (["meta.pt"] if has_meta else []))
-        return CheckpointInfo(p, Format.INCOMPLETE, f"a distributed checkpoint that has {found} but no .metadata: the save did not finish on every rank")
+        return CheckpointInfo(
+            p, Format.INCOMPLETE, f"a distributed checkpoint that has {found} but no .metadata: the save did not finish on every rank"
+        )
     deepspeed = _deepspeed_layout(p)
     if deepspeed is not None:
         return CheckpointInfo(p, Format.DEEPSPEED, deepspeed[1], tag=deepspeed[0])
     entries = sorted(x.name for x in p.iterdir())
     listing = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "") if entries else "nothing"
-    return CheckpointInfo(
-        p, Format.UNKNOWN, f"a directory holding {listing}: no .metadata (DCP), no meta.pt (Lightning), no latest (DeepSpeed)"
-    )
+    return CheckpointInfo(p, Format.UNKNOWN, f"a directory holding {listing}: no .metadata (DCP), no meta.pt (Lightning), no latest (DeepSpeed)")
 
 
 def interrupted_save(path: str | os.PathLike[str]) -> Path | None:
@@ -454,9 +454,7 @@ def model_mismatch(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[s
     return "; ".join(parts) or None
 
 
-def load_failure(
-    path: Path, model_name: str, model: Mapping[str, tuple[int, ...]], failures: Mapping[int, Any]
-) -> CheckpointFormatError:
+def load_failure(path: Path, model_name: str, model: Mapping[str, tuple[int, ...]], failures: Mapping[int, Any]) -> CheckpointFormatError:
     """torch's CheckpointException (a BaseException) as an autoshard error: which keys differ, or what failed where."""
     try:
         saved = saved_shapes(path)
@@ -541,7 +539,7 @@ DEEPSPEED_TYPES: tuple[str, ...] = (
 # precision); a user's hyper-parameters may hold their own types (a Path, a Namespace), which stay refused.
 LIGHTNING_TYPES: tuple[str, ...] = ()
 TRUSTED_TYPES: tuple[str, ...] = DEEPSPEED_TYPES + LIGHTNING_TYPES
-_WEIGHTS_ONLY = "Weights only load failed"  # how torch's restricted unpickler's refusals begin
+WEIGHTS_ONLY_REFUSAL = "Weights only load failed"  # how torch's restricted unpickler's refusals begin
 _FORCE, _NO_FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 
@@ -603,8 +601,11 @@ def untrusted(path: Path, names: list[str], action: str, fix: str | None = None)
         f"cannot {action}: {str(path)!r} is a pickle that names {shown}: neither a tensor nor a type a Lightning or"
         f" DeepSpeed checkpoint holds (autoshard.checkpoint.TRUSTED_TYPES), and unpickling it would run code chosen by"
         f" whoever wrote the file, so autoshard reads it with torch.load(weights_only=True) and refuses it. Fix: "
-        + (fix or f"if you trust who wrote it (your own run), pass {TRUST_PICKLE}, which unpickles it as"
-           f" torch.load(weights_only=False) does; otherwise ask its author for the weights as safetensors")
+        + (
+            fix
+            or f"if you trust who wrote it (your own run), pass {TRUST_PICKLE}, which unpickles it as"
+            f" torch.load(weights_only=False) does; otherwise ask its author for the weights as safetensors"
+        )
     )
 
 
@@ -633,17 +634,17 @@ def load_torch_file(path: str | os.PathLike[str], *, action: str = "read", trust
             with torch.serialization.safe_globals(trusted_types()):
                 return torch.load(p, map_location="cpu", mmap=mmap, weights_only=True)
         except pickle.UnpicklingError as exc:
-            wanted = _refused_globals(p, exc) if _WEIGHTS_ONLY in str(exc) else []
+            wanted = _refused_globals(p, exc) if WEIGHTS_ONLY_REFUSAL in str(exc) else []
             if not wanted or not set(wanted) <= set(TRUSTED_TYPES):
                 raise
             with torch.serialization.safe_globals(trusted_types(import_missing=True)):  # a DeepSpeed file: import its types
                 return torch.load(p, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as exc:
-        wanted = _refused_globals(p, exc) if _WEIGHTS_ONLY in str(exc) else []
+        wanted = _refused_globals(p, exc) if WEIGHTS_ONLY_REFUSAL in str(exc) else []
         if wanted and set(wanted) <= set(TRUSTED_TYPES):
             raise CheckpointFormatError(
                 f"cannot {action}: {str(p)!r} holds DeepSpeed objects ({', '.join(wanted)}), which need deepspeed to be"
-                f" read. Fix: pip install \"autoshard[deepspeed]\" (no GPU needed)"
+                f' read. Fix: pip install "autoshard[deepspeed]" (no GPU needed)'
             ) from None
         if wanted:
             raise untrusted(p, wanted, action, untrusted_fix) from None
@@ -688,8 +689,12 @@ def read_dcp_metadata(path: Path, action: str = "read") -> Any:
             return unpickler.load()
         except pickle.UnpicklingError:
             if unpickler.refused:
-                raise untrusted(f, unpickler.refused, action, "restore the checkpoint from a backup, or use an earlier one: DCP"
-                                " never writes anything but its own metadata classes there") from None
+                raise untrusted(
+                    f,
+                    unpickler.refused,
+                    action,
+                    "restore the checkpoint from a backup, or use an earlier one: DCP never writes anything but its own metadata classes there",
+                ) from None
             raise
 
 
@@ -736,7 +741,11 @@ def deepspeed_tag(info: CheckpointInfo, tag: str | None, action: str) -> str:
         raise CheckpointFormatError(f"cannot {action} {str(p)!r} with --tag {tag!r}: no such tag directory ({present}{latest}). Fix: {choose}")
     if info.tag is not None:
         return info.tag
-    choose = f"pass --tag with the one you mean, e.g. --tag {tags[-1]}{newest}, or write its name into {str(p / DEEPSPEED_LATEST)!r}" if tags else "copy the whole checkpoint directory again"
+    choose = (
+        f"pass --tag with the one you mean, e.g. --tag {tags[-1]}{newest}, or write its name into {str(p / DEEPSPEED_LATEST)!r}"
+        if tags
+        else "copy the whole checkpoint directory again"
+    )
     raise CheckpointFormatError(f"cannot {action}: {describe(info)}; autoshard reads the tag 'latest' names and never guesses another. Fix: {choose}")
 
 

@@ -415,9 +415,7 @@ def stage_sidecar(path: str | os.PathLike[str], token: str = "", kind: str | Non
     """The manifest of the file staged for ``path`` by writer ``token``, staged beside it; ``commit`` swaps in the
     file, then it."""
     p, staged = Path(path), staging_path(path, token)
-    write_manifest(
-        staging_path(sidecar_path(p), token), {p.name: describe_files(staged.parent, [staged.name])[staged.name]}, kind
-    )
+    write_manifest(staging_path(sidecar_path(p), token), {p.name: describe_files(staged.parent, [staged.name])[staged.name]}, kind)
 
 
 def _manifest_of(path: Path) -> Path | None:

@@ -10,9 +10,9 @@ argparse's own included, is one JSON object on stdout with exit status 1.
 from __future__ import annotations
 
 import argparse
-import json
 import importlib
 import itertools
+import json
 import re
 import sys
 from collections.abc import Container, Sequence

@@ -43,6 +43,7 @@ from autoshard.checkpoint_io import (
 
 KIND_CONSOLIDATE = "autoshard consolidate"  # the kind in OUT.pt's sidecar manifest: what --force may replace
 
+
 @dataclass(frozen=True)
 class Consolidated:
     """What ``consolidate`` wrote: one flat ``{parameter name: tensor}`` file for ``model.load_state_dict``."""
@@ -94,7 +95,7 @@ def _load_deepspeed(path: Path, tag: str, trust_pickle: bool = False) -> dict[st
     except ImportError as exc:
         raise CheckpointFormatError(
             f"{str(path)!r} is a DeepSpeed checkpoint and deepspeed is needed to convert it ({exc}). Fix: pip install"
-            f" \"autoshard[deepspeed]\" (no GPU needed), then run `{CONSOLIDATE.format(path=path)}` again"
+            f' "autoshard[deepspeed]" (no GPU needed), then run `{CONSOLIDATE.format(path=path)}` again'
         ) from None
     for f in sorted((path / tag).glob("*.pt")):
         load_torch_file(f, action="consolidate", trust_pickle=trust_pickle)
@@ -124,9 +125,7 @@ def consolidate(
     info = open_checkpoint(ckpt, "consolidate", tag=tag)  # detect, recover an interrupted save, verify, settle the tag
     source = info.path
     if (out.exists() or out.is_symlink()) and out.resolve() == source.resolve():
-        raise CheckpointFormatError(
-            f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path"
-        )
+        raise CheckpointFormatError(f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path")
     key: str | None
     if info.format in (Format.DCP, Format.DCP_RAW):
         state, key = _load_dcp(source, trust_pickle)
@@ -138,7 +137,9 @@ def consolidate(
         key = "state_dict" if isinstance(loaded, Mapping) and "state_dict" in loaded else None
         state = loaded[key] if key else loaded
     if not isinstance(state, Mapping):
-        raise CheckpointFormatError(f"cannot consolidate: {describe(info)}, but it holds a {type(state).__name__}, not a state dict. Fix: pass a checkpoint, or torch.save(model.state_dict(), PATH)")
+        raise CheckpointFormatError(
+            f"cannot consolidate: {describe(info)}, but it holds a {type(state).__name__}, not a state dict. Fix: pass a checkpoint, or torch.save(model.state_dict(), PATH)"
+        )
     tensors = flat_tensors(state)
     if not tensors:
         raise CheckpointFormatError(f"cannot consolidate: {describe(info)}, but it holds no tensors under {key or 'its top level'!r}")
@@ -163,9 +164,7 @@ def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
         raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
     shared = overlap(out, source) if source is not None and (source.exists() or source.is_symlink()) else None
     if shared is Overlap.SAME:
-        raise CheckpointFormatError(
-            f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path"
-        )
+        raise CheckpointFormatError(f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path")
     if shared is Overlap.INSIDE:
         assert source is not None
         raise CheckpointFormatError(
@@ -228,11 +227,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("ckpt", metavar="CKPT_DIR", help="the checkpoint directory (or file), e.g. checkpoints/last.ckpt")
     parser.add_argument("out", metavar="OUT.pt", help="the file to write")
     parser.add_argument("--tag", default=None, help="DeepSpeed only: the tag directory (default: the one in 'latest')")
+    parser.add_argument("--force", action="store_true", help="replace OUT.pt if consolidate wrote it (only once the new file is complete)")
     parser.add_argument(
-        "--force", action="store_true", help="replace OUT.pt if consolidate wrote it (only once the new file is complete)"
-    )
-    parser.add_argument(
-        "--trust-pickle", action="store_true",
+        "--trust-pickle",
+        action="store_true",
         help="unpickle the checkpoint as torch.load(weights_only=False) does, running any code it holds: only for a file you trust",
     )
     parser.add_argument("--json", action="store_true", help="print the result (or the refusal) as one JSON object")

@@ -64,8 +64,8 @@ from autoshard.checkpoint_io import (
     write_manifest,
 )
 from autoshard.errors import closest
-from autoshard.units import parse_size as memory_size
 from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
+from autoshard.units import parse_size as memory_size
 
 TARGETS = ("dcp", "deepspeed", "safetensors")
 DEEPSPEED_TAG = "checkpoint"  # the tag Lightning's DeepSpeedStrategy saves under
@@ -234,7 +234,9 @@ def read_dcp(path: Path, trust_pickle: bool = False) -> TrainingState:
         if where[0] == key and len(where) == 2 and where[1] not in trained and len(getattr(item, "chunks", ())) > 1:
             state.frozen.add(where[1])
     if extra.get("rng_states"):
-        state.notes.append("per-rank RNG states are not carried (the other backend keeps none): random augmentations differ from an uninterrupted run")
+        state.notes.append(
+            "per-rank RNG states are not carried (the other backend keeps none): random augmentations differ from an uninterrupted run"
+        )
     return state
 
 
@@ -242,7 +244,9 @@ def read_full(path: Path, trust_pickle: bool = False, weights_only: bool = False
     """One torch.save file: a Lightning checkpoint (``state_dict``, ``optimizer_states``) or bare weights."""
     loaded = load_torch_file(path, action="convert", trust_pickle=trust_pickle)
     if not isinstance(loaded, Mapping):
-        raise ConvertError(f"cannot convert {str(path)!r}: it holds a {type(loaded).__name__}, not a state dict. Fix: pass a checkpoint file or directory")
+        raise ConvertError(
+            f"cannot convert {str(path)!r}: it holds a {type(loaded).__name__}, not a state dict. Fix: pass a checkpoint file or directory"
+        )
     if "state_dict" not in loaded:
         return TrainingState(tensors=flat_tensors(loaded), optimizers=[], trainer={}, source=path, format=Format.FULL, world_size=None)
     trainer = {k: v for k, v in loaded.items() if k not in ("state_dict", "optimizer_states")}
@@ -289,7 +293,7 @@ def _require_deepspeed(path: Path) -> Any:
     except ImportError as exc:
         raise ConvertError(
             f"{str(path)!r}: DeepSpeed checkpoints hold DeepSpeed objects (the loss scaler), so deepspeed is needed to"
-            f" read or write them ({exc}). Fix: pip install \"autoshard[deepspeed]\" (no GPU needed)"
+            f' read or write them ({exc}). Fix: pip install "autoshard[deepspeed]" (no GPU needed)'
         ) from None
     return deepspeed
 
@@ -347,10 +351,14 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
     head = models[0]
     stage = int(optims[0].get("zero_stage", 0))
     if stage != 3:
-        raise ConvertError(f"cannot convert {str(path)!r}: ZeRO stage {stage}; only stage 3 checkpoints are read. Fix: take the weights with `autoshard consolidate {path} weights.pt`")
+        raise ConvertError(
+            f"cannot convert {str(path)!r}: ZeRO stage {stage}; only stage 3 checkpoints are read. Fix: take the weights with `autoshard consolidate {path} weights.pt`"
+        )
     recorded_world = int(head.get("dp_world_size", world))
     if recorded_world != world:
-        raise ConvertError(f"cannot convert {str(path)!r}: it records dp_world_size={recorded_world} but holds {world} ranks' files. Fix: copy every rank's files")
+        raise ConvertError(
+            f"cannot convert {str(path)!r}: it records dp_world_size={recorded_world} but holds {world} ranks' files. Fix: copy every rank's files"
+        )
     prefix = LIGHTNING_DEEPSPEED_PREFIX
 
     def strip(name: str) -> str:
@@ -371,7 +379,9 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
                 flats[key] = values
             elif not isinstance(value, torch.Tensor) or value.numel() == 1:
                 if any(not _same(values[0], v) for v in values[1:]):
-                    raise ConvertError(f"cannot convert {str(path)!r}: optimizer state '{key}' of sub-group {idx} differs between ranks ({values[0]!r} vs {values[1]!r}). Fix: resume it once with DeepSpeed and save again")
+                    raise ConvertError(
+                        f"cannot convert {str(path)!r}: optimizer state '{key}' of sub-group {idx} differs between ranks ({values[0]!r} vs {values[1]!r}). Fix: resume it once with DeepSpeed and save again"
+                    )
                 scalars[key] = value
             else:
                 raise ConvertError(
@@ -539,7 +549,11 @@ def write_deepspeed(state: TrainingState, staged: Path, world_size: int, precisi
             f" or drop the probe and convert the weights alone with --to safetensors"
         )
     if len(state.optimizers) != 1:
-        what = "no optimizer state (saved with weights_only, or before the first step)" if not state.optimizers else f"{len(state.optimizers)} optimizers"
+        what = (
+            "no optimizer state (saved with weights_only, or before the first step)"
+            if not state.optimizers
+            else f"{len(state.optimizers)} optimizers"
+        )
         raise ConvertError(
             f"cannot convert {str(state.source)!r} to deepspeed: it holds {what}, and a DeepSpeed checkpoint holds exactly one"
             f" optimizer's state. Fix: resume it with strategy='fsdp2', or convert the weights alone with --to safetensors"
@@ -560,8 +574,14 @@ def write_deepspeed(state: TrainingState, staged: Path, world_size: int, precisi
     trained = [n for n in opt.names() if state.tensors[n].numel() > 0]
     missing = [n for n in opt.names() if n not in state.tensors]
     if missing:
-        raise ConvertError(f"cannot convert {str(state.source)!r}: the optimizer trains {', '.join(missing[:4])}, which the weights do not hold. Fix: use a complete checkpoint")
-    buffers = set(state.buffers) if state.buffers is not None else {n for n in state.tensors if n not in trained and n not in aliases and n not in state.frozen}
+        raise ConvertError(
+            f"cannot convert {str(state.source)!r}: the optimizer trains {', '.join(missing[:4])}, which the weights do not hold. Fix: use a complete checkpoint"
+        )
+    buffers = (
+        set(state.buffers)
+        if state.buffers is not None
+        else {n for n in state.tensors if n not in trained and n not in aliases and n not in state.frozen}
+    )
     frozen = [n for n in state.tensors if n not in trained and n not in buffers and n not in aliases]
     numels = {n: state.tensors[n].numel() for n in trained}
     keys = sorted({k for n in trained for k in opt.state.get(n, {})})
@@ -610,7 +630,10 @@ def write_deepspeed(state: TrainingState, staged: Path, world_size: int, precisi
                     continue
                 sample = opt.state[holders[0]][key]
                 if _elementwise(sample, state.tensors[holders[0]]):
-                    parts = [_slice(opt.state[n][key] if key in opt.state.get(n, {}) else torch.zeros_like(state.tensors[n]), rank, world_size) for n in names]
+                    parts = [
+                        _slice(opt.state[n][key] if key in opt.state.get(n, {}) else torch.zeros_like(state.tensors[n]), rank, world_size)
+                        for n in names
+                    ]
                     entry[key] = torch.cat(parts).to(torch.float32 if sample.is_floating_point() else sample.dtype)
                 else:
                     entry[key] = sample.clone() if isinstance(sample, torch.Tensor) else sample
@@ -671,7 +694,9 @@ def write_deepspeed(state: TrainingState, staged: Path, world_size: int, precisi
             f" parameter, DeepSpeed's load fails with 'size mismatch' for it: convert again with --frozen NAME"
         )
     if frozen:
-        notes.append(f"{len(frozen)} frozen parameters (outside the optimizer) written as ZeRO-3 fragments: {', '.join(frozen[:4])}{', ...' if len(frozen) > 4 else ''}")
+        notes.append(
+            f"{len(frozen)} frozen parameters (outside the optimizer) written as ZeRO-3 fragments: {', '.join(frozen[:4])}{', ...' if len(frozen) > 4 else ''}"
+        )
     if stateless:
         notes.append(f"{len(stateless)} parameters had no optimizer state (never stepped): zero moments, the group's step")
     notes.append(f"written for precision {precision!r} (DeepSpeed names its optimizer files after it): resume with that precision")
@@ -701,7 +726,7 @@ def write_safetensors(state: TrainingState, staged: Path, max_shard_size: int) -
     try:
         from safetensors.torch import save_file
     except ImportError as exc:
-        raise ConvertError(f"--to safetensors needs the safetensors package ({exc}). Fix: pip install \"autoshard[safetensors]\"") from None
+        raise ConvertError(f'--to safetensors needs the safetensors package ({exc}). Fix: pip install "autoshard[safetensors]"') from None
     aliases = tied_aliases(state)
     tensors = {n: t.detach().contiguous() for n, t in state.tensors.items() if n not in aliases}
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -728,7 +753,11 @@ def write_safetensors(state: TrainingState, staged: Path, max_shard_size: int) -
         }
         (staged / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         fsync_file(staged / SAFETENSORS_INDEX)
-    notes = [f"tied weights written once: {', '.join(f'{a} -> {n}' for a, n in sorted(aliases.items()))} (recorded in the metadata as {TIED_METADATA})"] if aliases else []
+    notes = (
+        [f"tied weights written once: {', '.join(f'{a} -> {n}' for a, n in sorted(aliases.items()))} (recorded in the metadata as {TIED_METADATA})"]
+        if aliases
+        else []
+    )
     return {"notes": notes, "tensors": len(tensors)}
 
 
@@ -822,10 +851,14 @@ def convert(
         raise ConvertError(f"unknown target {to!r}. Fix: --to one of {', '.join(TARGETS)}")
     if precision is not None:
         if to != "deepspeed":
-            raise ConvertError(f"--precision is for --to deepspeed (DeepSpeed names its files after it); {to} does not depend on it. Fix: drop --precision")
+            raise ConvertError(
+                f"--precision is for --to deepspeed (DeepSpeed names its files after it); {to} does not depend on it. Fix: drop --precision"
+            )
         precision = _precision(precision)
     if module is not None and to != "safetensors":
-        raise ConvertError(f"--module {module!r} keeps one submodule's weights, which only --to safetensors writes: a checkpoint to resume needs the whole module. Fix: drop --module, or use --to safetensors")
+        raise ConvertError(
+            f"--module {module!r} keeps one submodule's weights, which only --to safetensors writes: a checkpoint to resume needs the whole module. Fix: drop --module, or use --to safetensors"
+        )
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ConvertError(f"--world-size must be a positive integer, got {world_size!r}. Fix: --world-size N (devices x nodes of the resuming run)")
     out = Path(dst)
@@ -840,7 +873,9 @@ def convert(
     for prefix in frozen:
         matched = {n for n in state.tensors if n == prefix or n.startswith(prefix + ".")}
         if not matched:
-            raise ConvertError(f"--frozen {prefix!r} matches no tensor of {str(state.source)!r}. Fix: pass a name or module path the checkpoint holds, e.g. {next(iter(state.tensors), '')!r}")
+            raise ConvertError(
+                f"--frozen {prefix!r} matches no tensor of {str(state.source)!r}. Fix: pass a name or module path the checkpoint holds, e.g. {next(iter(state.tensors), '')!r}"
+            )
         state.frozen |= matched
         if state.buffers is not None:
             state.buffers -= matched
@@ -1014,15 +1049,41 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("src", metavar="SRC", help="the checkpoint: a DeepSpeed or DCP directory, or a full .ckpt file")
     parser.add_argument("dst", metavar="DST", help="the directory to write (must not exist, unless --force)")
-    parser.add_argument("--to", required=True, choices=TARGETS, help="dcp: for strategy='fsdp2'; deepspeed: for 'autoshard-deepspeed'; safetensors: Hugging Face weights")
+    parser.add_argument(
+        "--to",
+        required=True,
+        choices=TARGETS,
+        help="dcp: for strategy='fsdp2'; deepspeed: for 'autoshard-deepspeed'; safetensors: Hugging Face weights",
+    )
     parser.add_argument("--world-size", type=int, default=None, help="deepspeed only: ranks of the resuming run (default: the source's)")
-    parser.add_argument("--precision", default=None, help="deepspeed only: the resuming Trainer's precision, e.g. bf16-mixed or 32-true (default: the source's, when DeepSpeed)")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="deepspeed only: the resuming Trainer's precision, e.g. bf16-mixed or 32-true (default: the source's, when DeepSpeed)",
+    )
     parser.add_argument("--tag", default=None, help="DeepSpeed source only: the tag directory (default: the one in 'latest')")
-    parser.add_argument("--frozen", action="append", metavar="NAME", help="deepspeed only: a parameter (or module path) outside the optimizer that is not a buffer; repeatable")
-    parser.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help=f"safetensors only: split above this size (default {MAX_SHARD_SIZE}, like Hugging Face)")
-    parser.add_argument("--module", default=None, metavar="PATH", help="safetensors only: the submodule to write, named as it names its weights (e.g. model)")
-    parser.add_argument("--force", action="store_true", help="replace DST if it is an output of convert --to the same target, holding nothing else (only once the new one is complete)")
-    parser.add_argument("--trust-pickle", action="store_true", help="unpickle SRC as torch.load(weights_only=False) does, running any code it holds: only for a checkpoint you trust")
+    parser.add_argument(
+        "--frozen",
+        action="append",
+        metavar="NAME",
+        help="deepspeed only: a parameter (or module path) outside the optimizer that is not a buffer; repeatable",
+    )
+    parser.add_argument(
+        "--max-shard-size", default=MAX_SHARD_SIZE, help=f"safetensors only: split above this size (default {MAX_SHARD_SIZE}, like Hugging Face)"
+    )
+    parser.add_argument(
+        "--module", default=None, metavar="PATH", help="safetensors only: the submodule to write, named as it names its weights (e.g. model)"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DST if it is an output of convert --to the same target, holding nothing else (only once the new one is complete)",
+    )
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="unpickle SRC as torch.load(weights_only=False) does, running any code it holds: only for a checkpoint you trust",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(func=cmd_convert)

@@ -29,6 +29,6 @@ def closest(value: object, choices: Iterable[str]) -> str | None:
 
 
 def did_you_mean(value: object, choices: Iterable[str]) -> str:
-    """" (did you mean 'x'?)" for a near-miss, else ""."""
+    """ " (did you mean 'x'?)" for a near-miss, else ""."""
     close = closest(value, choices)
     return f" (did you mean {close!r}?)" if close else ""

@@ -19,11 +19,11 @@ from typing import Any, NoReturn, TextIO
 import torch
 from torch import nn
 
+from autoshard.activations import call_batch, load_batch, measure_step
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
 from autoshard.budget import BudgetReport, Option, check_budget
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
-from autoshard.activations import call_batch, load_batch, measure_step
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
     MemoryEstimate,
@@ -75,7 +75,7 @@ def read_intent_file(path: str) -> dict[str, Any]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise AutoShardError(f"--intent-file {path} is not valid JSON: {exc}. Fix: e.g. {{\"offload\": \"params\"}}") from None
+            raise AutoShardError(f'--intent-file {path} is not valid JSON: {exc}. Fix: e.g. {{"offload": "params"}}') from None
     else:
         try:
             import yaml
@@ -86,7 +86,9 @@ def read_intent_file(path: str) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None and problem else " ".join(str(exc).split())
-            raise AutoShardError(f"--intent-file {path} is not valid YAML ({where}). Fix: one `field: value` per line, e.g. `offload: params`") from None
+            raise AutoShardError(
+                f"--intent-file {path} is not valid YAML ({where}). Fix: one `field: value` per line, e.g. `offload: params`"
+            ) from None
     if isinstance(data, Mapping) and set(data) == {"intent"}:
         data = data["intent"]
     if data is not None and not isinstance(data, Mapping):
@@ -146,7 +148,10 @@ class Report:
             {
                 "feature": feature.value,
                 "detail": detail,
-                "cells": {name: {"support": row[feature].support.value, "reason": row[feature].reason, "remedy": row[feature].remedy} for name, row in rows.items()},
+                "cells": {
+                    name: {"support": row[feature].support.value, "reason": row[feature].reason, "remedy": row[feature].remedy}
+                    for name, row in rows.items()
+                },
             }
             for feature, detail in self.features.items()
         ]
@@ -160,8 +165,11 @@ class Report:
             "needs": self.needs.to_dict(),
             "decision": self.decision.to_dict() if self.decision else None,
             "error": (
-                {"type": self.error_type, "message": self.error} if self.error
-                else {"type": "IncompleteEstimate", "message": self.incomplete} if self.incomplete else None
+                {"type": self.error_type, "message": self.error}
+                if self.error
+                else {"type": "IncompleteEstimate", "message": self.incomplete}
+                if self.incomplete
+                else None
             ),
             "incomplete": self.incomplete,
             "features": self._feature_rows(),
@@ -191,7 +199,11 @@ class Report:
         if self.plan is not None:
             out += ["", head("== FSDP2 plan =="), self.plan.describe()]
         if self.deepspeed_config is not None:
-            out += ["", head(f"== DeepSpeed ZeRO-3 config (world size {self.deepspeed_config_world}) =="), json.dumps(self.deepspeed_config, indent=2)]
+            out += [
+                "",
+                head(f"== DeepSpeed ZeRO-3 config (world size {self.deepspeed_config_world}) =="),
+                json.dumps(self.deepspeed_config, indent=2),
+            ]
         if self.memory:
             table = memory_table(self.memory)
             if self.unmeasured:  # the table's generic hint tells the user to pass the --batch they passed
@@ -306,9 +318,7 @@ def explain(
     elif engine.config:
         report.deepspeed_config_world = max(world_sizes)
         try:
-            report.deepspeed_config = load(engine.config)(
-                intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size
-            )
+            report.deepspeed_config = load(engine.config)(intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size)
         except AutoShardError as exc:
             report.notes.append(f"DeepSpeed config: {exc}")
     if intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None:
@@ -336,8 +346,15 @@ def explain(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # already reported above
             return estimate_memory_many(
-                module, asked, needs, world_sizes, chosen, callbacks=built.callbacks, sourced=sourced,
-                devices_per_node=devices_per_node, precision=precision,
+                module,
+                asked,
+                needs,
+                world_sizes,
+                chosen,
+                callbacks=built.callbacks,
+                sourced=sourced,
+                devices_per_node=devices_per_node,
+                precision=precision,
             )
 
     # A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
@@ -360,7 +377,10 @@ def explain(
                 progress(f"simulating one step on {option.world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
             try:
                 step = measure_step(
-                    factory, option.intent, option.world_size, precision,
+                    factory,
+                    option.intent,
+                    option.world_size,
+                    precision,
                     make_batch=_cut(make_batch, option.batch_divisor) if make_batch is not None else None,
                     num_nodes=est.num_nodes,
                 )
@@ -392,13 +412,16 @@ def explain(
     if make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
         report.unmeasured = "--no-step (model states only)" if not simulate else "the step could not run on --batch (see below)"
     if not whole_step and report.memory and report.memory[0].activations:
-        report.notes.append(
-            f"activations come from a simulated FSDP2 step of the same method; {chosen}'s own buffers are its"
-            " estimator's figures"
-        )
+        report.notes.append(f"activations come from a simulated FSDP2 step of the same method; {chosen}'s own buffers are its estimator's figures")
     if budget_bytes is not None:
         report.budget = check_budget(
-            estimate, intent, max(sizes), budget_bytes, devices_per_node=devices_per_node, batch_rows=rows, lacks=_lacks,
+            estimate,
+            intent,
+            max(sizes),
+            budget_bytes,
+            devices_per_node=devices_per_node,
+            batch_rows=rows,
+            lacks=_lacks,
         )
     return report
 
@@ -512,19 +535,58 @@ def world_sizes_for(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("target", nargs="?", metavar="TARGET", help="path/to/file.py:factory or package.module:factory returning a LightningModule (or (module, callbacks))")
+    parser.add_argument(
+        "target",
+        nargs="?",
+        metavar="TARGET",
+        help="path/to/file.py:factory or package.module:factory returning a LightningModule (or (module, callbacks))",
+    )
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="the backend to explain (default: auto, as strategy='auto-shard')")
     parser.add_argument("--precision", default=None, help="Trainer precision to plan for (default: bf16-mixed)")
-    parser.add_argument("--intent", action="append", default=[], metavar="KEY=VALUE", help="a ShardingIntent field, repeatable (shard/exclude take comma lists)")
+    parser.add_argument(
+        "--intent", action="append", default=[], metavar="KEY=VALUE", help="a ShardingIntent field, repeatable (shard/exclude take comma lists)"
+    )
     parser.add_argument("--intent-file", default=None, metavar="FILE", help="YAML or JSON mapping of ShardingIntent fields")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=None, metavar="N,N,...", help="world sizes (ranks in all) for the memory table (default: 1,2,8,64)")
-    parser.add_argument("--devices", type=_positive, default=None, metavar="N", help="as Trainer(devices=N): processes per node; the table is then for one world size, devices x --num-nodes (not with --world-sizes)")
-    parser.add_argument("--num-nodes", type=_positive, default=None, metavar="M", help="as Trainer(num_nodes=M) (default 1): world size = devices x M")
-    parser.add_argument("--accelerator", default=None, type=str.lower, choices=ACCELERATORS, help="'cpu' to check a CPU (gloo) run; default: a GPU run")
+    parser.add_argument(
+        "--world-sizes",
+        type=_world_sizes,
+        default=None,
+        metavar="N,N,...",
+        help="world sizes (ranks in all) for the memory table (default: 1,2,8,64)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="as Trainer(devices=N): processes per node; the table is then for one world size, devices x --num-nodes (not with --world-sizes)",
+    )
+    parser.add_argument(
+        "--num-nodes", type=_positive, default=None, metavar="M", help="as Trainer(num_nodes=M) (default 1): world size = devices x M"
+    )
+    parser.add_argument(
+        "--accelerator", default=None, type=str.lower, choices=ACCELERATORS, help="'cpu' to check a CPU (gloo) run; default: a GPU run"
+    )
     parser.add_argument("--micro-batch-size", type=_positive, default=1, help="per-rank batch size for the DeepSpeed config (default: 1)")
-    parser.add_argument("--batch", default=None, metavar="FILE.py:make_batch", help="a function returning one micro-batch per rank: one training step is simulated on fake tensors, so the peak includes activations (default: forward of example_input_array)")
-    parser.add_argument("--budget", default=None, metavar="SIZE", help="device memory per rank, e.g. 80GiB: says whether the largest world size fits, and if not, which changes would")
-    parser.add_argument("--devices-per-node", type=_positive, default=None, metavar="N", help=f"ranks per node, for shard_size='node' and inter-node traffic (default: {DEFAULT_DEVICES_PER_NODE}, or --devices)")
+    parser.add_argument(
+        "--batch",
+        default=None,
+        metavar="FILE.py:make_batch",
+        help="a function returning one micro-batch per rank: one training step is simulated on fake tensors, so the peak includes activations (default: forward of example_input_array)",
+    )
+    parser.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help="device memory per rank, e.g. 80GiB: says whether the largest world size fits, and if not, which changes would",
+    )
+    parser.add_argument(
+        "--devices-per-node",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help=f"ranks per node, for shard_size='node' and inter-node traffic (default: {DEFAULT_DEVICES_PER_NODE}, or --devices)",
+    )
     parser.add_argument("--no-step", action="store_true", help="do not simulate a step: model states only (fast)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--write-matrix", default=None, metavar="PATH", help="regenerate the capability matrix page (docs/matrix.md) and exit")

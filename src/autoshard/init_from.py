@@ -119,7 +119,9 @@ def _safetensors_header(files: Iterable[Path]) -> tuple[dict[str, tuple[int, ...
             try:
                 header = json.loads(handle.read(length))
             except ValueError:
-                raise InitFromError(f"init_from: {str(f)!r} has no readable safetensors header. Fix: pass a file written by safetensors (save_pretrained, save_file)") from None
+                raise InitFromError(
+                    f"init_from: {str(f)!r} has no readable safetensors header. Fix: pass a file written by safetensors (save_pretrained, save_file)"
+                ) from None
         meta = header.pop("__metadata__", None) or {}
         if TIED_METADATA in meta:
             tied.update(json.loads(meta[TIED_METADATA]))
@@ -158,7 +160,9 @@ def _read_into(handle: Any, offset: int, out: torch.Tensor) -> int:
     while done < len(view):
         n = os.preadv(handle.fileno(), [view[done:]], offset + done)
         if n <= 0:
-            raise InitFromError(f"init_from: {handle.name!r} ended before byte {offset + len(view)}: the file is truncated. Fix: download or copy it again")
+            raise InitFromError(
+                f"init_from: {handle.name!r} ended before byte {offset + len(view)}: the file is truncated. Fix: download or copy it again"
+            )
         done += n
     return done
 
@@ -167,7 +171,9 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
     """Names and shapes of what ``path`` holds, reading headers only; refuses what it cannot read, with the fix."""
     p = Path(path)
     if not p.exists():
-        raise InitFromError(f"init_from={str(p)!r} does not exist. Fix: pass the path of a safetensors file, a Hugging Face model directory, a torch state dict file or a DCP directory, as every rank sees it")
+        raise InitFromError(
+            f"init_from={str(p)!r} does not exist. Fix: pass the path of a safetensors file, a Hugging Face model directory, a torch state dict file or a DCP directory, as every rank sees it"
+        )
     if p.is_dir():
         if (p / SAFETENSORS_INDEX).is_file():
             index = json.loads((p / SAFETENSORS_INDEX).read_text())
@@ -194,7 +200,9 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
         return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
     if is_torch_file(p):
         return _open_torch(p)
-    raise InitFromError(f"init_from={str(p)!r} is neither a safetensors nor a torch.save file. Fix: pass a .safetensors file, a torch state dict file, or a directory")
+    raise InitFromError(
+        f"init_from={str(p)!r} is neither a safetensors nor a torch.save file. Fix: pass a .safetensors file, a torch state dict file, or a directory"
+    )
 
 
 def _open_torch(p: Path) -> WeightsFile:
@@ -221,7 +229,9 @@ def _open_dcp(p: Path) -> WeightsFile:
     except CheckpointFormatError as exc:
         raise InitFromError(str(exc)) from None
     if torn is not None:
-        raise InitFromError(f"init_from={str(p)!r} is a distributed checkpoint whose {torn}. Nothing was loaded or sharded yet. Fix: use a complete checkpoint (copy it again, or an earlier one)")
+        raise InitFromError(
+            f"init_from={str(p)!r} is a distributed checkpoint whose {torn}. Nothing was loaded or sharded yet. Fix: use a complete checkpoint (copy it again, or an earlier one)"
+        )
     keys = {where[0] for where, _ in entries}
     entry = next((k for k in ("state_dict", "model") if k in keys), None)
     shapes, dtypes = {}, {}
@@ -337,7 +347,10 @@ def plan_init_from(module: nn.Module, init_from: Mapping[str, str], ema_pairs: I
             problems.append(f"init_from {str(src.path)!r} does not match {where}: {mismatch}")
             fixes.append(_prefix_fix(src, prefix, targets))
     if problems:
-        fix = next((f for f in fixes if f), "load weights saved from this architecture, or point init_from at the submodule they belong to: init_from={'<module path>': PATH}")
+        fix = next(
+            (f for f in fixes if f),
+            "load weights saved from this architecture, or point init_from at the submodule they belong to: init_from={'<module path>': PATH}",
+        )
         raise InitFromError(f"{'; '.join(problems)}. Nothing was loaded or sharded yet. Fix: {fix}")
     casts = _check_dtypes(reads, targets, module)
     copy = tuple(p for p in pairs if not any(_under(n, p.teacher) for n in reads))
@@ -375,7 +388,9 @@ def _check_dtypes(reads: Mapping[str, tuple[WeightsFile, str]], targets: Mapping
     return casts
 
 
-def _filled_otherwise(name: str, targets: Mapping[str, torch.Tensor], owners: Mapping[int, list[str]], reads: Mapping[str, Any], pairs: tuple[EMAPair, ...]) -> bool:
+def _filled_otherwise(
+    name: str, targets: Mapping[str, torch.Tensor], owners: Mapping[int, list[str]], reads: Mapping[str, Any], pairs: tuple[EMAPair, ...]
+) -> bool:
     """A name the files do not hold but that still gets its value: a tied alias of a name they hold, or a tensor of
     an EMA teacher none of whose tensors are in them (it copies its student)."""
     if any(other in reads for other in owners.get(id(targets[name]), ())):
@@ -413,7 +428,11 @@ def plan_everywhere(module: nn.Module, init_from: Mapping[str, str], ema_pairs: 
     try:
         plan = plan_init_from(module, init_from, ema_pairs)
     except Exception as exc:  # noqa: BLE001 - any failure, named on every rank: one rank raising alone hangs the others
-        error = str(exc) if isinstance(exc, AutoShardError) else f"init_from: {type(exc).__name__}: {exc}. Fix: make the init_from path(s) readable, whole, on every rank"
+        error = (
+            str(exc)
+            if isinstance(exc, AutoShardError)
+            else f"init_from: {type(exc).__name__}: {exc}. Fix: make the init_from path(s) readable, whole, on every rank"
+        )
     errors = gather(error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
@@ -538,4 +557,14 @@ def _io_read() -> int | None:
         return None
 
 
-__all__ = ["InitFromError", "InitPlan", "InitReport", "WeightsFile", "load_init_from", "open_weights", "plan_everywhere", "plan_init_from", "sources_of"]
+__all__ = [
+    "InitFromError",
+    "InitPlan",
+    "InitReport",
+    "WeightsFile",
+    "load_init_from",
+    "open_weights",
+    "plan_everywhere",
+    "plan_init_from",
+    "sources_of",
+]

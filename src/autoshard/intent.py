@@ -35,9 +35,7 @@ def _names(name: str, value: object) -> tuple[str, ...]:
     try:
         names = tuple(value)  # type: ignore[arg-type]
     except TypeError:
-        raise IntentError(
-            f"{name} must be a list of module paths, got {value!r}. Fix: {name}=['backbone'] (dotted paths of modules)"
-        ) from None
+        raise IntentError(f"{name} must be a list of module paths, got {value!r}. Fix: {name}=['backbone'] (dotted paths of modules)") from None
     for item in names:
         if not isinstance(item, str) or not item or item.startswith(".") or item.endswith("."):
             raise IntentError(
@@ -76,7 +74,7 @@ def _init_from(value: object) -> str | tuple[tuple[str, str], ...] | None:
     except (TypeError, ValueError):
         raise IntentError(f"init_from must be a path or a mapping of module path to path, got {value!r}. {fix}") from None
     if not pairs:
-        raise IntentError(f"init_from={{}} loads nothing. Fix: leave init_from unset, or map a module path to a weights path")
+        raise IntentError("init_from={} loads nothing. Fix: leave init_from unset, or map a module path to a weights path")
     out = []
     for module, path in pairs:
         if not isinstance(module, str) or module.startswith(".") or module.endswith("."):
@@ -87,7 +85,9 @@ def _init_from(value: object) -> str | tuple[tuple[str, str], ...] | None:
     modules = [m for m, _ in out]
     nested = sorted({a for a in modules for b in modules if a != b and (not b or a.startswith(b + "."))})
     if len(set(modules)) != len(modules) or nested:
-        raise IntentError(f"init_from maps {', '.join(map(repr, nested or modules))} inside another mapped module: each tensor must come from one file. Fix: map disjoint submodules")
+        raise IntentError(
+            f"init_from maps {', '.join(map(repr, nested or modules))} inside another mapped module: each tensor must come from one file. Fix: map disjoint submodules"
+        )
     return tuple(out)
 
 
@@ -225,7 +225,9 @@ class ShardingIntent:
             return None
         dp, _ = self._dp_tp(world_size)
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
-            raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+            raise IntentError(
+                f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1"
+            )
         shard = world_size // num_nodes if self.shard_size == "node" else int(self.shard_size)
         stated = f"shard_size={self.shard_size!r}" + (f" (= {shard} devices per node)" if self.shard_size == "node" else "")
         if shard > dp:
@@ -250,8 +252,7 @@ class ShardingIntent:
         world = f"the world size {world_size} (nodes x devices)"
         if world_size % tp:
             raise IntentError(
-                f"tensor_parallel_size={tp} does not divide {world}."
-                f" Fix: tensor_parallel_size= one of {', '.join(map(str, _divisors(world_size)))}"
+                f"tensor_parallel_size={tp} does not divide {world}. Fix: tensor_parallel_size= one of {', '.join(map(str, _divisors(world_size)))}"
             )
         raise IntentError(
             f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} does not match {world}. Fix: set"

@@ -28,8 +28,8 @@ from autoshard.memory_model import (
     MemoryEstimate,
     Param,
     Traffic,
-    UnshardedPart,
     Unit,
+    UnshardedPart,
     shard_rows,
 )
 from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
@@ -141,7 +141,11 @@ def with_step(estimate: MemoryEstimate, step: Any, whole_step: bool) -> MemoryEs
     if not whole_step:
         return replace(estimate, activations=step.activations, forward_only=step.forward_only)
     return replace(
-        estimate, activations=step.activations, step_peak=step.peak, step_gathered=step.gathered, step_at=step.at,
+        estimate,
+        activations=step.activations,
+        step_peak=step.peak,
+        step_gathered=step.gathered,
+        step_at=step.at,
         forward_only=step.forward_only,
     )
 
@@ -165,11 +169,13 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     for c in CATEGORIES:
         rows.append((LABELS[c] + (" [CPU]" if c in first.offloaded else ""), [fmt_bytes(getattr(e, c)) for e in estimates]))
     rows.append(("= model states", [fmt_bytes(e.model_states) for e in estimates]))
-    rows.append((f"  vs ideal (unsharded / {'shard group' if hybrid else 'N'})", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates]))
+    rows.append(
+        (f"  vs ideal (unsharded / {'shard group' if hybrid else 'N'})", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates])
+    )
     if all(e.step_peak for e in estimates):
         step = "forward" if first.forward_only else "training step"
         rows.append((f"gathered at the {step}'s peak ({first.gather_dtype})", [fmt_bytes(e.step_gathered) for e in estimates]))
-        rows.append((f"activations + temporaries at the peak", [fmt_bytes(e.activations) for e in estimates]))
+        rows.append(("activations + temporaries at the peak", [fmt_bytes(e.activations) for e in estimates]))
         if any(e.other_at_peak for e in estimates):
             rows.append(("other at the peak (+inputs, buffers; -states not yet made)", [_signed(e.other_at_peak) for e in estimates]))
         rows.append((f"= peak per rank (simulated {step})", [fmt_bytes(e.total) for e in estimates]))
@@ -244,8 +250,18 @@ def estimate_memory(
     ``precision``: the run's resolved plan; None plans for the intent's precision.
     """
     return estimate_memory_many(
-        module, intent, needs, [world_size], backend, rank=rank, optimizers=optimizers, callbacks=callbacks,
-        state_tensors=state_tensors, num_nodes=num_nodes, zero_init=zero_init, precision=precision,
+        module,
+        intent,
+        needs,
+        [world_size],
+        backend,
+        rank=rank,
+        optimizers=optimizers,
+        callbacks=callbacks,
+        state_tensors=state_tensors,
+        num_nodes=num_nodes,
+        zero_init=zero_init,
+        precision=precision,
         devices_per_node=devices_per_node,
     )[0]
 
@@ -297,8 +313,14 @@ def estimate_memory_many(
         nodes = num_nodes if devices_per_node is None else nodes_for(world_size, devices_per_node)
         out.append(
             estimator(
-                layout, sourced, intent, world_size, rank,
-                overrides=dict(state_tensors or {}), num_nodes=nodes, zero_init=zero_init,
+                layout,
+                sourced,
+                intent,
+                world_size,
+                rank,
+                overrides=dict(state_tensors or {}),
+                num_nodes=nodes,
+                zero_init=zero_init,
             )
         )
     return out

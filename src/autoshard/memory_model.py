@@ -246,12 +246,15 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(
-            model_states=self.model_states, total=self.total, device=self.device, ideal=self.ideal,
+            model_states=self.model_states,
+            total=self.total,
+            device=self.device,
+            ideal=self.ideal,
             other_at_peak=self.other_at_peak,
-            inter_node_bytes=self.inter_node_bytes, intra_node_bytes=self.intra_node_bytes,
+            inter_node_bytes=self.inter_node_bytes,
+            intra_node_bytes=self.intra_node_bytes,
         )
         return out
-
 
 
 def _scalar_bytes() -> int:

@@ -77,9 +77,7 @@ def _ema_pair(value: object) -> EMAPair:
         return EMAPair(str(value["teacher"]), str(value["student"]))
     if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, str) for v in value):
         return EMAPair(*value)
-    raise AutoShardError(
-        f"an EMA pair is ('teacher.path', 'student.path') or {{'teacher': ..., 'student': ...}}, got {value!r}"
-    )
+    raise AutoShardError(f"an EMA pair is ('teacher.path', 'student.path') or {{'teacher': ..., 'student': ...}}, got {value!r}")
 
 
 # The one place that knows where optimizers hide: needs, memory estimates and checkpoints all find them here.
@@ -302,7 +300,7 @@ def _configured_optimizers(module: nn.Module) -> int:
 
 
 def _configure_optimizers_source(module: nn.Module) -> str:
-    """"configure_optimizers", saying so when it was replaced on the instance: probe callbacks append theirs there."""
+    """ "configure_optimizers", saying so when it was replaced on the instance: probe callbacks append theirs there."""
     if CONFIGURE_OPTIMIZERS in vars(module):
         return f"{CONFIGURE_OPTIMIZERS} (wrapped on the instance, as probe callbacks do)"
     return CONFIGURE_OPTIMIZERS

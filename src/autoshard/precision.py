@@ -18,7 +18,6 @@ from autoshard.capability import Feature
 from autoshard.errors import IntentError, closest, did_you_mean
 
 
-
 class DtypeRequest(Protocol):
     """The three fields of a ``ShardingIntent`` that precision reads; a Protocol, so this module sits below
     ``intent`` (which imports it to validate those fields) without importing it back."""
@@ -63,7 +62,7 @@ class Precision(str, Enum):
 
     @property
     def autocast(self) -> bool:
-        """"-mixed": fp32 weights, layers run under autocast; "-true": the module itself is converted."""
+        """ "-mixed": fp32 weights, layers run under autocast; "-true": the module itself is converted."""
         return self.value.endswith("-mixed")
 
     @property

@@ -108,10 +108,7 @@ class Decision:
         logs these as warnings, not with the decision's info lines: a user must not miss that part of what they
         asked for is not done (offload='optimizer' under fsdp2 offloads the parameters too, bf16-true keeps no fp32
         master copy)."""
-        return [
-            f"autoshard: partial support on {self.backend} for {c.feature.value} [{c.detail}]: {c.reason}. Fix: {c.remedy}"
-            for c in self.caveats
-        ]
+        return [f"autoshard: partial support on {self.backend} for {c.feature.value} [{c.detail}]: {c.reason}. Fix: {c.remedy}" for c in self.caveats]
 
     def to_dict(self) -> dict[str, object]:
         def conflict(c: Conflict) -> dict[str, str | None]:
@@ -238,9 +235,7 @@ def select_backend(
     wanted = None if isinstance(prefer, str) and prefer.strip().lower() in AUTO else get_backend(prefer)
     overrides = {get_backend(name).name: check for name, check in (available or {}).items()}
     needed = features_needed(needs, intent, accelerator, precision)
-    verdicts = {
-        name: _evaluate(b, needed, overrides[name] if name in overrides else b.check()) for name, b in BACKENDS.items()
-    }
+    verdicts = {name: _evaluate(b, needed, overrides[name] if name in overrides else b.check()) for name, b in BACKENDS.items()}
     usable = sorted((v for v in verdicts.values() if v.usable), key=_rank)  # stable: ties keep preference order
     best = usable[0] if usable else None
 

@@ -24,7 +24,8 @@ from autoshard.errors import AutoShardError
 def load_target(target: str) -> Callable[[], Any]:
     """``path/to/file.py:factory`` or ``package.module:factory`` (a dotted attribute path after the colon)."""
     obj = load_attribute(
-        target, "TARGET",
+        target,
+        "TARGET",
         "name the factory after a colon, e.g. autoshard explain autoshard.demo:DinoLike",
         "give the path of your training script, e.g. train.py:build_model",
     )
@@ -71,7 +72,7 @@ def load_attribute(spec: str, label: str, no_colon_fix: str, missing_file_fix: s
     except Exception as exc:
         raise AutoShardError(
             f"could not load {label} {spec!r}: {type(exc).__name__}: {exc}."
-            f" Fix: check that `python -c \"import {where.removesuffix('.py')}\"` works and that {attr!r} is defined there"
+            f' Fix: check that `python -c "import {where.removesuffix(".py")}"` works and that {attr!r} is defined there'
         ) from exc
     return obj
 
@@ -107,8 +108,7 @@ def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
             module, callbacks = made, []
         if not isinstance(module, nn.Module):
             raise AutoShardError(
-                f"the factory returned {type(module).__name__}, not a LightningModule."
-                f" Fix: return the module, or (module, [callbacks])"
+                f"the factory returned {type(module).__name__}, not a LightningModule. Fix: return the module, or (module, [callbacks])"
             )
         for callback in callbacks:
             setup = getattr(callback, "setup", None)

@@ -299,7 +299,10 @@ def test_intent_blocks_name_classes_or_paths_and_are_validated() -> None:
     by_path = plan_of("gpt2", ShardingIntent.from_dict({"blocks": "model.transformer.h.3"}))
     assert names(by_path) == ["model.transformer.h.3", "model"]
     assert names(plan_of("t5", ShardingIntent(blocks=[]))) == ["model"]
-    with pytest.raises(IntentError, match=r"blocks names 'GPT2Blok': neither a module path nor a module class of HFCausal \(repeated blocks found: GPT2Block\)\. Fix: .*blocks=\['GPT2Block'\]"):
+    with pytest.raises(
+        IntentError,
+        match=r"blocks names 'GPT2Blok': neither a module path nor a module class of HFCausal \(repeated blocks found: GPT2Block\)\. Fix: .*blocks=\['GPT2Block'\]",
+    ):
         plan_of("gpt2", ShardingIntent(blocks=["GPT2Blok"]))
     with pytest.raises(IntentError, match=r"blocks must list module class names or module paths, got \[3\]\. Fix: blocks=\['GPT2Block'\]"):
         ShardingIntent(blocks=[3])

@@ -335,9 +335,7 @@ def flip_one_byte(ckpt: Path, shard: str) -> dict[str, Any]:
     """Change one byte in the middle of the largest tensor ``shard`` holds: same size, as bit rot or a bad copy
     leaves it. .metadata (offsets and lengths) is read to hit tensor bytes, not a header."""
     metadata = FileSystemReader(str(ckpt)).read_metadata()
-    offset, length = max(
-        ((int(s.offset), int(s.length)) for s in metadata.storage_data.values() if s.relative_path == shard), key=lambda x: x[1]
-    )
+    offset, length = max(((int(s.offset), int(s.length)) for s in metadata.storage_data.values() if s.relative_path == shard), key=lambda x: x[1])
     at = offset + length // 2
     with open(ckpt / shard, "r+b") as f:
         f.seek(at)

@@ -142,7 +142,9 @@ def fit(strategy: Any, ckpt_path: str | None = None, save_to: Path | None = None
     return capture, time.perf_counter() - t0
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], prefixes: tuple[str, ...] = ("param/", "exp_avg/", "exp_avg_sq/", "step/", "buffer/")) -> dict[str, Any]:
+def compare(
+    a: dict[str, Any], b: dict[str, Any], prefixes: tuple[str, ...] = ("param/", "exp_avg/", "exp_avg_sq/", "step/", "buffer/")
+) -> dict[str, Any]:
     """Per kind: how many entries, how many differ at all, the largest absolute difference."""
     out: dict[str, Any] = {"missing": sorted(set(k for k in a if k.startswith(prefixes)) ^ set(k for k in b if k.startswith(prefixes)))}
     for prefix in prefixes:
@@ -267,7 +269,9 @@ class LoadedState(pl.Callback):
     """Right after setup (and init_from), before any step: the full weights, on every rank."""
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)}
+        self.weights = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)
+        }
         self.sharded = sum(isinstance(p, DTensor) for p in pl_module.parameters())
         self.tied = pl_module.student.lm_head.weight is pl_module.student.transformer.wte.weight
 

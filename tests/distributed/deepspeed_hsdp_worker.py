@@ -74,7 +74,12 @@ def batchnorm_fit(sync: bool) -> dict[str, Any]:
     # Threshold 0: the BatchNorm weight and bias are partitioned too, gathered by ZeRO-3 around each forward.
     strategy = AutoShardDeepSpeedStrategy(zero_overrides={"stage3_param_persistence_threshold": 0}, timeout=PG_TIMEOUT)
     trainer = pl.Trainer(
-        **QUIET, devices=world, strategy=strategy, precision="32-true", sync_batchnorm=sync, max_steps=BN_STEPS,
+        **QUIET,
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        sync_batchnorm=sync,
+        max_steps=BN_STEPS,
         use_distributed_sampler=False,
     )
     trainer.fit(module, loader)
@@ -94,9 +99,7 @@ def batchnorm_fit(sync: bool) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "running": [bn.running_mean.tolist(), bn.running_var.tolist()],
         "num_batches_tracked": [int(bn.num_batches_tracked), int(ref_bn.num_batches_tracked)],
-        "running_max_diff": max(
-            float((bn.running_mean - ref_bn.running_mean).abs().max()), float((bn.running_var - ref_bn.running_var).abs().max())
-        ),
+        "running_max_diff": max(float((bn.running_mean - ref_bn.running_mean).abs().max()), float((bn.running_var - ref_bn.running_var).abs().max())),
         "weights_max_diff": max(float((got[f"net.{n}"] - p.detach()).abs().max()) for n, p in reference.named_parameters()),
         "seconds": time.perf_counter() - t0,
     }
@@ -112,7 +115,10 @@ def train(config_overrides: dict[str, Any], rank: int, world: int) -> dict[str, 
     t0 = time.perf_counter()
     overrides = {"stage3_param_persistence_threshold": 0, **config_overrides}  # every tensor partitioned
     config = deepspeed_config(
-        ShardingIntent(precision="32-true"), world_size=world, micro_batch_size=MICRO, accumulate_grad_batches=ACCUMULATE,
+        ShardingIntent(precision="32-true"),
+        world_size=world,
+        micro_batch_size=MICRO,
+        accumulate_grad_batches=ACCUMULATE,
         zero_overrides=overrides,
     )
     model = make_model()

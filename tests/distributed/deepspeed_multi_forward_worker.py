@@ -49,20 +49,28 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # Each step: (model, x, noise, crops, y) -> loss, with one backward after; crops hold 2 rows per sample of x.
-def one_forward(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def one_forward(
+    model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     return mse(model(x), y)
 
 
-def two_views(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def two_views(
+    model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     return mse(model(x), y) + mse(model(x + noise), y)
 
 
-def multi_crop(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def multi_crop(
+    model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     local = model(crops)  # another batch size: 2 local crops per sample
     return mse(model(x), y) + mse(model(x + noise), y) + mse(local, y.repeat(2, 1))
 
 
-def no_grad_target(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def no_grad_target(
+    model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, noise: torch.Tensor, crops: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     with torch.no_grad():
         target = model(x + noise)
     return mse(model(x), 0.5 * (y + target))
@@ -164,7 +172,9 @@ def train(method: str, rank: int, world: int, tight: bool = False) -> dict[str, 
     t0 = time.perf_counter()
     # Every parameter partitioned (the default threshold keeps small ones whole), fp32, no clipping: exact compare.
     config = deepspeed_config(
-        ShardingIntent(precision="32-true"), world_size=world, micro_batch_size=MICRO,
+        ShardingIntent(precision="32-true"),
+        world_size=world,
+        micro_batch_size=MICRO,
         zero_overrides={"stage3_param_persistence_threshold": 0, **(TIGHT if tight else {})},
     )
     model = make_model()
@@ -184,11 +194,13 @@ def train(method: str, rank: int, world: int, tight: bool = False) -> dict[str, 
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-            per_step.append({
-                "gathered": counters.gathered - before[0],
-                "invalidations": counters.invalidations - before[1],
-                "forwards": forwards[0] - before[2],
-            })
+            per_step.append(
+                {
+                    "gathered": counters.gathered - before[0],
+                    "invalidations": counters.invalidations - before[1],
+                    "forwards": forwards[0] - before[2],
+                }
+            )
     finally:
         counters.remove()
     trained = full_weights(engine.module)
@@ -234,8 +246,15 @@ def run_lightning(rank: int, world: int) -> dict[str, Any]:
     x, noise, _, y = rank_data(rank)
     strategy = AutoShardDeepSpeedStrategy(zero_overrides={"stage3_param_persistence_threshold": 0}, timeout=PG_TIMEOUT)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=STEPS,
-        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=STEPS,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     with warnings.catch_warnings(record=True) as caught:

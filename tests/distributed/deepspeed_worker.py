@@ -50,8 +50,7 @@ def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def partition_report(module: nn.Module) -> dict[str, dict[str, Any]]:
     return {
-        name: {"full": int(p.ds_numel), "local": int(p.ds_tensor.numel()), "placeholder": int(p.numel())}
-        for name, p in module.named_parameters()
+        name: {"full": int(p.ds_numel), "local": int(p.ds_tensor.numel()), "placeholder": int(p.numel())} for name, p in module.named_parameters()
     }
 
 
@@ -268,9 +267,7 @@ def probe_refusal(module_class: Any, world: int) -> dict[str, Any]:
     probe = OnlineProbe(dim=HIDDEN, classes=2)
     strategy = AutoShardDeepSpeedStrategy(timeout=PG_TIMEOUT)
     x, y = make_data(0, 16)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=1, callbacks=[probe], **QUIET
-    )
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=1, callbacks=[probe], **QUIET)
     message, error = "", ""
     try:
         trainer.fit(module_class(manual=False), DataLoader(TensorDataset(x, y), batch_size=8))

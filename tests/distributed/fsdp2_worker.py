@@ -220,15 +220,26 @@ def scenario_parallelize_fn() -> dict[str, Any]:
     before = snapshot(model)
     t = trainer(FSDP2Strategy(parallelize_fn=parallelize), steps=2)
     t.fit(model, DataLoader(stack_data(), batch_size=8))
-    return {"dp_size": seen.get("dp_size"), "plan": t.strategy.plan is None, "fractions": shard_fractions(model), "weights": changed_and_finite(before, model)}
+    return {
+        "dp_size": seen.get("dp_size"),
+        "plan": t.strategy.plan is None,
+        "fractions": shard_fractions(model),
+        "weights": changed_and_finite(before, model),
+    }
 
 
 def scenario_intent_knobs() -> dict[str, Any]:
     """Mixed-precision policy, CPU offload, per-block activation checkpointing and resharding reach fully_shard."""
-    from torch.distributed._composable_state import _get_module_state
     from torch.distributed._composable.contract import _get_registry
+    from torch.distributed._composable_state import _get_module_state
 
-    intent = {"activation_checkpointing": True, "offload": "params", "param_dtype": "bfloat16", "reduce_dtype": "float32", "reshard_after_forward": False}
+    intent = {
+        "activation_checkpointing": True,
+        "offload": "params",
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "reshard_after_forward": False,
+    }
     pl.seed_everything(5, verbose=False)
     model = Stack()
     before = snapshot(model)

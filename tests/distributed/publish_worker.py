@@ -11,10 +11,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
-
-import os
 
 import lightning.pytorch as pl
 import torch
@@ -79,6 +78,18 @@ def save_at(barrier: Any, queue: Any, path: str, width: int) -> None:
         queue.put((type(exc).__name__, str(exc)))
 
 
+class RunsCode:
+    """Unpickling it runs a shell command (``posix.system``): what a crafted checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
 def deepspeed_round(work: Path) -> dict[str, Any]:
     import json
     import shutil
@@ -124,6 +135,21 @@ def deepspeed_round(work: Path) -> dict[str, Any]:
     except Exception as exc:
         result["bad"] = {"type": type(exc).__name__, "message": str(exc)}
     result["bad"]["steps"] = Counting.steps
+    # A checkpoint whose pickle would run code (no manifest, as Lightning's own DeepSpeed saves): DeepSpeed reads
+    # it with torch.load(weights_only=False), so the resume must refuse it without running anything.
+    evil = work / "evil" / "last.ckpt"
+    shutil.copytree(saved, evil)
+    (evil / "autoshard-manifest.json").unlink()
+    states = sorted(evil.glob("checkpoint/*model_states.pt"))[0]
+    marker = work / "MARKER"
+    torch.save({**torch.load(states, weights_only=False), "x": RunsCode(marker)}, states)
+    Counting.steps = 0
+    try:
+        trainer(2).fit(Counting(), loader(), ckpt_path=evil)
+        result["evil"] = {"type": None}
+    except Exception as exc:
+        result["evil"] = {"type": type(exc).__name__, "message": str(exc)}
+    result["evil"].update(steps=Counting.steps, ran=marker.exists(), path=str(evil))
     Counting.steps = 0
     resumed = trainer(2)
     resumed.fit(Counting(), loader(), ckpt_path=saved)

@@ -175,9 +175,7 @@ def scenario_buffers() -> dict[str, Any]:
 
     pl.seed_everything(7, verbose=False)
     model = BNNet(bn_first=True)
-    t = quiet_trainer(
-        strategy="fsdp2", max_steps=4, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0, callbacks=[SaveMidway()]
-    )
+    t = quiet_trainer(strategy="fsdp2", max_steps=4, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0, callbacks=[SaveMidway()])
     data = bn_data()
     t.fit(model, ordered_loader(data, 8), ordered_loader(data, 8))
     seen.update(model.seen, final=model.bn().running_mean.tolist(), final_var=model.bn().running_var.tolist())

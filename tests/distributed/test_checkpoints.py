@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from autoshard.checkpoint import Format, detect_format
-from autoshard.consolidate import consolidate
 from autoshard.cli import main
+from autoshard.consolidate import consolidate
 from autoshard.demo import DinoLike
 from tests.distributed.harness import run_workers
 

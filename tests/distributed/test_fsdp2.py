@@ -93,7 +93,10 @@ def test_real_architectures_train_at_their_blocks_with_the_last_units_kept_gathe
         # T5Block (its position bias, a permuted view) and BertForMaskedLM (its decoder's logits) return views even
         # unsharded. T5Block is an inner unit: autoshard copies that small view, so no warning. BertForMaskedLM is
         # the outermost unit: a copy of the logits would cost a full activation at the peak, so FSDP2's warning stays.
-        assert {arch: run["views_unsharded"] for arch, run in zoo.items() if run["views_unsharded"]} == {"t5": ["T5Block"], "bert": ["BertForMaskedLM"]}
+        assert {arch: run["views_unsharded"] for arch, run in zoo.items() if run["views_unsharded"]} == {
+            "t5": ["T5Block"],
+            "bert": ["BertForMaskedLM"],
+        }
         assert {arch: run["views"] for arch, run in zoo.items() if run["views"]} == {"bert": ["FSDPBertForMaskedLM"]}
 
 
@@ -110,9 +113,7 @@ def test_demo_trains_through_lightning_launcher() -> None:
     # launched externally and wait for a second rank that never comes. Lightning's own port pick can race too.
     launched = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     env = {**{k: v for k, v in os.environ.items() if k not in launched}, "MASTER_PORT": str(free_port())}
-    out = subprocess.run(
-        [sys.executable, "-m", "autoshard.demo", "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110
-    )
+    out = subprocess.run([sys.executable, "-m", "autoshard.demo", "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "autoshard chose fsdp2" in text

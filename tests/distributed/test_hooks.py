@@ -67,7 +67,10 @@ def test_reading_a_sharded_weight_directly_names_the_module_and_the_fix(fsdp2: l
         run = rank["direct_weight_read"]
         assert run["error"] == "AutoShardError", run
         text = run["message"]
-        assert re.match(r"ReadsAWeight.training_step mixed plain tensors with sharded parameters \(torch: aten\.[\w.]+ got mixed torch.Tensor and DTensor\)\. ", text), text
+        assert re.match(
+            r"ReadsAWeight.training_step mixed plain tensors with sharded parameters \(torch: aten\.[\w.]+ got mixed torch.Tensor and DTensor\)\. ",
+            text,
+        ), text
         assert "The parameters of 'child' are still sharded (DTensor) at that point" in text, text
         assert "'head'" not in text and "'embed'" not in text, text  # the uncalled head waits too: not named
         assert "it was not called in this step" in text and "like `self.child.weight`" in text, text
@@ -82,9 +85,7 @@ def test_reading_a_sharded_weight_directly_names_the_module_and_the_fix(fsdp2: l
 @pytest.mark.deepspeed
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("scenario", ["ema_probe", "configure_model_builds"])
-def test_deepspeed_refuses_ema_and_probe_before_the_engine_without_calling_hooks(
-    deepspeed: list[dict[str, Any]], scenario: str
-) -> None:
+def test_deepspeed_refuses_ema_and_probe_before_the_engine_without_calling_hooks(deepspeed: list[dict[str, Any]], scenario: str) -> None:
     teacher = "teacher 'teacher' follows student 'student'" if scenario == "ema_probe" else "teacher 'nets.teacher' follows student 'nets.student'"
     for rank in deepspeed:
         run = rank[scenario]

@@ -132,4 +132,6 @@ def test_tensor_parallel_without_parallelize_fn_is_refused_at_construction() -> 
         "Fix: pass FSDP2Strategy(parallelize_fn=fn), where fn(module, device_mesh) applies a tensor-parallel layout on"
         " device_mesh['tensor_parallel'], or set tensor_parallel_size=1"
     )
-    pl.Trainer(strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}, parallelize_fn=lambda m, mesh: None), accelerator="cpu", devices=2, logger=False)
+    pl.Trainer(
+        strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}, parallelize_fn=lambda m, mesh: None), accelerator="cpu", devices=2, logger=False
+    )

@@ -291,7 +291,9 @@ def scenario_lightning_accumulate() -> dict[str, Any]:
     data = TensorDataset(xs)
     sampler = DistributedSampler(data, num_replicas=WORLD, rank=RANK, shuffle=False)  # rank r: samples r, r + W, ...
     count = Count()
-    trainer = quiet_trainer(strategy=FSDP2Strategy(intent={"exclude": ["small"]}), max_steps=steps, accumulate_grad_batches=accumulate, callbacks=[count])
+    trainer = quiet_trainer(
+        strategy=FSDP2Strategy(intent={"exclude": ["small"]}), max_steps=steps, accumulate_grad_batches=accumulate, callbacks=[count]
+    )
     trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler))
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     micro = WORLD * batch  # micro-batch j of every rank together: samples [micro * j, micro * (j + 1))

@@ -81,8 +81,14 @@ def scenario_byol_with_probe() -> dict[str, Any]:
         optim={"optimizer": {"type": "AdamW", "lr": 1e-2}, "scheduler": "ConstantLR"},
     )
     probe = OnlineProbe(
-        module, name="probe", input="embedding", target="label", probe=nn.Linear(32, 2), loss=nn.CrossEntropyLoss(),
-        optimizer={"type": "SGD", "lr": 0.1}, metrics={"top1": torchmetrics.classification.MulticlassAccuracy(2)},
+        module,
+        name="probe",
+        input="embedding",
+        target="label",
+        probe=nn.Linear(32, 2),
+        loss=nn.CrossEntropyLoss(),
+        optimizer={"type": "SGD", "lr": 0.1},
+        metrics={"top1": torchmetrics.classification.MulticlassAccuracy(2)},
     )
     teacher_before = [full(p.detach()).clone() for p in module.backbone.teacher.parameters()]
     trainer = quiet_trainer(strategy="auto-shard", max_steps=4, callbacks=[probe, TeacherStudentCallback()])

@@ -8,8 +8,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -146,9 +147,7 @@ def test_without_a_deepspeed_hook_lightnings_deepspeed_names_stay_lightnings(rei
 
     monkeypatch.delattr(DeepSpeedStrategy, "_init_optimizers")
     (warning,) = _register_warnings(reinstall)
-    assert warning.startswith(
-        f"autoshard hooks private Lightning members verified on lightning {SUPPORTED_LIGHTNING}; found lightning"
-    )
+    assert warning.startswith(f"autoshard hooks private Lightning members verified on lightning {SUPPORTED_LIGHTNING}; found lightning")
     assert (
         "it lacks DeepSpeedStrategy._init_optimizers, so Lightning's 'deepspeed*' names stay Lightning's own"
         " DeepSpeedStrategy (autoshard refuses nothing there) and strategy='autoshard-deepspeed' is refused."

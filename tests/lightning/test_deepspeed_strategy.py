@@ -41,8 +41,9 @@ register_deepspeed_strategies(StrategyRegistry)  # idempotent; `import autoshard
 
 
 def make_trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
-    defaults: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False)
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
     return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
 
 
@@ -266,8 +267,10 @@ def test_a_zero_dim_parameter_is_refused_by_name_before_the_engine(strategy: str
     text = str(info.value)
     assert text.startswith("Temperature has 0-dim parameter(s) 'temperature', so it cannot train under DeepSpeed ZeRO stage"), text
     assert "'self.dim() cannot be 0 to view Float as Byte'" in text and "Backend that works: fsdp2" in text, text
-    assert text.endswith("Fix: use strategy='fsdp2' (it keeps 0-dim parameters whole on every rank), or give the parameter"
-                         " shape (1,): nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"), text
+    assert text.endswith(
+        "Fix: use strategy='fsdp2' (it keeps 0-dim parameters whole on every rank), or give the parameter"
+        " shape (1,): nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
+    ), text
     assert type(trainer.strategy.model).__name__ != "DeepSpeedEngine" and module.steps == 0
 
 
@@ -332,8 +335,10 @@ def test_shard_size_is_refused_at_construction_with_the_reason() -> None:
         text = str(info.value)
         assert f"hybrid sharding (HSDP) [shard_size={shard_size!r}]" in text, text
         assert "DeepSpeed 0.19.7 removed" in text and "zero_hpz_partition_size" in text, text
-        assert text.endswith("Fix: use strategy='fsdp2' (or strategy='auto-shard'), which shards within shard_size groups;"
-                             " or drop shard_size to shard over every rank under ZeRO-3"), text
+        assert text.endswith(
+            "Fix: use strategy='fsdp2' (or strategy='auto-shard'), which shards within shard_size groups;"
+            " or drop shard_size to shard over every rank under ZeRO-3"
+        ), text
 
 
 def test_auto_shard_never_picks_deepspeed_for_shard_size() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,15 +10,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import autoshard
 from autoshard import IncompatibleBackendError, IntentError
 from autoshard.errors import AutoShardError
 from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
 
 
 def trainer(**kwargs: Any) -> pl.Trainer:
-    defaults: dict[str, Any] = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False)
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
     return pl.Trainer(**{**defaults, **kwargs})
 
 
@@ -62,7 +61,13 @@ def test_shard_size_is_resolved_once_with_num_nodes_when_the_trainer_is_built() 
     assert "a parallelize_fn replaces it, so the shard size would be ignored. Fix: drop parallelize_fn" in str(info.value)
 
 
-@pytest.mark.parametrize("make", [lambda: trainer(strategy="fsdp"), lambda: trainer(strategy=__import__("lightning.pytorch.strategies", fromlist=["FSDPStrategy"]).FSDPStrategy())])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: trainer(strategy="fsdp"),
+        lambda: trainer(strategy=__import__("lightning.pytorch.strategies", fromlist=["FSDPStrategy"]).FSDPStrategy()),
+    ],
+)
 def test_fsdp1_is_refused_with_a_redirect(make: Any) -> None:
     with pytest.raises(IncompatibleBackendError) as info:
         make()
@@ -139,7 +144,9 @@ def test_auto_shard_treats_precision_in_the_intent_and_in_the_trainer_alike(stra
     for text in messages:
         assert "Trainer(strategy='auto-shard', precision='16-mixed')" in text and "no sharded gradient scaler" in text
         assert "picks its backend when the strategy is built" in text
-        assert text.endswith("Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a single-optimizer method that needs fp16")
+        assert text.endswith(
+            "Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a single-optimizer method that needs fp16"
+        )
     assert "ShardingIntent(precision='16-mixed') states it too" in messages[1]
     assert messages[0] == messages[1].replace(" ShardingIntent(precision='16-mixed') states it too.", "")
 
@@ -154,14 +161,21 @@ def test_precision_given_twice_must_agree() -> None:
 
 def test_mesh_that_cannot_match_the_world_is_refused_at_construction() -> None:
     with pytest.raises(IntentError) as info:
-        trainer(strategy=FSDP2Strategy(intent={'data_parallel_size': 3}), devices=2)
+        trainer(strategy=FSDP2Strategy(intent={"data_parallel_size": 3}), devices=2)
     assert "3 * 1 = 3 does not match the world size 2" in str(info.value)
     assert "data_parallel_size=2" in str(info.value)
 
 
 def test_slurm_tasks_must_match_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train",
-                       "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+    for key, value in {
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(IntentError) as info:
         trainer(strategy="fsdp2", devices=2)
@@ -181,7 +195,7 @@ class RootParams(Net):
 
 def test_root_parameters_refused_under_strict_with_parallelize_fn_hint() -> None:
     with pytest.raises(AutoShardError) as info:
-        trainer(strategy=FSDP2Strategy(intent={'strict': True})).fit(RootParams(), loader())
+        trainer(strategy=FSDP2Strategy(intent={"strict": True})).fit(RootParams(), loader())
     text = str(info.value)
     assert "parameters live directly on RootParams: scale" in text and "parallelize_fn" in text
 
@@ -210,7 +224,7 @@ class Flat(pl.LightningModule):
 
 def test_no_parameter_owning_children_strict() -> None:
     with pytest.raises(AutoShardError, match="no parameter-owning child modules found to shard in Flat"):
-        trainer(strategy=FSDP2Strategy(intent={'strict': True})).fit(Flat(), loader())
+        trainer(strategy=FSDP2Strategy(intent={"strict": True})).fit(Flat(), loader())
 
 
 class Mismatch(Net):
@@ -277,7 +291,9 @@ def test_lightning_cli_yaml(tmp_path: Any) -> None:
     assert isinstance(strategy, AutoShardStrategy)
     assert strategy.intent.reshard_after_forward is False and strategy.intent.checkpoint == "full"
     assert strategy.intent.precision is None and strategy.precision_plan.precision == "bf16-mixed"
-    cli = LightningCLI(Net, run=False, args=["--trainer.strategy=auto-shard", "--trainer.accelerator=cpu", "--trainer.devices=1"], save_config_callback=None)
+    cli = LightningCLI(
+        Net, run=False, args=["--trainer.strategy=auto-shard", "--trainer.accelerator=cpu", "--trainer.devices=1"], save_config_callback=None
+    )
     assert isinstance(cli.trainer.strategy, AutoShardStrategy)
 
 

@@ -212,7 +212,9 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
         )
     enabled = [key for key in ("bf16", "fp16") if isinstance(config.get(key), Mapping) and config[key].get("enabled", False)]
     if len(enabled) > 1:
-        _refuse("bf16.enabled / fp16.enabled", "both are true; DeepSpeed trains in one half precision", "keep one: set the other's 'enabled' to false")
+        _refuse(
+            "bf16.enabled / fp16.enabled", "both are true; DeepSpeed trains in one half precision", "keep one: set the other's 'enabled' to false"
+        )
     fp16 = config.get("fp16")
     if isinstance(fp16, Mapping) and fp16.get("enabled", False):
         scale = fp16.get("loss_scale", 0)
@@ -223,11 +225,19 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
     accumulate = _positive_int(config, "gradient_accumulation_steps")
     total = _positive_int(config, "train_batch_size")
     if micro is None and total is None:
-        _refuse("train_micro_batch_size_per_gpu", "missing (and so is train_batch_size)", "set train_micro_batch_size_per_gpu to the DataLoader batch size")
+        _refuse(
+            "train_micro_batch_size_per_gpu",
+            "missing (and so is train_batch_size)",
+            "set train_micro_batch_size_per_gpu to the DataLoader batch size",
+        )
     if micro is not None and accumulate is not None and total is not None:
         per_step = micro * accumulate
         if total % per_step != 0 or (world_size is not None and total != per_step * world_size):
-            expected = f"{micro} * {accumulate} * {world_size} = {per_step * world_size}" if world_size else f"a multiple of {micro} * {accumulate} = {per_step}"
+            expected = (
+                f"{micro} * {accumulate} * {world_size} = {per_step * world_size}"
+                if world_size
+                else f"a multiple of {micro} * {accumulate} = {per_step}"
+            )
             _refuse(
                 "train_batch_size",
                 f"is {total} but train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size must equal it ({expected})",
@@ -260,13 +270,27 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
                 "missing while the offload device is 'nvme'",
                 "set ShardingIntent(nvme_path='/local_nvme/...') (a directory on a local NVMe drive), or offload_device='cpu'",
             )
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+    for key in (
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters",
+    ):
         value = zero.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            _refuse(f"zero_optimization.{key}", f"must be a non-negative number of elements, got {value!r}", f"remove it to use the default ({ZERO3_DEFAULTS[key]:,})")
+            _refuse(
+                f"zero_optimization.{key}",
+                f"must be a non-negative number of elements, got {value!r}",
+                f"remove it to use the default ({ZERO3_DEFAULTS[key]:,})",
+            )
     clip = config.get("gradient_clipping")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
-        _refuse("gradient_clipping", f"must be a non-negative max norm, got {clip!r}", "set Trainer(gradient_clip_val=1.0) or remove it (0 disables clipping)")
+        _refuse(
+            "gradient_clipping",
+            f"must be a non-negative max norm, got {clip!r}",
+            "set Trainer(gradient_clip_val=1.0) or remove it (0 disables clipping)",
+        )
     comm = config.get("communication_data_type")
     if comm is not None and comm not in _COMM_DTYPE.values():
         _refuse("communication_data_type", f"is {comm!r}", f"choose one of {', '.join(map(repr, _COMM_DTYPE.values()))}")

@@ -767,7 +767,9 @@ def plan_fsdp2(
     for name, why in _blocks(module, intent.blocks, modules).items():
         if _within(name, inside) and not _within(name, excluded):
             candidates[name] = (UnitKind.BLOCK, why)
-    sides = {p.student: f"EMA student of '{p.teacher}'" for p in needs.ema_pairs} | {p.teacher: f"EMA teacher of '{p.student}'" for p in needs.ema_pairs}
+    sides = {p.student: f"EMA student of '{p.teacher}'" for p in needs.ema_pairs} | {
+        p.teacher: f"EMA teacher of '{p.student}'" for p in needs.ema_pairs
+    }
     for root_path in planned:
         why = "named in ShardingIntent(shard=...)" if intent.shard else sides.get(root_path, "top-level child")
         candidates.setdefault(root_path, (UnitKind.SUBTREE, f"{why}: holds what no block took"))

@@ -81,8 +81,7 @@ ROW = {
         "autoshard loads init_from into FSDP2 shards only: under ZeRO-3 the weights would have to enter each parameter"
         " partition inside Lightning's setup, before deepspeed.initialize copies them into the fp32 master partitions,"
         " and there is no hook between the two",
-        TO_FSDP2 + ", or load the weights into the module before trainer.fit (every rank then holds the whole model"
-        " until ZeRO-3 partitions it)",
+        TO_FSDP2 + ", or load the weights into the module before trainer.fit (every rank then holds the whole model until ZeRO-3 partitions it)",
     ),
     Feature.HYBRID_SHARDING: no(
         "shard_size means parameters, gradients and optimizer state sharded within each group and replicated across"
@@ -120,9 +119,7 @@ def precision(plan: PrecisionPlan) -> PrecisionPlan:
             f" separately: fsdp2. Fix: drop param_dtype, or set the Trainer precision that computes in"
             f" {plan.gather}"
         )
-    return dataclasses.replace(
-        plan, compute=low, autocast=False, master=Dtype.FLOAT32, loss_scaling=low is Dtype.FLOAT16
-    )
+    return dataclasses.replace(plan, compute=low, autocast=False, master=Dtype.FLOAT32, loss_scaling=low is Dtype.FLOAT16)
 
 
 def zero3_model_states(

@@ -40,8 +40,7 @@ ROW = {
         "use precision='bf16-mixed' (fp32 weights, bf16 compute and all-gather), or " + DEEPSPEED_IF_ALLOWED,
     ),
     Feature.FP16_MIXED: no(
-        "Lightning's ModelParallelStrategy refuses precision='16-mixed': it has no sharded gradient scaler, so fp16"
-        " autocast would train unscaled",
+        "Lightning's ModelParallelStrategy refuses precision='16-mixed': it has no sharded gradient scaler, so fp16 autocast would train unscaled",
         "use precision='bf16-mixed', or " + DEEPSPEED_IF_ALLOWED,
     ),
     Feature.FP16_TRUE: partial(
@@ -70,8 +69,7 @@ ROW = {
     Feature.CPU_ACCELERATOR: yes("runs on gloo; used by autoshard's own tests"),
     Feature.INIT_FROM: yes("after sharding, each rank reads only its own rows of the safetensors, torch or DCP file"),
     Feature.HYBRID_SHARDING: yes(
-        "fully_shard on a 2-D (replicate, shard) mesh of the data-parallel ranks: sharded within each shard_size group,"
-        " replicated across groups"
+        "fully_shard on a 2-D (replicate, shard) mesh of the data-parallel ranks: sharded within each shard_size group, replicated across groups"
     ),
 }
 

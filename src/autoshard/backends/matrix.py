@@ -111,7 +111,7 @@ def write_matrix(path: str | Path) -> None:
         text = before + matrix_markdown() + after
     else:
         text = (
-            "# Capability matrix\n\nWhich backend runs which feature; every cell that is not \"yes\" says why and what to do.\n"
+            '# Capability matrix\n\nWhich backend runs which feature; every cell that is not "yes" says why and what to do.\n'
             "Generated from `autoshard.backends` (the same data the selector decides with).\n\n" + matrix_markdown() + "\n"
         )
     path.write_text(text)

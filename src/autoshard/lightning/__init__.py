@@ -49,13 +49,19 @@ def register() -> None:
 
     replaced = _other_registration(StrategyRegistry, "fsdp2", FSDP2Strategy)
     guards.register_strategy(
-        StrategyRegistry, "fsdp2", FSDP2Strategy, "autoshard: FSDP2 (fully_shard) for any LightningModule",
+        StrategyRegistry,
+        "fsdp2",
+        FSDP2Strategy,
+        "autoshard: FSDP2 (fully_shard) for any LightningModule",
         "Trainer(strategy='fsdp2'). Another library's 'fsdp2' is replaced (said once, on rank 0) and restored by uninstall",
     )
     if replaced is not None:
         rank_zero_info(replaced_message("fsdp2", replaced))
     guards.register_strategy(
-        StrategyRegistry, "auto-shard", AutoShardStrategy, "autoshard: the sharding backend your method can run on",
+        StrategyRegistry,
+        "auto-shard",
+        AutoShardStrategy,
+        "autoshard: the sharding backend your method can run on",
         "Trainer(strategy='auto-shard'): the backend the selector picks",
     )
     from autoshard.lightning.deepspeed import register_deepspeed_strategies  # imports no deepspeed

@@ -272,9 +272,7 @@ class CheckpointMixin:
             "version": FORMAT_VERSION,
             "world_size": self.world_size,
             "rng_states": self._all_gather(rng_state()),
-            "callback_optimizers": [
-                {"callback": key, "index": index, "key": f"callback_optimizer_{n}"} for n, (key, index, _) in enumerate(entries)
-            ],
+            "callback_optimizers": [{"callback": key, "index": index, "key": f"callback_optimizer_{n}"} for n, (key, index, _) in enumerate(entries)],
         }
         callback_states = {f"callback_optimizer_{n}": self._optimizer_state(opt, full) for n, (_, _, opt) in enumerate(entries)}
         # The publish protocol (checkpoint_io): rank 0 holds the lock from here to the rename; every rank writes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import pickle
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
-from autoshard.checkpoint import check_replaceable, resolve_for_load
+from autoshard.checkpoint import WEIGHTS_ONLY_REFUSAL, check_replaceable, resolve_for_load, untrusted, weights_only_loads
 from autoshard.checkpoint_io import MANIFEST, Publisher, fsync_dir, staging_path, unverified_warning, write_manifest, writer_token
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent
@@ -179,8 +180,7 @@ def require_deepspeed() -> None:
     available = deepspeed_backend.check()
     if not available.ok:
         raise BackendUnavailableError(
-            f"{available.detail}: the DeepSpeed ZeRO-3 backend needs it. Backend that works: fsdp2"
-            f" (strategy='fsdp2'). Fix: {available.fix}"
+            f"{available.detail}: the DeepSpeed ZeRO-3 backend needs it. Backend that works: fsdp2 (strategy='fsdp2'). Fix: {available.fix}"
         )
 
 
@@ -228,7 +228,23 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
             verified = verify_on_every_rank(Path(checkpoint_path), self.global_rank, self.world_size)
             if not verified and self.writes_manifest:
                 rank_zero_warn(unverified_warning(checkpoint_path))
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        # DeepSpeed's engine reads every file with torch.load(weights_only=False): run it weights-only, with the types
+        # a Lightning / DeepSpeed checkpoint holds, so a crafted file runs no code. fit(weights_only=False) is the
+        # user saying they trust the file.
+        try:
+            with weights_only_loads(trust_pickle=weights_only is False):
+                return super().load_checkpoint(checkpoint_path, weights_only)
+        except pickle.UnpicklingError as exc:
+            if WEIGHTS_ONLY_REFUSAL not in str(exc):
+                raise
+            wanted = re.findall(r"GLOBAL ([\w.]+)", str(exc)) or ["a type outside autoshard.checkpoint.TRUSTED_TYPES"]
+            raise untrusted(
+                Path(checkpoint_path),
+                wanted,
+                "resume",
+                fix=f"if you trust who wrote it (your own run), resume with trainer.fit(model, ckpt_path={str(checkpoint_path)!r},"
+                f" weights_only=False), which unpickles it as DeepSpeed does",
+            ) from None
 
     # -- what to check --------------------------------------------------------------------------------------------
     @property
@@ -274,9 +290,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
             why = ""
             if self.requested_as is not None:  # auto-shard picked DeepSpeed from the intent, before the method was known
                 why = f" ({self.requested_as} chose DeepSpeed when the Trainer was built, for what the intent asks.)"
-            raise type(err)(
-                f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}"
-            ) from None
+            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}") from None
         self.needs, self.decision = needs, decision
         # After the matrix's refusals (an EMA teacher says more, and its fix, fsdp2, solves this too), and still
         # before deepspeed.initialize, which would fail on it.
@@ -495,7 +509,9 @@ def register_deepspeed_strategies(registry: Any) -> None:
     (check_lightning has warned): a user's explicit strategy="deepspeed" is never refused for autoshard's sake.
     """
     register_strategy(
-        registry, "autoshard-deepspeed", AutoShardDeepSpeedStrategy,
+        registry,
+        "autoshard-deepspeed",
+        AutoShardDeepSpeedStrategy,
         "autoshard: DeepSpeed ZeRO-3 from a ShardingIntent, refused with guidance when the method cannot run",
         "Trainer(strategy='autoshard-deepspeed'): ZeRO-3 from a ShardingIntent",
     )
@@ -506,7 +522,10 @@ def register_deepspeed_strategies(registry: Any) -> None:
         if entry is None or entry["strategy"] not in (DeepSpeedStrategy, GuardedDeepSpeedStrategy):
             continue  # absent, or someone else's subclass: leave it alone
         register_strategy(
-            registry, name, GuardedDeepSpeedStrategy, entry["description"],
+            registry,
+            name,
+            GuardedDeepSpeedStrategy,
+            entry["description"],
             "Lightning's name, same description and init params; refuses at setup what ZeRO cannot train (several"
             " optimizers; at stage 3 an EMA teacher), and runs on CPU (gloo)",
             **entry["init_params"],

@@ -30,8 +30,8 @@ from autoshard.adapters.fsdp2 import (
 )
 from autoshard.backends import fsdp2 as fsdp2_backend
 from autoshard.backends import get_backend
-from autoshard.batchnorm import convert_sync_batchnorm
 from autoshard.backends.matrix import cell
+from autoshard.batchnorm import convert_sync_batchnorm
 from autoshard.errors import AutoShardError, BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
@@ -68,10 +68,7 @@ def refuse_unsupported_precision(trainer_precision: object, strategy: FSDP2Strat
     reason = cell("fsdp2", precision.feature).reason if precision else "autoshard plans fsdp2 runs only for the precisions below"
     why = ""
     if strategy.prefer == "auto":
-        why = (
-            f" {name} picks its backend when the strategy is built, before the Trainer's precision is known, and"
-            f" took fsdp2 for this intent."
-        )
+        why = f" {name} picks its backend when the strategy is built, before the Trainer's precision is known, and took fsdp2 for this intent."
     stated = strategy.intent.precision
     also = f" ShardingIntent(precision='{stated}') states it too." if stated and stated == precision else ""
     raise IncompatibleBackendError(
@@ -170,8 +167,7 @@ def check_torchrun(num_processes: int, num_nodes: int, environment: object | Non
     nodes = world // per_node if per_node and world % per_node == 0 else None
     if per_node != num_processes or world != num_processes * num_nodes:
         fix = (
-            f"set Trainer(devices={per_node}, num_nodes={nodes}), or launch with `torchrun --nnodes={num_nodes}"
-            f" --nproc-per-node={num_processes} ...`"
+            f"set Trainer(devices={per_node}, num_nodes={nodes}), or launch with `torchrun --nnodes={num_nodes} --nproc-per-node={num_processes} ...`"
             if nodes
             else f"start every node with the same `torchrun --nproc-per-node={num_processes}`"
         )

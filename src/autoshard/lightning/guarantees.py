@@ -114,9 +114,7 @@ def unsharded_reads(module: nn.Module, called: set[int], exc: BaseException) -> 
     return named or waiting
 
 
-def mixed_dtensor_error(
-    module: nn.Module, step: str, exc: RuntimeError, called: set[int], fix: Callable[[list[str]], str]
-) -> AutoShardError | None:
+def mixed_dtensor_error(module: nn.Module, step: str, exc: RuntimeError, called: set[int], fix: Callable[[list[str]], str]) -> AutoShardError | None:
     """torch's "mixed torch.Tensor and DTensor" in a step, as an error naming the ungathered modules and the fix."""
     names = unsharded_reads(module, called, exc)
     if not names:

@@ -156,12 +156,16 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
         return validate
 
     _wrap(
-        _AcceleratorConnector, "_check_strategy_and_fallback", check_strategy,
+        _AcceleratorConnector,
+        "_check_strategy_and_fallback",
+        check_strategy,
         "Trainer(strategy='fsdp'), 'fsdp_cpu_offload' or an FSDPStrategy object is refused with the redirect to fsdp2,"
         " before Lightning's own CPU check replaces it (FSDPStrategy itself stays constructible)",
     )
     _wrap(
-        _AcceleratorConnector, "_validate_precision_choice", validate_precision,
+        _AcceleratorConnector,
+        "_validate_precision_choice",
+        validate_precision,
         "precision='16-mixed' under fsdp2 / auto-shard is refused in Trainer terms, for strategy names too (Lightning"
         " checks instances only, says 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
     )
