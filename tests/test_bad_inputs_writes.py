@@ -374,7 +374,8 @@ def deepspeed_round(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (work / "ckpt").mkdir()
     worker = Path(__file__).parent / "distributed" / "publish_worker.py"
     env = {
-        **os.environ,
+        # Not the launcher variables an earlier in-process fit left (its MASTER_PORT may still be bound here).
+        **{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")},
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),

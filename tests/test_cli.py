@@ -156,7 +156,7 @@ def test_import_autoshard_registers_the_strategies_whatever_comes_first(first):
     assert done.stdout.split("\n")[-3:] == ["autoshard.lightning.fsdp2 AutoShardStrategy", "fsdp refused", ""], done.stdout
 
 
-@pytest.mark.parametrize("module", ["autoshard.checkpoint", "autoshard.explain", "autoshard"])
+@pytest.mark.parametrize("module", ["autoshard.explain", "autoshard"])
 def test_python_dash_m_runs_without_a_runpy_warning(module):
     """runpy warns when the package's __init__ already imported the module it is about to run as __main__."""
     done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, "--help"], capture_output=True, text=True, timeout=120)

@@ -396,7 +396,7 @@ SCENARIOS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--scenarios", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--out", required=True)

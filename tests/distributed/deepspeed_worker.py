@@ -283,7 +283,7 @@ def probe_refusal(module_class: Any, world: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("mode", choices=("engine", "lightning"))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -28,7 +28,7 @@ def run_scenarios(scenarios: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--scenarios", default=",".join(scenarios))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
