@@ -105,7 +105,7 @@ def test_34_convert_force_into_the_directory_holding_the_source(tmp_path: Path, 
         err = capsys.readouterr().err
         assert f"refusing to write {str(v)!r}: it holds the checkpoint being converted ({str(v / 'last.ckpt')!r})" in err
         assert "so even --force never does" in err
-        assert err.rstrip().endswith(f"Fix: choose a new output path outside it, e.g. {str(v / 'last.ckpt') + '-dcp'!r}")
+        assert err.rstrip().endswith(f"Fix: choose a new output path outside it, e.g. {str(tmp_path / 'v-dcp')!r}")  # beside v, not in it
     assert tree(v) == before and sorted(p.name for p in tmp_path.iterdir()) == ["v"]
 
 

@@ -775,6 +775,12 @@ def _recorded_target(out: Path) -> str | None:
         return None
 
 
+def beside(path: Path, suffix: str) -> Path:
+    """A new sibling of ``path`` named after it (``v`` -> ``v-dcp``), as the user wrote it ('.' resolved to a name)."""
+    named = path if path.name else path.resolve()
+    return named.with_name(f"{named.name}-{suffix}")
+
+
 def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -> None:
     """Refuse, before reading anything (and again under the lock, before the rename): the source itself, a DST that
     holds it or lies inside it, a place nothing can be written, and an existing DST unless ``force`` and DST is an
@@ -788,7 +794,7 @@ def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -
         raise ConvertError(
             f"refusing to write {str(out)!r}: it holds the checkpoint being converted ({str(source)!r}), and"
             f" publishing DST replaces it whole, so even --force never does. Fix: choose a new output path outside"
-            f" it, e.g. {suggest!r}"
+            f" it, e.g. {str(beside(Path(out), to or 'converted'))!r}"
         )
     if shared is Overlap.INSIDE:
         raise ConvertError(
