@@ -27,6 +27,7 @@ from torch import nn
 
 import autoshard  # noqa: F401  registers the strategies
 from autoshard import checkpoint as ckpt
+from autoshard._harness import child_env
 from autoshard.checkpoint import (
     CheckpointFormatError,
     UntrustedPickleError,
@@ -161,7 +162,9 @@ def lightning_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real Lightning DeepSpeed ZeRO-3 checkpoint (strategy='autoshard-deepspeed', one CPU process)."""
     pytest.importorskip("deepspeed")
     path = tmp_path_factory.mktemp("deepspeed") / "last.ckpt"
-    done = subprocess.run([sys.executable, "-c", LIGHTNING_DEEPSPEED_WRITER, str(path)], capture_output=True, text=True, timeout=240, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", LIGHTNING_DEEPSPEED_WRITER, str(path)], capture_output=True, text=True, timeout=240, check=False, env=child_env()
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return path
 

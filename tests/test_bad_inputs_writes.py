@@ -40,6 +40,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
     pytest.mark.filterwarnings("ignore:autoshard.*has no manifest"),  # the hand-made DCP sources have none
 ]
+from autoshard._harness import child_env  # noqa: E402
 from tests.test_bad_inputs import isolated_process_state  # noqa: E402, F401  (an autouse fixture)
 
 FORK = multiprocessing.get_context("fork")
@@ -373,13 +374,11 @@ def deepspeed_round(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("ds")
     (work / "ckpt").mkdir()
     worker = Path(__file__).parent / "distributed" / "publish_worker.py"
-    env = {
-        # Not the launcher variables an earlier in-process fit left (its MASTER_PORT may still be bound here).
-        **{k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")},
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = child_env(
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     done = subprocess.run([sys.executable, str(worker), "--deepspeed", str(work)], env=env, cwd=work, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return {**json.loads((work / "result.json").read_text()), "saved": work / "ckpt" / "last.ckpt"}

@@ -28,6 +28,18 @@ def _project_root(script: Path) -> Path:
     return script.resolve().parent
 
 
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that starts its own process group: without the launcher variables an
+    earlier in-process fit left behind (its MASTER_PORT may still be bound here, and the child would fail with
+    EADDRINUSE)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
