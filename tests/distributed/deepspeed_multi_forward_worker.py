@@ -23,7 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 import torch
 from torch import nn
 
-from tests.distributed.harness import write_result
+from tests.distributed.harness import QUIET, write_result
 
 PG_TIMEOUT = timedelta(seconds=int(os.environ.get("AUTOSHARD_TEST_PG_TIMEOUT", "90")))
 IN, HIDDEN, MICRO, STEPS = 32, 64, 8, 6
@@ -245,18 +245,7 @@ def run_lightning(rank: int, world: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     x, noise, _, y = rank_data(rank)
     strategy = AutoShardDeepSpeedStrategy(zero_overrides={"stage3_param_persistence_threshold": 0}, timeout=PG_TIMEOUT)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=STEPS,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = pl.Trainer(devices=world, strategy=strategy, precision="32-true", max_steps=STEPS, use_distributed_sampler=False, **QUIET)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TwoViews(), DataLoader(TensorDataset(x, noise, y), batch_size=MICRO))
