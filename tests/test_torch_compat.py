@@ -1,64 +1,107 @@
-"""The private torch members ``autoshard.activations`` builds on, one check each: a torch upgrade that moves one
-fails here by name, with what it is for, not deep inside a simulated step.
+"""The private torch members autoshard builds on (``autoshard.torch_compat``), one check each: a torch upgrade that
+moves one fails here by name, with what it is for, not deep inside a training step. The list is complete: src/ is
+read, and a torch (or Lightning) private the code reaches that its compat list does not name fails here.
 
-FSDPMemTracker (torch.distributed._tools) is torch's own memory tracker for FSDP2; autoshard extends it to a
-LightningModule root and several optimizers. The fake process group comes from torch's test utilities.
-The bucketed averaging of unsharded gradients (autoshard.adapters.fsdp2) leans on the autograd engine's callbacks
-and torch's flatten helpers, listed below the activations' members.
+Behaviours of torch privates (not only their names) are checked below the lists.
 """
 
 from __future__ import annotations
 
-import importlib
+import ast
+from pathlib import Path
 
 import pytest
 
-# (module, attribute path, what activations.py does with it)
-MEMBERS = [
-    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", "the tracker StepTracker extends"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType", "its memory categories (MODEL_STATES, GATHERED, ACTIVATIONS)"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPState", "its phase, set in StepTracker.__init__"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._update_peak_stats", "overridden: where the peak happened"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._register_module_and_optimizer_hooks", "overridden: several optimizers"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._deregister_module_and_optimizer_hooks", "overridden, with the above"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._fsdp_state_pre_forward", "overridden: a unit called twice"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._update_and_maybe_create_winfos", "called: tensors no unit owns"),
-    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._track_optimizer_states", "called: each optimizer's states"),
-    ("torch.distributed._tools.mem_tracker", "MemTracker", "its __init__ is called directly (no FSDP root needed)"),
-    ("torch.testing._internal.distributed.fake_pg", "FakeStore", "the store of the 'fake' process group"),
-    ("torch._subclasses.fake_tensor", "FakeTensorMode", "the tensors of the simulated step"),
-    ("torch._subclasses.fake_tensor", "DataDependentOutputException", "a step that reads tensor values, said in words"),
-    ("torch._subclasses.fake_tensor", "DynamicOutputShapeException", "a value-dependent output shape, said in words"),
-    ("torch._subclasses.fake_tensor", "UnsupportedOperatorException", "an operator without a fake kernel, said in words"),
-]
+from autoshard.lightning.compat import PRIVATE_MEMBERS as LIGHTNING_PRIVATES
+from autoshard.torch_compat import PRIVATE_MEMBERS, Member
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def check_member(module: str, path: str, user: str, why: str) -> None:
-    obj = importlib.import_module(module)
-    for part in path.split("."):
-        assert hasattr(obj, part), f"torch moved {module}.{path}: {user} uses it for {why}"
-        obj = getattr(obj, part)
+@pytest.mark.parametrize("member", PRIVATE_MEMBERS, ids=[m.dotted for m in PRIVATE_MEMBERS])
+def test_every_listed_torch_member_exists(member: Member) -> None:
+    assert member.exists(), f"torch moved {member.dotted}: {member.used_in} uses it for {member.why}"
 
 
-@pytest.mark.parametrize(("module", "path", "why"), MEMBERS, ids=[m[1] for m in MEMBERS])
-def test_every_torch_member_activations_uses_exists(module: str, path: str, why: str) -> None:
-    check_member(module, path, "autoshard.activations", why)
+def _sources(module: str) -> str:
+    """The text of an autoshard module, or of every file of a package."""
+    path = SRC.joinpath(*module.split("."))
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return "\n".join(f.read_text() for f in files)
 
 
-# (module, attribute path, what adapters/fsdp2.py's bucketed gradient averaging does with it)
-FSDP2_MEMBERS = [
-    ("torch._C", "_current_graph_task_id", "which backward a gradient hook runs in: one reduction per backward"),
-    ("torch.autograd", "Variable._execution_engine.queue_callback", "the reduction runs at the end of the backward"),
-    ("torch.utils._pytree", "tree_leaves", "the tensors an FSDP unit returns, whose gradient arms the reduction"),
-    ("torch._utils", "_flatten_dense_tensors", "a bucket's gradients and flags into one buffer, in one call"),
-    ("torch._utils", "_unflatten_dense_tensors", "that buffer back into views shaped like each gradient"),
-    ("torch", "_foreach_copy_", "the averages copied into the gradients, in one call"),
-]
+@pytest.mark.parametrize("member", PRIVATE_MEMBERS, ids=[m.dotted for m in PRIVATE_MEMBERS])
+def test_every_listed_member_is_used_where_the_list_says(member: Member) -> None:
+    """A stale row (the code moved, or stopped using it) is as misleading as a missing one."""
+    assert member.dotted.rpartition(".")[2] in _sources(member.used_in), f"{member.used_in} no longer uses {member.dotted}"
 
 
-@pytest.mark.parametrize(("module", "path", "why"), FSDP2_MEMBERS, ids=[m[1] for m in FSDP2_MEMBERS])
-def test_every_torch_member_the_gradient_averaging_uses_exists(module: str, path: str, why: str) -> None:
-    check_member(module, path, "autoshard.adapters.fsdp2", why)
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def private_references(root: Path, deps: tuple[str, ...]) -> set[tuple[str, str]]:
+    """(dotted name, file) for every private member of ``deps`` that code under ``root`` imports, or reaches through
+    an imported name (``dist._broadcast_coalesced``, ``_random._rng_tracker``); function-local imports included."""
+    found: set[tuple[str, str]] = set()
+    for file in sorted(root.rglob("*.py")):
+        tree, where, alias = ast.parse(file.read_text()), str(file.relative_to(root)), {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in deps:
+                        alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                        if any(_private(p) for p in a.name.split(".")):
+                            found.add((a.name, where))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in deps:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    alias[a.asname or a.name] = full
+                    if any(_private(p) for p in full.split(".")):
+                        found.add((full, where))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                chain, value = [node.attr], node.value
+                while isinstance(value, ast.Attribute):
+                    chain.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in alias:
+                    found.add((".".join([alias[value.id], *reversed(chain)]), where))
+    return found
+
+
+def _covered(name: str, listed: set[str]) -> bool:
+    """Listed, or a module or class a listed member lives in (``import torch.utils._pytree as pytree``)."""
+    return any(name == d or d.startswith(name + ".") for d in listed)
+
+
+def test_every_torch_private_the_code_reaches_is_listed() -> None:
+    listed = {m.dotted for m in PRIVATE_MEMBERS}
+    unlisted = sorted(f"{name} ({where})" for name, where in private_references(SRC, ("torch",)) if not _covered(name, listed))
+    assert not unlisted, f"add these to autoshard.torch_compat.PRIVATE_MEMBERS, with a why: {unlisted}"
+
+
+def test_every_lightning_private_the_code_reaches_is_listed() -> None:
+    listed = {f"{p.owner}.{p.name}" for p in LIGHTNING_PRIVATES}
+    refs = private_references(SRC, ("lightning",))
+    unlisted = sorted(f"{name} ({where})" for name, where in refs if not _covered(name, listed))
+    assert not unlisted, f"add these to autoshard.lightning.compat.PRIVATE_MEMBERS, with a why: {unlisted}"
+
+
+def test_the_scan_finds_a_private_reached_through_an_alias(tmp_path: Path) -> None:
+    """The two checks above cannot pass by finding nothing."""
+    (tmp_path / "m.py").write_text(
+        "import torch.distributed as dist\nfrom torch.distributed.tensor import _random\n"
+        "def f():\n    from torch._utils import _flatten_dense_tensors\n    dist._broadcast_coalesced(None, [], 1, 0)\n"
+        "    return _random._rng_tracker\n"
+    )
+    assert {n for n, _ in private_references(tmp_path, ("torch",))} == {
+        "torch.distributed._broadcast_coalesced",
+        "torch.distributed.tensor._random",
+        "torch.distributed.tensor._random._rng_tracker",
+        "torch._utils._flatten_dense_tensors",
+    }
+    assert len(private_references(SRC, ("torch",))) > 20
 
 
 def test_a_module_keeps_its_parameters_in_a_dict_to_empty_refills() -> None:

@@ -1,0 +1,98 @@
+"""Every private torch member autoshard touches: where, and why. The one list for torch.
+
+torch may move a private member in any release. Each one autoshard uses is listed here once, with the module that
+uses it; tests/test_torch_compat.py checks every entry on the installed torch (an upgrade that moves one fails that
+test by name, not deep inside a training step), and reads src/ to fail when code uses a torch private this list does
+not name. Lightning's privates are listed in ``autoshard.lightning.compat``, DeepSpeed's with autoshard's knowledge
+of its files. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+VERIFIED_TORCH = "2.13"  # the release every member below was checked on (the test checks the installed one)
+
+
+@dataclass(frozen=True)
+class Member:
+    """``module`` has ``path`` (dotted attributes below the module); ``used_in`` is the autoshard module using it."""
+
+    module: str
+    path: str
+    used_in: str
+    why: str
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.module}.{self.path}" if self.path else self.module
+
+    def exists(self) -> bool:
+        try:
+            obj = importlib.import_module(self.module)
+        except ImportError:
+            return False
+        for part in self.path.split(".") if self.path else ():
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+
+
+_FSDP = "autoshard.adapters.fsdp2"
+_ACT = "autoshard.activations"
+_TRACKER = "torch.distributed._tools.fsdp2_mem_tracker"
+_FAKE = "torch._subclasses.fake_tensor"
+
+PRIVATE_MEMBERS: tuple[Member, ...] = (
+    # -- FSDP2 itself and the plan's runtime ----------------------------------------------------------------------
+    Member("torch.distributed._composable.fsdp", "fully_shard", _FSDP, "fallback home of fully_shard (before torch.distributed.fsdp)"),
+    Member("torch.distributed._composable.fsdp", "FSDPModule", _FSDP, "fallback home, with fully_shard"),
+    Member("torch.distributed._composable.fsdp", "MixedPrecisionPolicy", _FSDP, "fallback home, with fully_shard"),
+    Member("torch.distributed._composable.fsdp", "CPUOffloadPolicy", _FSDP, "fallback home, with fully_shard"),
+    Member("torch.distributed._composable.fsdp", "OffloadPolicy", _FSDP, "fallback home, with fully_shard"),
+    Member("torch.distributed._composable", "checkpoint", _FSDP, "activation checkpointing of a unit, composable with fully_shard"),
+    Member("torch.distributed", "_broadcast_coalesced", _FSDP, "rank 0's unsharded parameters and buffers in few messages"),
+    Member("torch.distributed.tensor._random", "_rng_tracker", _FSDP, "replaced on CPU meshes while meta shards are initialized"),
+    Member("torch.distributed.tensor._random", "_RNGStateTracker._distribute_region", _FSDP, "the method the stand-in tracker provides"),
+    Member("torch._C", "_current_graph_task_id", _FSDP, "which backward a gradient hook runs in: one reduction per backward"),
+    Member("torch.autograd", "Variable._execution_engine.queue_callback", _FSDP, "the reduction runs at the end of the backward"),
+    Member("torch.utils._pytree", "tree_leaves", _FSDP, "the tensors an FSDP unit returns, whose gradient arms the reduction"),
+    Member("torch.utils._pytree", "tree_map", _FSDP, "a unit's view outputs cloned (clone_view_outputs)"),
+    Member("torch._utils", "_flatten_dense_tensors", _FSDP, "a bucket's gradients and flags into one buffer, in one call"),
+    Member("torch._utils", "_unflatten_dense_tensors", _FSDP, "that buffer back into views shaped like each gradient"),
+    Member("torch", "_foreach_copy_", _FSDP, "the averages copied into the gradients, in one call"),
+    Member("torch.nn.modules.batchnorm", "_BatchNorm", "autoshard.batchnorm", "every BatchNorm class, converted to SyncBatchNorm"),
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    Member("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict", "autoshard.checkpoint", "a DCP checkpoint read in one process (as torch's dcp_to_torch_save)"),
+    Member("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner", "autoshard.checkpoint", "the planner that reads entries without a template"),
+    Member("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "autoshard.init_from", "which slice of a full tensor a rank's shard holds"),
+    # -- the simulated step (activations) ---------------------------------------------------------------------------
+    Member(_TRACKER, "FSDPMemTracker", _ACT, "the tracker StepTracker extends"),
+    Member(_TRACKER, "_FSDPRefType", _ACT, "its memory categories (MODEL_STATES, GATHERED, ACTIVATIONS)"),
+    Member(_TRACKER, "_FSDPState", _ACT, "its phase, set in StepTracker.__init__"),
+    Member(_TRACKER, "FSDPMemTracker._update_peak_stats", _ACT, "overridden: where the peak happened"),
+    Member(_TRACKER, "FSDPMemTracker._register_module_and_optimizer_hooks", _ACT, "overridden: several optimizers"),
+    Member(_TRACKER, "FSDPMemTracker._deregister_module_and_optimizer_hooks", _ACT, "overridden, with the above"),
+    Member(_TRACKER, "FSDPMemTracker._fsdp_state_pre_forward", _ACT, "overridden: a unit called twice"),
+    Member(_TRACKER, "FSDPMemTracker._update_and_maybe_create_winfos", _ACT, "called: tensors no unit owns"),
+    Member(_TRACKER, "FSDPMemTracker._track_optimizer_states", _ACT, "called: each optimizer's states"),
+    Member("torch.distributed._tools.mem_tracker", "MemTracker", _ACT, "its __init__ is called directly (no FSDP root needed)"),
+    Member("torch.testing._internal.distributed.fake_pg", "FakeStore", _ACT, "the store of the 'fake' process group"),
+    Member(_FAKE, "FakeTensorMode", _ACT, "the tensors of the simulated step"),
+    Member(_FAKE, "DataDependentOutputException", _ACT, "a step that reads tensor values, said in words"),
+    Member(_FAKE, "DynamicOutputShapeException", _ACT, "a value-dependent output shape, said in words"),
+    Member(_FAKE, "UnsupportedOperatorException", _ACT, "an operator without a fake kernel, said in words"),
+    Member("torch.utils._pytree", "tree_map_only", _ACT, "fake tensors made from the example batch"),
+    Member("torch.utils._pytree", "tree_leaves", "autoshard.explain", "the tensors of a user's batch"),
+    Member("torch.utils._pytree", "tree_map", "autoshard.explain", "a user's batch cut to a smaller micro-batch"),
+)
+
+
+def missing() -> list[Member]:
+    """The listed members the installed torch lacks."""
+    return [m for m in PRIVATE_MEMBERS if not m.exists()]
+
+
+__all__ = ["PRIVATE_MEMBERS", "VERIFIED_TORCH", "Member", "missing"]
