@@ -90,6 +90,54 @@ def test_world_size_shards_model_states_not_activations() -> None:
     assert four.peak < two.peak
 
 
+class Stack(pl.LightningModule):
+    """Four residual MLP blocks (the plan finds them, activation checkpointing wraps them) and a head: small enough
+    that a simulated step takes a fraction of a second, deep enough that every k-th block differs from every block."""
+
+    def __init__(self, dim: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(depth)
+        )
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def rows(n: int, dim: int = 64) -> list[torch.Tensor]:
+    return [torch.randn(n, 16, dim)]
+
+
+@functools.cache
+def stacked(ac: bool | int | str) -> StepMemory:
+    intent = ShardingIntent(activation_checkpointing=ac)
+    return measure_step(Stack, intent, 2, resolve_precision("bf16-mixed", intent), make_batch=lambda: rows(64))
+
+
+def test_checkpointing_modes_order_the_simulated_peak_and_price_it_in_recomputed_flops() -> None:
+    none, second, selective, every = (stacked(ac) for ac in (False, 2, "selective", True))
+    assert none.activations > second.activations > every.activations, (none.activations, second.activations, every.activations)
+    assert none.activations > selective.activations > every.activations, (selective.activations, every.activations)
+    assert [s.activation_checkpointing for s in (none, second, selective, every)] == [False, 2, "selective", True]
+    # The price: the forward FLOPs recomputed. Every block recomputes all four blocks' forward, every 2nd block two.
+    recomputed = {ac: s.flops - none.flops for ac, s in (("2", second), ("selective", selective), ("all", every))}
+    assert none.flops > 0 and recomputed["all"] > recomputed["2"] > 0, recomputed
+    assert recomputed["2"] == pytest.approx(recomputed["all"] / 2, rel=0.01), recomputed
+    # Selective recomputes cheap ops and every second matmul whose output backward needs: here none is (a Linear's
+    # backward needs its input, not its output), so its price is well under a whole forward.
+    assert 0 <= recomputed["selective"] < recomputed["all"] / 2, recomputed
+
+
 class WithExample(pl.LightningModule):
     """forward is defined and example_input_array is set; training_step needs a Trainer (it reads self.trainer)."""
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 import autoshard  # noqa: F401  registers the strategies and guards
 from autoshard import BackendUnavailableError, IncompatibleBackendError, IntentError, MethodNeeds, ShardingIntent, select_backend
+from autoshard.adapters.fsdp2 import plan_fsdp2
 from autoshard.backends import Availability, require
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.backends import fsdp2 as fsdp2_backend
@@ -460,11 +461,11 @@ def test_25_auto_shard_chose_deepspeed_for_the_intent_and_the_method_has_an_ema_
     """offload='optimizer' alone makes auto-shard pick DeepSpeed; the EMA found at setup must not be answered with
     "use strategy='auto-shard'", which the user already runs."""
     pytest.importorskip("deepspeed")
-    from autoshard.lightning import AutoShardStrategy
+    from autoshard.lightning import auto_shard
 
     text = refused(
         IncompatibleBackendError,
-        lambda: trainer(strategy=AutoShardStrategy(intent={"offload": "optimizer"})).fit(DinoLike(), data()),
+        lambda: trainer(strategy=auto_shard(intent={"offload": "optimizer"})).fit(DinoLike(), data()),
         "auto-shard chose DeepSpeed when the Trainer was built",
         "EMA teacher/student",
         "Backend that works: fsdp2",
@@ -496,9 +497,9 @@ def test_28_intent_field_misspelt_as_a_strategy_keyword() -> None:
 def test_29_tensor_parallel_without_a_layout() -> None:
     refused(
         IntentError,
-        lambda: trainer(strategy=FSDP2Strategy(tensor_parallel_size=1 + 1), devices=2),
-        "tensor_parallel_size=2 needs a parallelize_fn",
-        "Fix: pass FSDP2Strategy(parallelize_fn=fn)",
+        lambda: plan_fsdp2(Net(), ShardingIntent(tensor_parallel_size=1 + 1)),
+        "tensor_parallel_size=2 needs a tensor-parallel layout, and Net carries none autoshard can read",
+        "Fix: give the model a _tp_plan",
     )
 
 

@@ -63,14 +63,14 @@ def test_a_bigger_micro_batch_needs_more_activation_memory(table: Report) -> Non
 
 
 def test_a_run_that_fits_says_so_and_proposes_nothing(table: Report) -> None:
-    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=2 * table.memory[1].total)
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=2 * table.memory[1].total, auto=False)
     assert report.budget is not None and report.budget.fits and report.budget.changes == ()
     assert "fits" in report.text() and "does NOT fit" not in report.text()
 
 
 def test_a_run_that_does_not_fit_gets_changes_that_do(table: Report) -> None:
     budget = int(table.memory[1].total * 0.85)
-    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=budget)
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=budget, auto=False)
     verdict = report.budget
     assert verdict is not None and not verdict.fits and verdict.peak == table.memory[1].device
     fitting = {c.change.split(" ")[0]: c for c in verdict.changes if c.fits}
@@ -84,7 +84,7 @@ def test_a_run_that_does_not_fit_gets_changes_that_do(table: Report) -> None:
 
 
 def test_nothing_fits_a_tiny_budget_and_it_says_what_was_tried() -> None:
-    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget="8KiB")
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget="8KiB", auto=False)
     assert report.budget is not None and not any(c.fits for c in report.budget.changes)
     text = report.budget.text()
     assert "nothing autoshard tried fits" in text and "activation_checkpointing=True" in text
@@ -137,14 +137,14 @@ def test_more_ranks_are_proposed_in_whole_nodes() -> None:
 
 def test_under_hybrid_sharding_a_bigger_shard_group_is_proposed(table: Report) -> None:
     by_four = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=4)).memory[0].device
-    hybrid = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=by_four)
+    hybrid = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=by_four, auto=False)
     verdict = hybrid.budget
     assert verdict is not None and not verdict.fits
     groups = [c for c in verdict.changes if c.change.startswith("shard_size=")]
     assert [(c.change, c.fits, c.peak) for c in groups] == [("shard_size=4 (was 2)", True, by_four)], verdict.changes
     assert not any(c.change.endswith("ranks (Trainer num_nodes x devices)") for c in verdict.changes)  # ranks do not help
     # Past the last group size that divides the world, sharding over every rank is what is left.
-    tight = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=table.memory[1].total)
+    tight = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=table.memory[1].total, auto=False)
     assert [c.change for c in tight.budget.changes if c.change.startswith("shard_size=")] == ["shard_size=None (shard over every rank)"]
 
 
@@ -184,9 +184,66 @@ def test_a_change_whose_step_cannot_be_simulated_is_never_said_to_fit() -> None:
     full = explain(NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),))
     (e,) = full.memory
     assert e.activations > 0 and not full.incomplete
-    report = explain(NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),), budget=e.device - 1)
+    report = explain(NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),), budget=e.device - 1, auto=False)
     verdict = report.budget
     assert verdict is not None and verdict.fits is False and report.exit_code == 0
     (smaller,) = [c for c in verdict.changes if c.change.startswith("micro-batch")]
     assert smaller.change == "micro-batch 32 (was 64)" and not smaller.fits and smaller.missing == "activations"
     assert "not estimated in full (its simulated step could not run), so no verdict:" in verdict.text()
+
+
+def wide_rows(n: int) -> Any:
+    return lambda: [torch.randn(n, 16 if n > 2 else 4, 256)]
+
+
+def test_more_ranks_are_the_smallest_world_size_that_fits_found_by_search_not_doubling() -> None:
+    from tests.test_bad_inputs_budget import Wide  # model states dominate: ranks help
+
+    three = explain(Wide, world_sizes=(3,), batch=wide_rows(2)).memory[0].device
+    report = explain(Wide, world_sizes=(2,), batch=wide_rows(2), budget=three, auto=False)
+    ranks = [c for c in report.budget.changes if c.change.endswith("ranks (Trainer num_nodes x devices)")]
+    assert [(c.change, c.fits, c.peak) for c in ranks] == [("3 ranks (Trainer num_nodes x devices)", True, three)], report.budget.changes
+
+
+def test_when_no_change_fits_alone_the_fewest_together_are_proposed_and_the_smaller_ones_shown() -> None:
+    """Activations and states both large: no single change fits, a pair does. Nothing with three changes or more
+    ranks is proposed (the advice once said "16 ranks + checkpointing + offload + micro-batch 1" where two sufficed)."""
+    from tests.test_bad_inputs_budget import Wide
+
+    report = explain(Wide, world_sizes=(2,), batch=wide_rows(64), budget="6MiB", auto=False)
+    verdict = report.budget
+    fitting = [c for c in verdict.changes if c.fits]
+    assert len(fitting) == 1 and fitting[0].change.count(" + ") == 1 and fitting[0].peak <= 6 * 2**20, verdict.changes
+    tried = [c.change for c in verdict.changes if not c.fits]
+    singles = [c for c in tried if " + " not in c]
+    assert {c.split(" ")[0] for c in singles} == {"activation_checkpointing=True", "micro-batch", "offload='params'"}, tried
+    assert all(c.count(" + ") <= 1 for c in tried) and not any("ranks" in c for c in verdict_lines(verdict))
+    text = verdict.text()
+    assert "changes that fit, cheapest first:" in text and "estimated, not enough on its own:" in text
+
+
+def verdict_lines(verdict: Any) -> list[str]:
+    return [c.change for c in verdict.changes]
+
+
+def test_explain_json_gains_auto_one_decision_per_world_size(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(
+        [
+            "explain",
+            "tests.test_budget_decide:Small",
+            "--batch",
+            "tests.test_budget_decide:batch",
+            "--world-sizes",
+            "2,4",
+            "--budget",
+            "1GiB",
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and [e["world_size"] for e in out["auto"]] == [2, 4]
+    for entry in out["auto"]:
+        assert entry["budget"] == 2**30 and entry["peak"] <= 2**30 and entry["cheaper"] == []
+        assert ShardingIntent(**entry["chosen"]) == ShardingIntent(reshard_after_forward=False)  # pasteable
+    text = explain("tests.test_budget_decide:Small", world_sizes=(2,), batch="tests.test_budget_decide:batch", budget="1GiB").text()
+    assert "== memory budget: what ShardingIntent(memory_budget=...) would choose ==" in text and "chosen: reshard_after_forward=False" in text

@@ -233,7 +233,8 @@ def test_yaml_configs_build_their_trainer(block: Block, workdir: Path, monkeypat
     trainer = LightningCLI(reader_objects()["MyLightningModule"], run=False, args=config, save_config_callback=None).trainer
     strategy = config["trainer"]["strategy"]
     if isinstance(strategy, str):
-        assert type(trainer.strategy) is StrategyRegistry[strategy]["strategy"]
+        entry = StrategyRegistry[strategy]["strategy"]  # a class, or a factory ("auto-shard") that returns one
+        assert type(trainer.strategy) is (entry if isinstance(entry, type) else type(StrategyRegistry.get(strategy)))
     else:
         module, _, name = strategy["class_path"].rpartition(".")
         assert type(trainer.strategy) is getattr(importlib.import_module(module), name)

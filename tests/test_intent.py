@@ -62,8 +62,9 @@ def test_misspelled_precision_names_the_choices():
             "reshard_after_forward must be true or false, got 'yes'. Fix: reshard_after_forward=True or reshard_after_forward=False",
         ),
         (
-            {"activation_checkpointing": 1},
-            "activation_checkpointing must be true or false, got 1. Fix: activation_checkpointing=True or activation_checkpointing=False",
+            {"activation_checkpointing": "yes"},
+            "activation_checkpointing must be True (every block), False, 'selective' (op-level: recompute cheap ops, keep"
+            " matmul and attention outputs) or a whole number k >= 1 (every k-th block), got 'yes'. Fix: activation_checkpointing=True",
         ),
         ({"offload_device": "nvme"}, "offload_device='nvme' with offload='none' offloads nothing. Fix: add offload='optimizer' or offload='params'"),
         (
@@ -181,7 +182,8 @@ def test_from_dict_refuses_unknown_keys_by_name():
     assert str(info.value) == (
         "unknown ShardingIntent field(s): 'nodes' 'precison' (did you mean 'precision'?). Valid fields are shard,"
         " exclude, blocks, precision, param_dtype, reduce_dtype, reshard_after_forward, offload, offload_device, nvme_path,"
-        " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, shard_size, strict, init_from."
+        " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, shard_size, strict, init_from,"
+        " memory_budget, pinned."
         " Fix: drop 'nodes'; rename 'precison' to 'precision'"
     )
     with pytest.raises(IntentError, match="a ShardingIntent is read from a mapping of its fields, got list"):
@@ -227,13 +229,3 @@ def test_shard_size_refusals_name_the_fix():
     for bad in (0, True, 2.0):
         with pytest.raises(IntentError, match="shard_size must be a positive integer or 'node'"):
             ShardingIntent(shard_size=bad)
-
-
-def test_hsdp_with_tensor_parallel_is_refused_for_now():
-    with pytest.raises(IntentError) as info:
-        ShardingIntent(shard_size=2, tensor_parallel_size=2)
-    assert str(info.value) == (
-        "shard_size=2 with tensor_parallel_size=2 is refused for now: autoshard builds hybrid sharding on a 2-D"
-        " (replicate, shard) mesh of the data-parallel ranks and has no 3-D (replicate, shard, tensor parallel) layout"
-        " yet. Fix: drop shard_size (pure FSDP with tensor parallel), or set tensor_parallel_size=1 (hybrid sharding alone)"
-    )

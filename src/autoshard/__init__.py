@@ -2,7 +2,8 @@
 
 ``import autoshard`` registers the Lightning strategies ``"auto-shard"``, ``"fsdp2"`` and ``"autoshard-deepspeed"``
 and installs the FSDP1 / DeepSpeed guards: at once when Lightning is already imported, else the moment
-``lightning.pytorch`` is. So ``import autoshard`` itself, ``autoshard --version`` and ``autoshard matrix`` import
+``lightning.pytorch`` is. The same three names go into Lightning Fabric's own registry (``autoshard.fabric``) the
+moment ``lightning.fabric`` is loaded. So ``import autoshard`` itself, ``autoshard --version`` and ``autoshard matrix`` import
 neither torch nor Lightning (seconds each); the names below that need torch load on first use.
 """
 
@@ -65,6 +66,7 @@ def __dir__() -> list[str]:
 # -- registration with Lightning --------------------------------------------------------------------------------------
 _LIGHTNING = "lightning.pytorch"
 _OURS = "autoshard.lightning"
+_FABRIC = "lightning.fabric"  # Fabric's registry is its own; lightning.pytorch imports it first, so it is always first
 
 
 def _loaded(name: str) -> bool:
@@ -81,7 +83,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """
 
     def find_spec(self, name: str, path: Any = None, target: ModuleType | None = None) -> ModuleSpec | None:
-        if name not in (_LIGHTNING, _OURS) or self not in sys.meta_path:
+        if name not in (_LIGHTNING, _OURS, _FABRIC) or self not in sys.meta_path:
             return None
         for finder in sys.meta_path[sys.meta_path.index(self) + 1 :]:
             spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
@@ -109,7 +111,9 @@ class _ThenRegister(importlib.abc.Loader):
         module.__loader__ = self.loader
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
-        if module.__name__ == _OURS:
+        if module.__name__ == _FABRIC:
+            _register_fabric()
+        elif module.__name__ == _OURS:
             _register(module)
         elif _OURS not in sys.modules or _loaded(_OURS):  # else autoshard.lightning is mid-import: it registers when done
             _register(None)
@@ -121,6 +125,13 @@ def _register(ours: ModuleType | None) -> None:
     (ours or importlib.import_module(_OURS)).register()
 
 
+def _register_fabric() -> None:
+    """``autoshard.fabric.register()`` (idempotent): imports Fabric's registry only, no strategy, no lightning.pytorch."""
+    importlib.import_module("autoshard.fabric").register()
+
+
+if _loaded(_FABRIC):
+    _register_fabric()
 if _loaded(_LIGHTNING):
     _register(None)
 elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):

@@ -15,6 +15,10 @@ Not modelled: the CUDA caching allocator (block rounding, fragmentation, reserve
 workspaces and the CUDA context, and tensors created outside torch's dispatcher. The figures are tensor bytes, the
 quantity ``torch.cuda.max_memory_allocated`` approaches from below; leave headroom for the rest.
 
+The step's FLOPs (torch's FlopCounterMode, counted in the warm-up step) price activation checkpointing for
+``autoshard.budget``: its recomputation is the FLOPs it adds. A process whose process group is already live cannot
+host the fake one: ``in_detached_world`` runs the simulation in a forked child instead.
+
 It leans on private torch members (FSDPMemTracker's hooks, the "fake" process group): tests/test_torch_compat.py
 lists each, with what it is for, so a torch upgrade that moves one fails there by name.
 """
@@ -70,8 +74,9 @@ class StepMemory:
     notes: tuple[str, ...] = ()
     by_kind: tuple[tuple[str, int], ...] = ()
     precision: str = ""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | int | str = False  # as ShardingIntent spells it: False, True, k, 'selective'
     incomplete: str = ""  # forward_only: why the whole step did not run, with its Fix ("" when it did)
+    flops: int = 0  # floating-point operations of one whole step (forward, recomputation, backward) on this rank
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -371,8 +376,76 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if _DETACHED:  # a forked child (in_detached_world): tearing down would reach the inherited live group
+            import torch.distributed.distributed_c10d as c10d
+
+            c10d._world = c10d._World()  # forget the fake group instead (the child exits with os._exit)
+        else:
+            dist.destroy_process_group()
         sys.excepthook = excepthook
+
+
+_DETACHED = False  # True in the child process of in_detached_world only
+
+
+def in_detached_world(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``{"result": fn()}`` (JSON data), computed in a forked child whose torch.distributed world starts empty, or
+    ``{"error": {"type", "message", ...}}`` with the attributes of the AutoShardError it raised.
+
+    For simulated steps in a process whose process group is already live (a strategy's setup): the fake group of
+    ``fake_world`` cannot coexist with it. The child inherits the module and the batch (no pickling, no imports:
+    about as fast as in-process), replaces torch's group registry by an empty one (``distributed_c10d._world``,
+    private), never tears anything down, and exits with ``os._exit``; the parent's group is untouched. Its answer
+    comes back as JSON text: nothing is unpickled.
+    """
+    import json
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise AutoShardError(
+            "a simulated step beside a live process group runs in a forked child process, and this platform cannot fork."
+            " Fix: decide before the process group starts (autoshard.budget.decide before Trainer.fit), or in another process"
+        )
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_detached_child, args=(fn, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        text = receive.recv_bytes()
+    except EOFError:
+        child.join()
+        raise AutoShardError(
+            f"the child process simulating the step died (exit code {child.exitcode}) before answering: out of host"
+            f" memory, or a crash in torch. Fix: run autoshard explain --budget on the same module and batch to see it"
+        ) from None
+    finally:
+        receive.close()
+    child.join()
+    return json.loads(text)
+
+
+def _detached_child(fn: Callable[[], Any], send: Any) -> None:
+    import json
+
+    import torch.distributed.distributed_c10d as c10d
+
+    global _DETACHED
+    _DETACHED = True
+    try:
+        c10d._world = c10d._World()  # an empty registry: the inherited live group is not this process's to use
+        torch.set_num_threads(1)
+        payload: dict[str, Any] = {"result": fn()}
+    except AutoShardError as exc:
+        extra = {k: v for k, v in vars(exc).items() if isinstance(v, (int, str, type(None)))}
+        payload = {"error": {"type": type(exc).__name__, "message": str(exc), **extra}}
+    except BaseException as exc:  # noqa: BLE001  everything reaches the parent, in words
+        payload = {"error": {"type": type(exc).__name__, "message": f"{type(exc).__name__}: {exc}"}}
+    try:
+        send.send_bytes(json.dumps(payload, default=str).encode())
+        send.close()
+    finally:
+        os._exit(0)
 
 
 def _mesh(intent: ShardingIntent, world_size: int) -> Any:
@@ -712,7 +785,7 @@ def measure_step(
     if not 0 <= rank < world_size:
         raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
     _tracker_base()
-    extra = {"precision": precision.precision.value, "activation_checkpointing": intent.activation_checkpointing}
+    extra: dict[str, Any] = {"precision": precision.precision.value, "activation_checkpointing": intent.activation_checkpointing}
     convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
     notes: list[str] = []
     failed = ""  # why the training step could not run on make_batch's batch, with its Fix
@@ -722,7 +795,9 @@ def measure_step(
             run = _prepare(factory, intent, world_size, precision, make_batch, mode, num_nodes, rank)
             try:
                 with mode:
-                    _train_step(run, precision)  # warm-up: optimizer states and lazy FSDP state exist after it
+                    with _flop_counter() as counter:  # the warm-up runs the same ops: counted there, not in the peak's step
+                        _train_step(run, precision)  # warm-up: optimizer states and lazy FSDP state exist after it
+                    extra["flops"] = int(counter.get_total_flops()) if counter is not None else 0
                     gc.collect()
                     tracker = step_tracker(run.module, run.optimizers)
                     tracker.track_inputs((run.batch,))
@@ -772,6 +847,20 @@ def measure_step(
         return tracker.step_memory(world_size, rank, True, notes, incomplete=incomplete, **extra)
 
 
+@contextlib.contextmanager
+def _flop_counter() -> Iterator[Any]:
+    """torch's FlopCounterMode (matmuls, convolutions, attention: the ops that cost time) around one step; None
+    where this torch lacks it. Activation checkpointing's price is the FLOPs its recomputation adds to the step."""
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+    except ImportError:
+        yield None
+        return
+    counter = FlopCounterMode(display=False)
+    with counter:
+        yield counter
+
+
 def _reads_values(exc: BaseException) -> bool:
     """An op fake tensors cannot run (a value read, a value-dependent shape, no fake kernel), not a wrong input."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
@@ -804,6 +893,7 @@ __all__ = [
     "call_batch",
     "describe_batch",
     "fake_world",
+    "in_detached_world",
     "load_batch",
     "measure_step",
     "measuring_callback",

@@ -5,9 +5,14 @@ neighbours do the rest: ``checkpoint_io`` swaps saves in atomically and records 
 ``consolidate`` writes one file of full weights (``autoshard consolidate CKPT OUT.pt``, meant to run on a laptop
 after the job is gone).
 
-The one reader: ``open_checkpoint`` (detect, recover an interrupted save, verify the manifest, settle a DeepSpeed
-tag) is where every command that reads a whole checkpoint starts, and ``load_torch_file`` is how each unpickles a
-file: ``torch.load(weights_only=True)`` with exactly the types in ``TRUSTED_TYPES`` allowed, so a file never runs code.
+The one reader, in three steps, is where everything that reads a whole checkpoint starts: ``locate_checkpoint``
+(detect the format; take the complete checkpoint an interrupted save left in its place, with a warning; else refuse
+with the fix, in the words of what was asked), then the manifest check, then the DeepSpeed tag. ``open_checkpoint``
+runs the three for convert and consolidate; a resume (``resolve_for_load``, both Lightning strategies) runs the first
+on rank 0, then its backend's checks, and every rank checks its share of the manifest
+(``lightning.checkpoint.verify_on_every_rank``). ``load_torch_file`` is how each unpickles a file:
+``torch.load(weights_only=True)`` with exactly the types in ``TRUSTED_TYPES`` allowed, so a file never runs code.
+DeepSpeed's file names and layout live in ``deepspeed_files``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 
+from autoshard import deepspeed_files
 from autoshard.backends import get_backend
 from autoshard.capability import Format
 from autoshard.checkpoint_io import (
@@ -45,11 +51,9 @@ from autoshard.errors import AutoShardError
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint writes it last, atomically, once every rank has written
 LIGHTNING_META = "meta.pt"  # Lightning's trainer state (loops, callbacks, schedulers) next to the DCP shards
-DEEPSPEED_LATEST = "latest"  # DeepSpeed's pointer to the tag directory
-LIGHTNING_DEEPSPEED_PREFIX = "_forward_module."  # Lightning's DeepSpeed wrapper around the LightningModule
 CONSOLIDATE = "autoshard consolidate {path} weights.pt"
-DEEPSPEED_MODEL_FILES = "*mp_rank_*_model_states.pt"  # every DeepSpeed tag directory holds one (ZeRO-3: one per rank)
-ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
+MODEL_ENTRIES = ("state_dict", "model")  # where a DCP checkpoint keeps the module's weights (model_entry)
+RESUME = "resume"  # the action of a Lightning resume: its refusals name the backend and say how to resume instead
 TRUST_PICKLE = "--trust-pickle (trust_pickle=True)"
 
 
@@ -79,35 +83,6 @@ def is_torch_file(path: Path) -> bool:
     except OSError:
         return False
     return head == b"PK\x03\x04" or head[:1] == b"\x80"
-
-
-def deepspeed_tags(path: Path) -> list[str]:
-    """The tag directories of a DeepSpeed checkpoint (those holding model states), oldest first."""
-    subs = [sub for sub in path.iterdir() if sub.is_dir() and any(sub.glob(DEEPSPEED_MODEL_FILES))]
-    return [sub.name for sub in sorted(subs, key=lambda sub: (sub.stat().st_mtime, sub.name))]
-
-
-def latest_tag(path: Path) -> str:
-    """What DeepSpeed's ``latest`` file names ("" when there is none): the tag DeepSpeed itself loads."""
-    latest = path / DEEPSPEED_LATEST
-    return latest.read_text().strip() if latest.is_file() else ""
-
-
-def _deepspeed_layout(path: Path) -> tuple[str | None, str] | None:
-    """(tag, detail) of a DeepSpeed ZeRO checkpoint directory, or None when ``path`` is not one. The tag is None
-    when ``latest`` does not settle it (it names a missing tag, or is absent beside several): never a guess."""
-    named = latest_tag(path)
-    if named and (path / named).is_dir():
-        return named, f"a DeepSpeed ZeRO checkpoint (tag '{named}')"
-    tags = deepspeed_tags(path)
-    if not tags and not (path / DEEPSPEED_LATEST).is_file():
-        return None
-    if not named and len(tags) == 1:
-        return tags[0], f"a DeepSpeed ZeRO checkpoint (tag '{tags[0]}')"
-    present = f"tags present: {', '.join(tags)}" if tags else "no tag directory with model states is"
-    if named:
-        return None, f"a DeepSpeed ZeRO checkpoint whose 'latest' names tag '{named}', which is not there ({present})"
-    return None, f"a DeepSpeed ZeRO checkpoint without a 'latest' naming one of its tags ({present})"
 
 
 def torn_shard(path: Path) -> str | None:
@@ -170,7 +145,7 @@ def detect_format(path: str | os.PathLike[str], verify: bool = True) -> Checkpoi
         return CheckpointInfo(
             p, Format.INCOMPLETE, f"a distributed checkpoint that has {found} but no .metadata: the save did not finish on every rank"
         )
-    deepspeed = _deepspeed_layout(p)
+    deepspeed = deepspeed_files.layout(p)
     if deepspeed is not None:
         return CheckpointInfo(p, Format.DEEPSPEED, deepspeed[1], tag=deepspeed[0])
     entries = sorted(x.name for x in p.iterdir())
@@ -244,39 +219,68 @@ def _consolidate_fix(path: Path) -> str:
     )
 
 
+def locate_checkpoint(
+    path: str | os.PathLike[str],
+    action: str,
+    *,
+    error: type[CheckpointFormatError] = CheckpointFormatError,
+    backend: str = "fsdp2",
+    stacklevel: int = 2,
+) -> CheckpointInfo:
+    """The one reader's first step: what ``path`` holds, as a complete checkpoint, or the refusal with the fix.
+
+    A save interrupted between its two renames leaves ``path`` missing and a complete sibling: that one is taken,
+    with a warning, so a crash at any instant of a save still reads. ``action`` words the refusal and the warning
+    ("convert", "consolidate", or RESUME, for which ``backend`` is the one resuming); ``stacklevel`` is the
+    warning's, counted from the caller."""
+    info = detect_format(path)
+    if info.complete:
+        return info
+    recovered = interrupted_save(info.path) if info.format is not Format.UNKNOWN else None
+    if recovered is None:
+        raise _not_readable(info, action, error, backend)
+    if action == RESUME:
+        said = (
+            f"{describe(info)}; a save to it was interrupted and left the complete checkpoint {str(recovered)!r},"
+            f" which is loaded instead. The next save to {str(info.path)!r} puts it back in place"
+        )
+    else:
+        said = f"{describe(info)}; {action.removesuffix('e')}ing the complete checkpoint an interrupted save left: {str(recovered)!r}"
+    warnings.warn(said, stacklevel=stacklevel + 1)
+    return detect_format(recovered)
+
+
+def _not_readable(info: CheckpointInfo, action: str, error: type[CheckpointFormatError], backend: str) -> CheckpointFormatError:
+    """The refusal of a path that holds no complete checkpoint (and no interrupted save left one beside it)."""
+    p = info.path
+    if action != RESUME:
+        if info.format is Format.INCOMPLETE:
+            return error(f"cannot {action}: {describe(info)}. Fix: {earlier_checkpoint(p, action)}")
+        return error(f"cannot {action}: {describe(info)}, so it is not a checkpoint. Fix: {pick_one(p)}")
+    if info.format is Format.MISSING:
+        partial = staged_siblings(p)
+        why = f" (the first save to it was interrupted: {str(partial[0])!r} is partial)" if partial else ""
+        return error(f"cannot resume: {describe(info)}{why}. Fix: pass the path of an existing checkpoint (a .ckpt directory or file)")
+    if info.format is Format.INCOMPLETE:
+        return error(
+            f"cannot resume: {describe(info)}. autoshard never leaves a partial save under the final name, so this one"
+            f" was written without autoshard or copied partially. Fix: {earlier_checkpoint(p, 'resume from')}"
+        )
+    return error(
+        f"cannot resume: {describe(info)}, so it is not a checkpoint. {backend} resumes from a directory written by"
+        f" torch.distributed.checkpoint with Lightning's meta.pt, or from one torch.save file. Fix: {pick_one(p)}"
+    )
+
+
 def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2", world_size: int | None = None) -> Path:
     """The path to load for ``backend``, or CheckpointFormatError before anything is loaded.
 
-    A swap interrupted between its two renames leaves ``path`` missing and a complete sibling: that one is used,
-    with a warning, so a crash at any instant of a save still resumes. ``world_size`` (the resuming run's) is
-    checked against a DeepSpeed ZeRO-3 checkpoint's partitions, which DeepSpeed cannot reshard.
+    The one reader's first step (``locate_checkpoint``), then what ``backend`` can resume: the manifest is checked
+    next, by every rank (its share), and DeepSpeed settles its tag from ``latest`` itself. ``world_size`` (the
+    resuming run's) is checked against a DeepSpeed ZeRO-3 checkpoint's partitions, which DeepSpeed cannot reshard.
     """
-    info = detect_format(path)
+    info = locate_checkpoint(path, RESUME, backend=backend)
     p = info.path
-    if info.format in (Format.MISSING, Format.INCOMPLETE, Format.UNKNOWN):
-        recovered = interrupted_save(p) if info.format is not Format.UNKNOWN else None
-        if recovered is not None:
-            warnings.warn(
-                f"{describe(info)}; a save to it was interrupted and left the complete checkpoint {str(recovered)!r},"
-                f" which is loaded instead. The next save to {str(p)!r} puts it back in place",
-                stacklevel=2,
-            )
-            return resolve_for_load(recovered, backend, world_size)
-        if info.format is Format.MISSING:
-            partial = staged_siblings(p)
-            why = f" (the first save to it was interrupted: {str(partial[0])!r} is partial)" if partial else ""
-            raise CheckpointFormatError(
-                f"cannot resume: {describe(info)}{why}. Fix: pass the path of an existing checkpoint (a .ckpt directory or file)"
-            )
-        if info.format is Format.INCOMPLETE:
-            raise CheckpointFormatError(
-                f"cannot resume: {describe(info)}. autoshard never leaves a partial save under the final name, so this one"
-                f" was written without autoshard or copied partially. Fix: {earlier_checkpoint(p, 'resume from')}"
-            )
-        raise CheckpointFormatError(
-            f"cannot resume: {describe(info)}, so it is not a checkpoint. {backend} resumes from a directory written by"
-            f" torch.distributed.checkpoint with Lightning's meta.pt, or from one torch.save file. Fix: {pick_one(p)}"
-        )
     resumes = get_backend(backend).resumes
     if info.format is Format.DEEPSPEED and Format.DEEPSPEED not in resumes:
         raise CheckpointFormatError(
@@ -308,15 +312,16 @@ def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2", world
 def _check_deepspeed_resume(info: CheckpointInfo, world_size: int | None) -> None:
     """DeepSpeed loads the tag ``latest`` names, one ZeRO-3 partition file per rank: say so before it fails."""
     p = info.path
-    tags = deepspeed_tags(p)
-    if info.tag is None or latest_tag(p) != info.tag:
+    deepspeed_files.check_version()
+    tags = deepspeed_files.tags(p)
+    if info.tag is None or deepspeed_files.latest_tag(p) != info.tag:
         tag = info.tag or (tags[-1] if tags else "TAG")
         raise CheckpointFormatError(
             f"cannot resume: {describe(info)}. DeepSpeed resumes the tag its 'latest' file names, and autoshard never"
-            f" picks another. Fix: write the tag to resume into it, e.g. `echo {tag} > {str(p / DEEPSPEED_LATEST)!r}`"
+            f" picks another. Fix: write the tag to resume into it, e.g. `echo {tag} > {str(p / deepspeed_files.LATEST)!r}`"
             f"{' (the newest tag)' if tags and tag == tags[-1] else ''}"
         )
-    saved = deepspeed_world_size(p, info.tag)
+    saved = deepspeed_files.zero3_world_size(p, info.tag)
     if world_size is not None and saved is not None and saved != world_size:
         out = f"{p}-world{world_size}"
         raise CheckpointFormatError(
@@ -326,12 +331,6 @@ def _check_deepspeed_resume(info: CheckpointInfo, world_size: int | None) -> Non
             f" {world_size}` and resume from {out!r} (optimizer state, step and schedulers included); or resume with"
             f" devices x nodes = {saved}"
         )
-
-
-def deepspeed_world_size(path: Path, tag: str) -> int | None:
-    """The ranks a ZeRO-3 tag directory was written for (one model_states file each); None for ZeRO-1/2 layouts."""
-    ranks = {int(m.group(1)) for f in (path / tag).iterdir() if (m := ZERO3_MODEL_FILE.match(f.name))}
-    return len(ranks) or None
 
 
 def _check_full_file(path: Path) -> None:
@@ -501,6 +500,12 @@ def dcp_entries(path: Path) -> list[tuple[tuple[str, ...], Any]]:
     return [(tuple(map(str, planned.get(fqn) or fqn.split(".", 1))), item) for fqn, item in metadata.state_dict_metadata.items()]
 
 
+def model_entry(keys: Iterable[str]) -> str | None:
+    """The top-level key of a DCP checkpoint that holds the module's weights (Lightning's ``state_dict``, else
+    ``model``); None when the weights are the top level."""
+    return next((k for k in MODEL_ENTRIES if k in keys), None)
+
+
 def dcp_keys(path: Path) -> set[str]:
     """Top-level keys of a DCP checkpoint, from its .metadata alone."""
     return {where[0] for where, _ in dcp_entries(path)}
@@ -529,12 +534,7 @@ def load_dcp_entries(path: Path, keys: Iterable[str] | None = None, trust_pickle
 # The types autoshard lets torch.load(weights_only=True) build besides tensors and plain values: exactly what the files
 # of a DeepSpeed or Lightning checkpoint hold, found by loading real ones (tests/test_bad_inputs_reads.py, one test
 # each). Anything else a pickle names is refused (UntrustedPickleError), or loaded under --trust-pickle alone.
-DEEPSPEED_TYPES: tuple[str, ...] = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",  # every ZeRO optimizer file: the static scale of bf16/fp32 runs
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",  # ... and of fp16 runs, dynamic
-    "deepspeed.runtime.zero.config.ZeroStageEnum",  # every ZeRO optimizer file: zero_stage
-    "deepspeed.utils.tensor_fragment.fragment_address",  # ZeRO-1/2 optimizer files: param_slice_mappings
-)
+DEEPSPEED_TYPES: tuple[str, ...] = deepspeed_files.PICKLED_TYPES  # LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address
 # Lightning 2.6's own .ckpt / meta.pt / DeepSpeed client state hold plain values only (loops, callbacks, schedulers,
 # precision); a user's hyper-parameters may hold their own types (a Path, a Namespace), which stay refused.
 LIGHTNING_TYPES: tuple[str, ...] = ()
@@ -701,21 +701,12 @@ def read_dcp_metadata(path: Path, action: str = "read") -> Any:
 def open_checkpoint(
     path: str | os.PathLike[str], action: str, *, tag: str | None = None, error: type[CheckpointFormatError] = CheckpointFormatError
 ) -> CheckpointInfo:
-    """The one reader's first step, for every command that reads a whole checkpoint (``action``: convert,
-    consolidate): detect the format, take the complete checkpoint an interrupted save left in its place (with a
-    warning), check every file against the manifest (a warning where there is none), and settle a DeepSpeed tag
-    (``tag``, else the one ``latest`` names, never another). ``error`` for what cannot be read, with the fix."""
-    info = detect_format(path)
-    source = info.path
-    if not info.complete:
-        recovered = interrupted_save(source) if info.format is not Format.UNKNOWN else None
-        if recovered is None:
-            if info.format is Format.INCOMPLETE:
-                raise error(f"cannot {action}: {describe(info)}. Fix: {earlier_checkpoint(source, action)}")
-            raise error(f"cannot {action}: {describe(info)}, so it is not a checkpoint. Fix: {pick_one(source)}")
-        gerund = action.removesuffix("e") + "ing"
-        warnings.warn(f"{describe(info)}; {gerund} the complete checkpoint an interrupted save left: {str(recovered)!r}", stacklevel=3)
-        info = detect_format(recovered)
+    """The one reader, for every command that reads a whole checkpoint in one process (``action``: convert,
+    consolidate): ``locate_checkpoint`` (detect the format, take the complete checkpoint an interrupted save left in
+    its place, with a warning), then every file checked against the manifest (a warning where there is none), then
+    the DeepSpeed tag settled (``tag``, else the one ``latest`` names, never another). ``error`` for what cannot be
+    read, with the fix."""
+    info = locate_checkpoint(path, action, error=error, stacklevel=3)
     if not check_integrity(info.path):
         warnings.warn(unverified_warning(info.path), stacklevel=3)
     if info.format is Format.DEEPSPEED:
@@ -729,20 +720,21 @@ def deepspeed_tag(info: CheckpointInfo, tag: str | None, action: str) -> str:
     """The tag directory to read: ``tag`` if it is one, else the one ``latest`` names; refused otherwise, naming the
     tags there, because reading another tag than the user meant converts other weights without a word."""
     p = info.path
-    tags = deepspeed_tags(p)
+    tags = deepspeed_files.tags(p)
     present = f"its tags: {', '.join(tags)}" if tags else "it holds no tag directory with model states"
     newest = " (the newest)" if len(tags) > 1 else ""
     if tag is not None:
         if tag in tags:
             return tag
-        latest = f"; 'latest' names {latest_tag(p)!r}" if latest_tag(p) else ""
+        named = deepspeed_files.latest_tag(p)
+        latest = f"; 'latest' names {named!r}" if named else ""
         instead = ", or leave --tag out to read the tag 'latest' names" if info.tag is not None else ""
         choose = f"--tag {tags[-1]}{newest}{instead}" if tags else "copy the whole checkpoint directory again"
         raise CheckpointFormatError(f"cannot {action} {str(p)!r} with --tag {tag!r}: no such tag directory ({present}{latest}). Fix: {choose}")
     if info.tag is not None:
         return info.tag
     choose = (
-        f"pass --tag with the one you mean, e.g. --tag {tags[-1]}{newest}, or write its name into {str(p / DEEPSPEED_LATEST)!r}"
+        f"pass --tag with the one you mean, e.g. --tag {tags[-1]}{newest}, or write its name into {str(p / deepspeed_files.LATEST)!r}"
         if tags
         else "copy the whole checkpoint directory again"
     )
@@ -772,6 +764,7 @@ __all__ = [
     "check_integrity",
     "detect_format",
     "load_torch_file",
+    "locate_checkpoint",
     "open_checkpoint",
     "resolve_for_load",
     "weights_only_loads",

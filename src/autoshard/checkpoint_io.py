@@ -12,8 +12,12 @@ The protocol (docs/checkpoints.md, "One publish protocol"), for a destination ``
    autoshard did not write);
 5. rename (``commit``): a file in one step; a directory aside, in, and the old one removed.
 
+The offline writers (``consolidate``, ``convert``) add two steps around it, both here: ``output_clash``, the one check
+of their output path (before the checkpoint is read, and again under the lock), and ``Publisher.publish_with_manifest``,
+which records what they staged, with their kind, before the rename.
+
 Apart from ``checkpoint.py`` (what a path holds) because nothing here reads a checkpoint's content: paths, locks,
-renames, fsyncs and hashes only.
+renames, fsyncs, manifests and hashes only.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import shutil
 import socket
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from types import TracebackType
@@ -269,6 +274,20 @@ class Publisher:
             check(self.path)
         commit(self.staged, self.path)
 
+    def publish_with_manifest(self, kind: str, check: Callable[[Path], None] | None = None) -> None:
+        """An offline writer's last step: the manifest of what it staged, with its ``kind`` (``--force`` replaces only
+        an output of the same kind), fsynced: inside a staged directory, beside a staged file (a sidecar); then
+        ``publish(check)``."""
+        staged = self.staged
+        if staged.is_dir():
+            files = [p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()]
+            write_manifest(staged / MANIFEST, describe_files(staged, files), kind)
+            fsync_dir(staged)
+        else:
+            fsync_file(staged)
+            stage_sidecar(self.path, self.token, kind)
+        self.publish(check)
+
     def __enter__(self) -> Publisher:
         return self.acquire()
 
@@ -329,6 +348,45 @@ def overlap(out: str | os.PathLike[str], source: str | os.PathLike[str]) -> Over
     if src in dst.parents:
         return Overlap.INSIDE
     return None
+
+
+class Clash(Enum):
+    """Why an offline writer may not write its output path (``output_clash``); each writer words its refusal."""
+
+    SAME = Overlap.SAME.value  # the output is the checkpoint being read
+    HOLDS = Overlap.HOLDS.value  # the output is a directory holding it: publishing the output deletes the checkpoint
+    INSIDE = Overlap.INSIDE.value  # the output is inside it: the next save to the checkpoint deletes the output
+    UNWRITABLE = "unwritable"  # nothing can be written there (``detail``: the refusal, with its Fix)
+    EXISTS = "exists"  # something is there, which --force would replace
+    FOREIGN = "foreign"  # something is there that even --force may not replace (``detail``: why)
+
+
+@dataclass(frozen=True)
+class OutputClash:
+    clash: Clash
+    detail: str = ""
+
+
+def output_clash(
+    out: str | os.PathLike[str], source: str | os.PathLike[str] | None, kind: str | None, *, force: bool, legacy: bool = False
+) -> OutputClash | None:
+    """The one check of an offline writer's output path, asked before the checkpoint ``source`` is read and again
+    under the lock, before the rename; None when ``out`` may be written. Refused: ``out`` is, holds or lies inside
+    ``source`` (even with ``force``); nothing can be written there; something is there, unless ``force`` and it is
+    an output of ``kind`` holding nothing else (``foreign_content``, ``legacy`` passed on; ``kind`` None: unknown,
+    so nothing is replaced). --force never deletes what autoshard did not write."""
+    shared = overlap(out, source) if source is not None and (Path(source).exists() or Path(source).is_symlink()) else None
+    if shared is not None:
+        return OutputClash(Clash(shared.value))
+    refusal = unwritable_refusal(out)
+    if refusal is not None:
+        return OutputClash(Clash.UNWRITABLE, refusal)
+    if not (Path(out).exists() or Path(out).is_symlink()):
+        return None
+    foreign = foreign_content(out, kind, legacy=legacy) if kind else "its kind is unknown"
+    if foreign is not None:
+        return OutputClash(Clash.FOREIGN, foreign)
+    return None if force else OutputClash(Clash.EXISTS)
 
 
 def _listing(names: list[str], limit: int = 6) -> str:

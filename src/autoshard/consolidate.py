@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from autoshard import deepspeed_files
 from autoshard.capability import Format
 from autoshard.checkpoint import (
     CONSOLIDATE,
-    LIGHTNING_DEEPSPEED_PREFIX,
     CheckpointFormatError,
     dcp_keys,
     describe,
@@ -28,18 +28,11 @@ from autoshard.checkpoint import (
     flat_tensors,
     load_dcp_entries,
     load_torch_file,
+    model_entry,
     open_checkpoint,
     weights_only_loads,
 )
-from autoshard.checkpoint_io import (
-    Overlap,
-    Publisher,
-    foreign_content,
-    fsync_file,
-    overlap,
-    stage_sidecar,
-    unwritable_refusal,
-)
+from autoshard.checkpoint_io import Clash, Publisher, output_clash
 
 KIND_CONSOLIDATE = "autoshard consolidate"  # the kind in OUT.pt's sidecar manifest: what --force may replace
 
@@ -80,7 +73,7 @@ class Consolidated:
 def _load_dcp(path: Path, trust_pickle: bool = False) -> tuple[dict[str, Any], str | None]:
     """The model entry of a DCP checkpoint; optimizer state stays on disk."""
     keys = dcp_keys(path)
-    key = next((k for k in ("state_dict", "model") if k in keys), None)
+    key = model_entry(keys)
     sd = load_dcp_entries(path, {key} if key else None, trust_pickle)
     return (sd[key] if key else sd), key
 
@@ -97,11 +90,12 @@ def _load_deepspeed(path: Path, tag: str, trust_pickle: bool = False) -> dict[st
             f"{str(path)!r} is a DeepSpeed checkpoint and deepspeed is needed to convert it ({exc}). Fix: pip install"
             f' "autoshard[deepspeed]" (no GPU needed), then run `{CONSOLIDATE.format(path=path)}` again'
         ) from None
+    deepspeed_files.check_version()
     for f in sorted((path / tag).glob("*.pt")):
         load_torch_file(f, action="consolidate", trust_pickle=trust_pickle)
     with weights_only_loads(trust_pickle):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
-    return {k.removeprefix(LIGHTNING_DEEPSPEED_PREFIX): v for k, v in state.items()}
+    return {k.removeprefix(deepspeed_files.LIGHTNING_PREFIX): v for k, v in state.items()}
 
 
 def consolidate(
@@ -157,39 +151,37 @@ def consolidate(
 
 
 def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
-    """Refuse, before reading the checkpoint (and again under the lock, before the rename): a directory, the
-    checkpoint itself or a path inside it, a place nothing can be written, and an existing file, unless ``force``
-    and consolidate wrote it (its sidecar manifest says so): --force never replaces what autoshard did not write."""
+    """Refuse, before reading the checkpoint (and again under the lock, before the rename): a directory, then what
+    ``checkpoint_io.output_clash`` refuses for every offline writer (the checkpoint itself or a path inside it, a
+    place nothing can be written, an existing file, unless ``force`` and consolidate wrote it: its sidecar manifest
+    says so), in consolidate's words."""
     if out.is_dir():
         raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
-    shared = overlap(out, source) if source is not None and (source.exists() or source.is_symlink()) else None
-    if shared is Overlap.SAME:
+    found = output_clash(out, source, KIND_CONSOLIDATE, force=force)
+    if found is None:
+        return
+    if found.clash is Clash.SAME:
         raise CheckpointFormatError(f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path")
-    if shared is Overlap.INSIDE:
+    if found.clash in (Clash.INSIDE, Clash.HOLDS):  # HOLDS needs a directory at OUT, refused above
         assert source is not None
         raise CheckpointFormatError(
             f"refusing to write {str(out)!r}: it is inside the checkpoint being consolidated ({str(source)!r}), which"
             f" would then hold a file its save did not write (and the next save to it, which replaces it whole,"
             f" would delete it). Fix: choose an output path outside it, e.g. {str(source.parent / 'weights.pt')!r}"
         )
-    refusal = unwritable_refusal(out)
-    if refusal is not None:
-        raise CheckpointFormatError(refusal)
-    if not (out.exists() or out.is_symlink()):
-        return
+    if found.clash is Clash.UNWRITABLE:
+        raise CheckpointFormatError(found.detail)
     what = detect_format(out, verify=False).detail
-    foreign = foreign_content(out, KIND_CONSOLIDATE)
-    if foreign is None and not force:
+    if found.clash is Clash.EXISTS:
         raise CheckpointFormatError(
             f"refusing to overwrite {str(out)!r}: it already exists ({what}), and consolidate would replace it with"
             f" weights only. Fix: choose another output path, or pass --force (force=True) to replace it"
         )
-    if foreign is not None:
-        even = " even with --force" if force else ""
-        raise CheckpointFormatError(
-            f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {foreign}: --force replaces"
-            f" only a file consolidate wrote. Fix: choose another output path, or move {str(out)!r} away first"
-        )
+    even = " even with --force" if force else ""
+    raise CheckpointFormatError(
+        f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {found.detail}: --force replaces"
+        f" only a file consolidate wrote. Fix: choose another output path, or move {str(out)!r} away first"
+    )
 
 
 def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source: Path) -> None:
@@ -198,9 +190,7 @@ def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source:
     failure at any point leaves ``out`` as it was and removes the staging."""
     with Publisher(out) as publisher:
         torch.save(tensors, publisher.staged)
-        fsync_file(publisher.staged)
-        stage_sidecar(out, publisher.token, KIND_CONSOLIDATE)
-        publisher.publish(lambda path: _check_output(path, force, source))
+        publisher.publish_with_manifest(KIND_CONSOLIDATE, lambda path: _check_output(path, force, source))
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:

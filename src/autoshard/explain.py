@@ -22,7 +22,7 @@ from torch import nn
 from autoshard.activations import call_batch, load_batch, measure_step
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
-from autoshard.budget import BudgetReport, Option, check_budget
+from autoshard.budget import BudgetDecision, BudgetReport, Option, auto_entries, check_budget
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
@@ -130,6 +130,8 @@ class Report:
     deepspeed_config_world: int | None = None
     memory: list[MemoryEstimate] = field(default_factory=list)
     budget: BudgetReport | None = None
+    # --budget: ShardingIntent(memory_budget=...)'s decision per world size (BudgetDecision.to_dict(), or an "error")
+    auto: list[dict[str, Any]] | None = None
     notes: list[str] = field(default_factory=list)
     # What was asked (--batch, --budget) but could not be estimated, with its Fix: the answer is partial (exit 1).
     incomplete: str | None = None
@@ -140,7 +142,7 @@ class Report:
     def exit_code(self) -> int:
         """1 when autoshard refuses the run, or when what was asked (a simulated step, a budget verdict) could not be
         estimated in full; 0 otherwise ("does NOT fit" included: that is an answer)."""
-        return 1 if self.error or self.incomplete else 0
+        return 1 if self.error or self.incomplete or any("error" in entry for entry in self.auto or ()) else 0
 
     def _feature_rows(self) -> list[dict[str, Any]]:
         rows = matrix()
@@ -174,10 +176,25 @@ class Report:
             "incomplete": self.incomplete,
             "features": self._feature_rows(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
+            "tensor_parallel": self._tensor_parallel(),
             "deepspeed_config": self.deepspeed_config,
             "memory": [e.to_dict() for e in self.memory],
             "budget": self.budget.to_dict() if self.budget is not None else None,
+            "auto": self.auto,
             "notes": list(self.notes),
+        }
+
+    def _tensor_parallel(self) -> dict[str, Any] | None:
+        """The model's own tensor-parallel layout: each module's style, each split parameter's dimension."""
+        tp_plan = getattr(self.plan, "tp_plan", None)
+        if tp_plan is None or self.intent.tensor_parallel_size == 1:
+            return None
+        return {
+            "size": self.intent.tensor_parallel_size,
+            "sources": list(tp_plan.sources),
+            "modules": [{"module": path, "style": style} for path, style in tp_plan.rows()],
+            "split_parameters": tp_plan.split_params(self.module),
+            "notes": list(tp_plan.notes),
         }
 
     def text(self, color: bool = False) -> str:
@@ -198,6 +215,10 @@ class Report:
         out += ["", head("== matrix rows for what this run needs =="), *self._matrix_lines()]
         if self.plan is not None:
             out += ["", head("== FSDP2 plan =="), self.plan.describe()]
+        tp_plan = getattr(self.plan, "tp_plan", None)
+        if tp_plan is not None and self.intent.tensor_parallel_size > 1:
+            tp = self.intent.tensor_parallel_size
+            out += ["", head(f"== tensor-parallel layout ({tp} ranks, the model's own plan) =="), *tp_plan.describe(self.module, tp)]
         if self.deepspeed_config is not None:
             out += [
                 "",
@@ -211,6 +232,13 @@ class Report:
             out += ["", head("== per-rank memory =="), table]
         if self.budget is not None:
             out += ["", head("== memory budget =="), self.budget.text()]
+        if self.auto:
+            out += ["", head("== memory budget: what ShardingIntent(memory_budget=...) would choose ==")]
+            for entry in self.auto:
+                if "error" in entry:
+                    out += [f"world size {entry['world_size']}: refused: {entry['error']['message']}"]
+                else:
+                    out += BudgetDecision.from_dict(entry).table().splitlines()
         if self.notes:
             out += ["", *[f"note: {n}" for n in self.notes]]
         if self.incomplete:
@@ -269,6 +297,7 @@ def explain(
     budget: str | int | None = None,
     simulate: bool = True,
     progress: Callable[[str], None] | None = None,
+    auto: bool = True,
 ) -> Report:
     """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``.
 
@@ -277,6 +306,8 @@ def explain(
     ``example_input_array`` is forwarded (no backward); ``simulate=False`` skips the simulation. ``budget``:
     device bytes per rank (``80GiB``); the report says whether the largest world size fits and what would.
     ``progress``: called with a line before each simulated step (seconds each on big models); the CLI prints it.
+    ``auto``: with ``budget``, also decide what ``ShardingIntent(memory_budget=budget)`` would choose at each world
+    size (``report.auto``, ``autoshard.budget.decide``); False skips those simulated steps.
 
     When a batch or a budget was asked for and the peak lacks part of the step (the step could not run on the
     batch, or there is nothing to simulate), ``report.incomplete`` says what and why, with a Fix, the budget
@@ -284,6 +315,8 @@ def explain(
     refused (AutoShardError) before any step runs.
     """
     intent = intent or ShardingIntent()
+    if budget is None:  # --intent memory_budget=70GiB asks the same question as --budget 70GiB
+        budget = intent.memory_budget
     budget_bytes = parse_size(budget) if budget is not None else None
     factory = load_target(target) if isinstance(target, str) else target
     make_batch = load_batch(batch) if isinstance(batch, str) else batch
@@ -313,7 +346,14 @@ def explain(
     if engine.plan:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report.plan = load(engine.plan)(module, intent, needs)
+            try:
+                report.plan = load(engine.plan)(module, intent, needs)
+            except (IntentError, IncompatibleBackendError) as exc:
+                if intent.tensor_parallel_size == 1:
+                    raise
+                # The model's tensor-parallel plan, refused before training (TPPlan.check): the run's own refusal.
+                report.error, report.error_type = str(exc), type(exc).__name__
+                return report
         report.notes += [f"warning: {w.message}" for w in caught if issubclass(w.category, UserWarning)]
     elif engine.config:
         report.deepspeed_config_world = max(world_sizes)
@@ -321,7 +361,8 @@ def explain(
             report.deepspeed_config = load(engine.config)(intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size)
         except AutoShardError as exc:
             report.notes.append(f"DeepSpeed config: {exc}")
-    if intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None:
+    tp_plan = getattr(report.plan, "tp_plan", None)  # the model's own tensor-parallel layout: the table counts it
+    if (intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None) and tp_plan is None:
         report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
     sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
     precision = resolve_precision(None, intent)
@@ -339,6 +380,7 @@ def explain(
         )
     simulate = simulate and (make_batch is not None or has_example)
     whole_step = bool(engine.plan)  # the simulated step runs this backend's own plan: its peak is the run's
+    tokens = _tokens(make_batch) if make_batch is not None and tp_plan is not None else None
     why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
     failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
 
@@ -355,6 +397,7 @@ def explain(
                 sourced=sourced,
                 devices_per_node=devices_per_node,
                 precision=precision,
+                tokens=tokens,
             )
 
     # A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
@@ -423,7 +466,37 @@ def explain(
             batch_rows=rows,
             lacks=_lacks,
         )
+        if auto:
+            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, whole_step, devices_per_node, progress)
     return report
+
+
+def _auto(
+    factory: Any,
+    make_batch: Callable[[], Any] | None,
+    intent: ShardingIntent,
+    sizes: Sequence[int],
+    budget: int,
+    simulate: bool,
+    whole_step: bool,
+    devices_per_node: int,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    """What ``ShardingIntent(memory_budget=budget)`` would choose at each world size (``budget.auto_entries``); an
+    entry says why there is no decision when the step cannot be simulated (no --batch, --no-step, DeepSpeed)."""
+    why = ""
+    if not whole_step:
+        why = "memory_budget decides fsdp2's settings, from its simulated step. Fix: --backend fsdp2"
+    elif not simulate:
+        why = "memory_budget is decided on simulated steps, and --no-step skips them. Fix: drop --no-step"
+    elif make_batch is None:
+        why = (
+            "memory_budget is decided on one micro-batch, never on model states alone. Fix: pass --batch FILE.py:make_batch"
+            " (a function returning one micro-batch, as your DataLoader yields it)"
+        )
+    if why:
+        return [{"world_size": n, "budget": budget, "error": {"type": "IncompleteEstimate", "message": why, "min_world_size": None}} for n in sizes]
+    return auto_entries(factory, make_batch, intent, sizes, budget, devices_per_node=devices_per_node, progress=progress)
 
 
 def _lacks(estimate: MemoryEstimate) -> str:
@@ -441,10 +514,20 @@ def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_p
     for size in sizes:
         try:
             intent.hsdp_sizes(size, nodes_for(size, devices_per_node))
+            intent.mesh_sizes(size, nodes_for(size, devices_per_node))
         except IntentError:
             dropped.append(size)
         else:
             kept.append(size)
+    tp = intent.tensor_parallel_size
+    if not kept and tp > 1 and intent.shard_size is None:
+        raise IntentError(
+            f"tensor_parallel_size={tp} fits none of the world sizes {', '.join(map(str, sizes))} (each must be a multiple"
+            f" of it). Fix: list multiples of it, e.g. --world-sizes {','.join(str(tp * k) for k in (1, 2, 4, 8))}"
+        )
+    if dropped and tp > 1 and intent.shard_size is None:
+        notes.append(f"world size(s) {', '.join(map(str, dropped))} left out: tensor_parallel_size={tp} does not divide them")
+        return kept
     if not kept:
         raise IntentError(
             f"shard_size={intent.shard_size!r} fits none of the world sizes {', '.join(map(str, sizes))}."
@@ -464,6 +547,14 @@ def _leaves(batch: Any) -> list[Any]:
     import torch.utils._pytree as pytree
 
     return [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+def _tokens(make_batch: Callable[[], Any]) -> int | None:
+    """Tokens in one micro-batch, for the tensor-parallel activation traffic: the elements of its first integer
+    tensor (the token ids of a language model's batch); None when it has none."""
+    with torch.device("meta"):
+        ids = [t for t in _leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() > 0]
+    return ids[0].numel() if ids else None
 
 
 def _batch_rows(make_batch: Callable[[], Any]) -> int | None:
@@ -578,7 +669,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget",
         default=None,
         metavar="SIZE",
-        help="device memory per rank, e.g. 80GiB: says whether the largest world size fits, and if not, which changes would",
+        help="device memory per rank, e.g. 80GiB: says whether the largest world size fits, and if not, the fewest changes that would;"
+        " and what ShardingIntent(memory_budget=...) would choose at each world size (JSON: \"auto\")",
     )
     parser.add_argument(
         "--devices-per-node",

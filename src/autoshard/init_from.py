@@ -39,6 +39,7 @@ from autoshard.checkpoint import (
     dcp_entries,
     is_torch_file,
     load_torch_file,
+    model_entry,
     model_mismatch,
     torn_shard,
 )
@@ -233,7 +234,7 @@ def _open_dcp(p: Path) -> WeightsFile:
             f"init_from={str(p)!r} is a distributed checkpoint whose {torn}. Nothing was loaded or sharded yet. Fix: use a complete checkpoint (copy it again, or an earlier one)"
         )
     keys = {where[0] for where, _ in entries}
-    entry = next((k for k in ("state_dict", "model") if k in keys), None)
+    entry = model_entry(keys)
     shapes, dtypes = {}, {}
     for where, item in entries:
         size = getattr(item, "size", None)

@@ -10,6 +10,7 @@ from typing import Any
 
 from autoshard.errors import IntentError, closest, did_you_mean
 from autoshard.precision import DEFAULT_PRECISION, PRECISIONS, Dtype, normalize_precision
+from autoshard.units import parse_size
 
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
 OFFLOAD_DEVICES: tuple[str, ...] = ("cpu", "nvme")
@@ -91,6 +92,66 @@ def _init_from(value: object) -> str | tuple[tuple[str, str], ...] | None:
     return tuple(out)
 
 
+SELECTIVE = "selective"  # activation_checkpointing: op-level selective checkpointing (torchtitan's policy)
+_AC_WORDS = {"full": True, "all": True, "yes": True, "on": True, "none": False, "no": False, "off": False, "op": SELECTIVE}
+
+
+def _activation_checkpointing(value: object) -> bool | int | str:
+    """False, True (every block), k >= 2 (every k-th block; k = 1 is True, one spelling per setting) or 'selective'
+    (op-level). Why more than on/off: a memory budget needs steps between nothing recomputed and everything."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value >= 1:
+        return True if value == 1 else value
+    if isinstance(value, str) and value.strip().lower() == SELECTIVE:
+        return SELECTIVE
+    word = str(value).strip().lower()
+    if word in _AC_WORDS:
+        fix = f"activation_checkpointing={_AC_WORDS[word]!r}"
+    elif isinstance(value, int) and not isinstance(value, bool):  # k < 1: no block would be checkpointed
+        fix = "activation_checkpointing=False (no checkpointing), or a k >= 1 (1: every block, 2: every second block)"
+    elif word.isdigit() and int(word) >= 1:
+        fix = f"activation_checkpointing={int(word)} (a number, not a string)"
+    elif closest(word, (SELECTIVE,)):
+        fix = f"activation_checkpointing={SELECTIVE!r}"
+    else:
+        fix = "activation_checkpointing=True (every block), 2 (every second block) or 'selective' (op-level)"
+    raise IntentError(
+        f"activation_checkpointing must be True (every block), False, 'selective' (op-level: recompute cheap ops, keep"
+        f" matmul and attention outputs) or a whole number k >= 1 (every k-th block), got {value!r}. Fix: {fix}"
+    )
+
+
+def _memory_budget(value: object) -> int | None:
+    """Device bytes per rank: an int, or a size string read by ``autoshard.units.parse_size`` ('70GiB', '80GB')."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise IntentError(f"memory_budget must be a size such as '70GiB' or a number of bytes, got {value!r}. Fix: memory_budget='70GiB'")
+    return parse_size(value, option="memory_budget", example="70GiB", error=IntentError)
+
+
+BUDGET_FIELDS: tuple[str, ...] = ("reshard_after_forward", "activation_checkpointing", "offload", "shard_size")
+
+
+def _pinned(value: object, budget: int | None) -> tuple[str, ...]:
+    """Fields memory_budget must leave as they are even at their defaults (a field the user changed is kept anyway)."""
+    names = _names("pinned", value) if value else ()
+    unknown = [n for n in names if n not in BUDGET_FIELDS]
+    if unknown:
+        hint = "".join(f" {n!r}{did_you_mean(n, BUDGET_FIELDS)}" for n in unknown)
+        raise IntentError(
+            f"pinned names field(s) memory_budget does not choose:{hint}. It chooses {', '.join(BUDGET_FIELDS)}."
+            f" Fix: pinned=('offload',) (keep offload='none' even when offloading would be cheapest), or drop the others"
+        )
+    if names and budget is None:
+        raise IntentError(
+            f"pinned={names!r} without memory_budget pins nothing: without a budget no field is chosen for you."
+            f" Fix: add memory_budget='70GiB', or drop pinned"
+        )
+    return tuple(dict.fromkeys(names))
+
+
 def _size(name: str, value: object) -> int | None:
     if value is None or value == "auto":
         return None
@@ -126,14 +187,22 @@ class ShardingIntent:
     ``blocks`` names the per-block units (class names or module paths) instead of the repeated blocks the plan
     finds; ``blocks=[]`` makes one unit per subtree.
     ``shard_size`` turns on hybrid sharding (HSDP): parameters, gradients and optimizer state are sharded within
-    groups of ``shard_size`` data-parallel ranks (``'node'``: the devices of one node) and replicated across the
-    data-parallel size / shard_size groups; None shards over every data-parallel rank.
+    groups of ``shard_size`` data-parallel ranks (``'node'``: the devices of one node, divided by the tensor-parallel
+    size) and replicated across the data-parallel size / shard_size groups; None shards over every data-parallel rank.
+    With ``tensor_parallel_size > 1`` it is HSDP x TP on one (replicate, shard, tensor parallel) mesh (``autoshard.mesh``).
     ``strict=True`` turns autoshard's fallbacks (replicating what it cannot shard) into errors.
     ``init_from`` loads pretrained weights into the shards once they exist, each rank reading only its own slices
     (``autoshard.init_from``): a path (safetensors file, Hugging Face model directory, torch state dict file, DCP
     directory) for the whole LightningModule, or ``{module path: path}`` for submodules (``{'model': 'gpt2/'}``);
     stored as a tuple of (module path, path) pairs then, so the intent stays immutable. The path is opened at setup,
     on the machines that train, not here; ``Trainer.fit(ckpt_path=...)`` is restored after it and wins. fsdp2 only.
+    ``activation_checkpointing``: False, True (every block), k >= 2 (every k-th block, counted from the first), or
+    ``'selective'`` (op-level, torchtitan's policy); ``autoshard.adapters.checkpointing`` applies it.
+    ``memory_budget``: device bytes per rank (``'70GiB'`` or an int, stored as bytes); the fields left at their
+    defaults among reshard_after_forward, activation_checkpointing, offload and shard_size are then chosen by
+    ``autoshard.budget.decide``: the cheapest configuration whose simulated peak fits. None: as stated.
+    ``pinned`` names fields of those four that the budget must keep even at their defaults (``('offload',)``: never
+    offload); a field set to another value than its default is kept anyway.
     """
 
     shard: tuple[str, ...] | None = None
@@ -146,13 +215,15 @@ class ShardingIntent:
     offload: str = "none"
     offload_device: str = "cpu"
     nvme_path: str | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | int | str = False
     checkpoint: str = "distributed"
     data_parallel_size: int | None = None
     tensor_parallel_size: int = 1
     shard_size: int | str | None = None
     strict: bool = False
     init_from: str | Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
+    memory_budget: int | str | None = None
+    pinned: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -172,7 +243,10 @@ class ShardingIntent:
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _choice(name, str(value).replace("torch.", ""), DTYPES))
-        for name in ("reshard_after_forward", "activation_checkpointing", "strict"):
+        set_(self, "activation_checkpointing", _activation_checkpointing(self.activation_checkpointing))
+        set_(self, "memory_budget", _memory_budget(self.memory_budget))
+        set_(self, "pinned", _pinned(self.pinned, self.memory_budget))
+        for name in ("reshard_after_forward", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise IntentError(f"{name} must be true or false, got {getattr(self, name)!r}. Fix: {name}=True or {name}=False")
         _choice("offload", self.offload, OFFLOADS)
@@ -196,14 +270,6 @@ class ShardingIntent:
         tp = _size("tensor_parallel_size", self.tensor_parallel_size)
         set_(self, "tensor_parallel_size", 1 if tp is None else tp)
         set_(self, "shard_size", _shard_size(self.shard_size))
-        if self.shard_size is not None and self.tensor_parallel_size > 1:
-            # A 3-D (replicate, shard, tensor) mesh needs a parallelize_fn that knows the HSDP dims; not built yet.
-            raise IntentError(
-                f"shard_size={self.shard_size!r} with tensor_parallel_size={self.tensor_parallel_size} is refused for"
-                f" now: autoshard builds hybrid sharding on a 2-D (replicate, shard) mesh of the data-parallel ranks"
-                f" and has no 3-D (replicate, shard, tensor parallel) layout yet. Fix: drop shard_size (pure FSDP with"
-                f" tensor parallel), or set tensor_parallel_size=1 (hybrid sharding alone)"
-            )
 
     def mesh_sizes(self, world_size: int, num_nodes: int = 1) -> tuple[int, int]:
         """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default.
@@ -218,7 +284,8 @@ class ShardingIntent:
     def hsdp_sizes(self, world_size: int, num_nodes: int = 1) -> tuple[int, int] | None:
         """(replicas, shard_size) of the hybrid-sharding mesh over the data-parallel ranks; None: pure FSDP.
 
-        ``'node'`` resolves to the devices of one node (world size / num_nodes). A shard size equal to the
+        ``'node'`` resolves to the devices of one node (world size / num_nodes; with tensor parallel, the data-parallel
+        ranks among them: that / tensor_parallel_size). A shard size equal to the
         data-parallel size is pure FSDP (one replica), so it gives None too: a 1-D mesh, nothing replicated.
         """
         if self.shard_size is None:
@@ -230,6 +297,16 @@ class ShardingIntent:
             )
         shard = world_size // num_nodes if self.shard_size == "node" else int(self.shard_size)
         stated = f"shard_size={self.shard_size!r}" + (f" (= {shard} devices per node)" if self.shard_size == "node" else "")
+        tp = self.tensor_parallel_size
+        if self.shard_size == "node" and tp > 1:  # a node holds shard groups x tensor-parallel groups (autoshard.mesh)
+            if shard % tp:
+                raise IntentError(
+                    f"shard_size='node' with tensor_parallel_size={tp}: a node's {shard} devices cannot hold whole"
+                    f" tensor-parallel groups of {tp}, so a group would span nodes. Fix: tensor_parallel_size= one of"
+                    f" {', '.join(map(str, _divisors(shard)))}, or shard_size= a number of data-parallel ranks"
+                )
+            shard //= tp
+            stated = f"shard_size='node' (= {shard} data-parallel ranks per node of {shard * tp} devices)"
         if shard > dp:
             raise IntentError(
                 f"{stated} exceeds the data-parallel size {dp} (world size {world_size}): a shard group cannot hold more"
@@ -287,7 +364,7 @@ class ShardingIntent:
         out = dataclasses.asdict(self)
         if isinstance(out["init_from"], tuple):
             out["init_from"] = dict(out["init_from"])
-        for key in ("shard", "exclude", "blocks"):
+        for key in ("shard", "exclude", "blocks", "pinned"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out

@@ -7,15 +7,17 @@ are DeepSpeed's own estimator formulas, so the two tools never disagree.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from autoshard.adapters.fsdp2 import Unsharded
+from autoshard.adapters.tp_plan import TPCollective, TPPlan
 from autoshard.backends import BACKENDS, get_backend, load, on_backend
 from autoshard.backends.deepspeed import zero3_model_states  # re-exported: public here before it moved
 from autoshard.errors import AutoShardError
@@ -86,7 +88,29 @@ def _gather_elsize(p: torch.Tensor, precision: PrecisionPlan, elsize: int) -> in
     return elsize
 
 
-def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str, precision: PrecisionPlan) -> Layout:
+@dataclass(frozen=True)
+class TensorParallelCost:
+    """What a model's own tensor-parallel plan changes in the estimate: ``layout`` holds each parameter's shape on one
+    tensor-parallel rank (what fully_shard then splits over the data-parallel ranks); ``full`` the same parameters
+    whole (for the unsharded figures); ``collectives`` the plan's per-step collectives (``TPPlan.collectives``)."""
+
+    size: int
+    full: Layout
+    collectives: tuple[TPCollective, ...]
+    activation_elsize: int  # bytes per element of the activations the collectives move (the compute dtype)
+
+
+def _tp_local(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    if dim is None or dim >= len(shape):
+        return shape
+    return (*shape[:dim], shape[dim] // tp, *shape[dim + 1 :])
+
+
+def _layout(
+    module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str, precision: PrecisionPlan
+) -> tuple[Layout, TensorParallelCost | None]:
+    """The parameters as the backend's plan places them; under a model's own tensor-parallel plan, as one
+    tensor-parallel rank holds them, with the cost of that plan (None without one)."""
     plan_fn = get_backend(backend).plan
     precision = on_backend(precision, backend)
     notes: list[str] = []
@@ -111,25 +135,98 @@ def _layout(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backe
         replicated = sorted(whys, key=len, reverse=True)
         gathered = {u.name: 0 for u in plan.units}
         reduced = {u.name: 0 for u in plan.units}
+    tp_plan: TPPlan | None = getattr(plan, "tp_plan", None) if plan_fn else None
+    tp = intent.tensor_parallel_size if tp_plan is not None else 1
+    splits = tp_plan.split_params(module) if tp_plan is not None and tp > 1 else {}
     params: dict[int, Param] = {}
+    whole: dict[int, Param] = {}
     for name, p in module.named_parameters():
         elsize = _elsize(p, precision)
         gather = _gather_elsize(p, precision, elsize)
         unit = owner.get(id(p))
+        shape = _tp_local(tuple(p.shape), splits.get(name), tp)
+        numel = math.prod(shape)
         if unit is not None:
             part, teacher = unit[0], unit[1] == "teacher"
-            gathered[part] += p.numel() * gather
+            gathered[part] += numel * gather
             if p.requires_grad and not teacher:
-                reduced[part] += p.numel() * (precision.reduce.bytes if p.is_floating_point() else elsize)
+                reduced[part] += numel * (precision.reduce.bytes if p.is_floating_point() else elsize)
         else:
             part = next((r for r in replicated if name == r or name.startswith(r + ".")), name)
             whys.setdefault(part, Unsharded.OUTSIDE.value)
             teacher = False
-        params[id(p)] = Param(name, tuple(p.shape), elsize, gather, unit is not None, teacher, p.requires_grad, part)
+        params[id(p)] = Param(name, shape, elsize, gather, unit is not None, teacher, p.requires_grad, part)
+        whole[id(p)] = replace(params[id(p)], shape=tuple(p.shape))
     if plan_fn:
         units = [Unit(u.name, gathered[u.name], reduced[u.name], u.reshard_after_forward, u.role == "teacher") for u in plan.units]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
-    return Layout(params, units, whys, notes, largest, precision)
+    layout = Layout(params, units, whys, notes, largest, precision)
+    if tp_plan is None or tp == 1:
+        return layout, None
+    full = Layout(whole, units, whys, notes, largest, precision)
+    return layout, TensorParallelCost(tp, full, tuple(tp_plan.collectives(module)), precision.compute.bytes)
+
+
+def _with_tensor_parallel(
+    estimator: Any,
+    layout: Layout,
+    tp: TensorParallelCost,
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
+    intent: ShardingIntent,
+    world_size: int,
+    rank: int,
+    *,
+    overrides: Mapping[str, int],
+    num_nodes: int,
+    zero_init: bool,
+    tokens: int | None,
+    full_model_states: int,
+) -> MemoryEstimate:
+    """The estimate of one rank of a data-parallel x tensor-parallel run, from the backend's own estimator.
+
+    Ranks are numbered tensor parallel innermost (``autoshard.mesh``): the ranks of one tensor-parallel coordinate form
+    the data-parallel world fully_shard shards over, so the estimator sees that world (world size / tp ranks, its
+    nodes' share of them) and parameters already cut to one tensor-parallel rank's slice. Its states are exact per
+    rank; ``full_model_states`` (the whole parameters' states, the same at every world size) is the unsharded figure;
+    the plan's collectives join the traffic rows, over the tp ranks of one node, for ``tokens`` tokens per micro-batch
+    (a note gives bytes per token without them).
+    """
+    intent.mesh_sizes(world_size, num_nodes)  # refuses a tensor-parallel size that does not fit this world
+    dp = world_size // tp.size
+    per_node = world_size // num_nodes
+    dp_nodes = num_nodes if dp % num_nodes == 0 and per_node % tp.size == 0 else 1
+    inner = intent.replace(tensor_parallel_size=1, data_parallel_size=None)
+    est = estimator(layout, sourced, inner, dp, rank // tp.size, overrides=overrides, num_nodes=dp_nodes, zero_init=zero_init)
+    spans_nodes = tp.size > per_node
+    traffic: list[Traffic] = []
+    per_token: dict[str, int] = {}
+    for c in tp.collectives:
+        key = f"tensor parallel: {c.collective} of {'parameter gradients' if not c.per_token else 'activations'} ({c.phase})"
+        if c.per_token:
+            per_token[key] = per_token.get(key, 0) + c.sent(c.features, tp.activation_elsize, tp.size)
+        else:
+            sent = c.sent(c.features, layout.precision.reduce.bytes, tp.size)
+            traffic.append(Traffic(key, tp.size, sent, spans_nodes))
+    notes = list(est.notes)
+    if per_token and tokens:
+        traffic += [Traffic(key, tp.size, sent * tokens, spans_nodes) for key, sent in per_token.items()]
+    elif per_token:
+        shown = ", ".join(f"{key.removeprefix('tensor parallel: ')} {fmt_bytes(sent)}" for key, sent in per_token.items())
+        notes.append(f"tensor-parallel traffic per token of the micro-batch, per rank and step: {shown} (pass --batch to count it)")
+    notes.append(
+        f"tensor parallel {tp.size}: each rank holds 1/{tp.size} of the rows or columns of every parameter the model's"
+        f" plan splits, sharded again over its data-parallel shard group (world size / {tp.size}, or shard_size)"
+    )
+    return replace(
+        est,
+        world_size=world_size,
+        rank=rank,
+        full_model_states=full_model_states,
+        shard_group=est.shard_group * tp.size,
+        num_nodes=num_nodes,
+        traffic=(*est.traffic, *(t for t in traffic if t.bytes)),
+        notes=tuple(dict.fromkeys(notes)),
+    )
 
 
 def with_step(estimate: MemoryEstimate, step: Any, whole_step: bool) -> MemoryEstimate:
@@ -282,6 +379,7 @@ def estimate_memory_many(
     precision: PrecisionPlan | None = None,
     sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None,
     devices_per_node: int | None = None,
+    tokens: int | None = None,
 ) -> list[MemoryEstimate]:
     """One estimate per world size; the plan and the optimizers are built once.
 
@@ -290,6 +388,9 @@ def estimate_memory_many(
 
     ``sourced``: (source, optimizer) pairs from ``collect_optimizers`` already made by the caller, so that the
     user's ``configure_optimizers`` runs once (hooks may assert a single call).
+
+    ``tensor_parallel_size > 1`` (fsdp2, the model's own plan): each rank holds its tensor-parallel slice, sharded
+    over the data-parallel ranks; ``tokens``: tokens per micro-batch, to count the plan's activation traffic.
     """
     intent = as_intent(intent)
     precision = precision or resolve_precision(None, intent)
@@ -302,8 +403,11 @@ def estimate_memory_many(
         sourced = collect_optimizers(module, callbacks)
     else:
         sourced = [("given", o) for o in (returned_optimizers(list(optimizers)) or list(optimizers))]
-    layout = _layout(module, intent, needs, backend, precision)
+    layout, tp = _layout(module, intent, needs, backend, precision)
     estimator = get_backend(backend).memory
+    if tp is not None:  # the whole parameters' states: one figure for every world size
+        inner = intent.replace(tensor_parallel_size=1, data_parallel_size=None)
+        whole = estimator(tp.full, sourced, inner, 1, 0, overrides=dict(state_tensors or {}), num_nodes=1, zero_init=zero_init).full_model_states
     out = []
     for world_size in world_sizes:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -311,6 +415,24 @@ def estimate_memory_many(
         if not 0 <= rank < world_size:
             raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
         nodes = num_nodes if devices_per_node is None else nodes_for(world_size, devices_per_node)
+        if tp is not None:
+            out.append(
+                _with_tensor_parallel(
+                    estimator,
+                    layout,
+                    tp,
+                    sourced,
+                    intent,
+                    world_size,
+                    rank,
+                    overrides=dict(state_tensors or {}),
+                    num_nodes=nodes,
+                    zero_init=zero_init,
+                    tokens=tokens,
+                    full_model_states=whole,
+                )
+            )
+            continue
         out.append(
             estimator(
                 layout,

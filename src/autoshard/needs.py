@@ -129,6 +129,12 @@ def _modules_owning(root: nn.Module, param_ids: set[int]) -> list[str]:
     return owned
 
 
+def modules_trained_by(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The outermost submodules of ``root`` all of whose parameters ``optimizer`` trains: what it owns, by module path
+    (the rule that finds the modules callback optimizers train; Fabric names each optimizer's modules with it)."""
+    return _modules_owning(root, {id(p) for group in optimizer.param_groups for p in group["params"]})
+
+
 def _callback_needs(root: nn.Module, callbacks: Iterable[object]) -> tuple[list[tuple[str, int]], list[str], set[int]]:
     """Optimizers each callback owns (found, or declared as ``autoshard_optimizers = N``), the modules they train,
     and the ids of the optimizers callbacks hold (one that Lightning also returns is counted once, as the callback's)."""

@@ -45,7 +45,7 @@ def features_needed(
     elif intent.offload == "optimizer":
         out[Feature.CPU_OFFLOAD_OPTIMIZER] = "offload='optimizer'"
     if intent.activation_checkpointing:
-        out[Feature.ACTIVATION_CHECKPOINTING] = "activation_checkpointing=True"
+        out[Feature.ACTIVATION_CHECKPOINTING] = f"activation_checkpointing={intent.activation_checkpointing!r}"
     if intent.checkpoint == "full":
         out[Feature.FULL_CHECKPOINT] = "checkpoint='full'"
     else:

@@ -52,7 +52,27 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member("torch.distributed._composable.fsdp", "MixedPrecisionPolicy", _FSDP, "fallback home, with fully_shard"),
     Member("torch.distributed._composable.fsdp", "CPUOffloadPolicy", _FSDP, "fallback home, with fully_shard"),
     Member("torch.distributed._composable.fsdp", "OffloadPolicy", _FSDP, "fallback home, with fully_shard"),
-    Member("torch.distributed._composable", "checkpoint", _FSDP, "activation checkpointing of a unit, composable with fully_shard"),
+    Member(
+        "torch.distributed.device_mesh",
+        "DeviceMesh._unflatten",
+        "autoshard.mesh",
+        "hybrid sharding's (dp_replicate, dp_shard) view of the one mesh: same ranks and root, so FSDP2 composes with tensor parallel",
+    ),
+    Member(
+        "torch",
+        "Tensor._post_accumulate_grad_hooks",
+        _FSDP,
+        "reset on a parameter whose contents Module.to swapped: its old hook dict is registered on the other tensor",
+    ),
+    Member(
+        "torch", "Tensor._version", "autoshard.adapters.tp_plan", "a shared tensor-parallel input is reused only while it is not modified in place"
+    ),
+    Member(
+        "torch.distributed.fsdp._fully_shard._fsdp_state",
+        "FSDPState._lazy_init",
+        _FSDP,
+        "every unit's reduce dtype fixed before the first forward, whatever is frozen then (init_sharded_units)",
+    ),
     Member("torch.distributed", "_broadcast_coalesced", _FSDP, "rank 0's unsharded parameters and buffers in few messages"),
     Member("torch.distributed.tensor._random", "_rng_tracker", _FSDP, "replaced on CPU meshes while meta shards are initialized"),
     Member("torch.distributed.tensor._random", "_RNGStateTracker._distribute_region", _FSDP, "the method the stand-in tracker provides"),
@@ -65,9 +85,24 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member("torch", "_foreach_copy_", _FSDP, "the averages copied into the gradients, in one call"),
     Member("torch.nn.modules.batchnorm", "_BatchNorm", "autoshard.batchnorm", "every BatchNorm class, converted to SyncBatchNorm"),
     # -- checkpoints ----------------------------------------------------------------------------------------------
-    Member("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict", "autoshard.checkpoint", "a DCP checkpoint read in one process (as torch's dcp_to_torch_save)"),
-    Member("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner", "autoshard.checkpoint", "the planner that reads entries without a template"),
-    Member("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "autoshard.init_from", "which slice of a full tensor a rank's shard holds"),
+    Member(
+        "torch.distributed.checkpoint.state_dict_loader",
+        "_load_state_dict",
+        "autoshard.checkpoint",
+        "a DCP checkpoint read in one process (as torch's dcp_to_torch_save)",
+    ),
+    Member(
+        "torch.distributed.checkpoint.default_planner",
+        "_EmptyStateDictLoadPlanner",
+        "autoshard.checkpoint",
+        "the planner that reads entries without a template",
+    ),
+    Member(
+        "torch.distributed.tensor._utils",
+        "compute_local_shape_and_global_offset",
+        "autoshard.init_from",
+        "which slice of a full tensor a rank's shard holds",
+    ),
     # -- the simulated step (activations) ---------------------------------------------------------------------------
     Member(_TRACKER, "FSDPMemTracker", _ACT, "the tracker StepTracker extends"),
     Member(_TRACKER, "_FSDPRefType", _ACT, "its memory categories (MODEL_STATES, GATHERED, ACTIVATIONS)"),
@@ -85,6 +120,12 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member(_FAKE, "DynamicOutputShapeException", _ACT, "a value-dependent output shape, said in words"),
     Member(_FAKE, "UnsupportedOperatorException", _ACT, "an operator without a fake kernel, said in words"),
     Member("torch.utils._pytree", "tree_map_only", _ACT, "fake tensors made from the example batch"),
+    Member("torch.distributed.distributed_c10d", "_World", _ACT, "an empty group registry in the forked child of in_detached_world"),
+    Member("torch.distributed.distributed_c10d", "_world", _ACT, "replaced in that child only, so the parent's live group is never touched"),
+    Member("torch.distributed._composable", "checkpoint", "autoshard.adapters.checkpointing", "full activation checkpointing of a block"),
+    Member("torch.utils._pytree", "tree_map_only", "autoshard.budget", "empty tensors of a given batch's shapes"),
+    Member("torch.utils._pytree", "tree_map", "autoshard.budget", "a batch cut to a smaller micro-batch"),
+    Member("torch.utils._pytree", "tree_leaves", "autoshard.budget", "the tensors of a batch (its rows)"),
     Member("torch.utils._pytree", "tree_leaves", "autoshard.explain", "the tensors of a user's batch"),
     Member("torch.utils._pytree", "tree_map", "autoshard.explain", "a user's batch cut to a smaller micro-batch"),
 )

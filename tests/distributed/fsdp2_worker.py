@@ -474,6 +474,54 @@ def scenario_zoo() -> dict[str, Any]:
     return out
 
 
+class TwoPlayers(pl.LightningModule):
+    """A GAN-shaped method in Lightning's documented pattern: manual optimization, two optimizers, and
+    ``toggle_optimizer`` freezing the other player while one steps (so at the first forward one unit has no trainable
+    parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.disc = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        gen_opt, disc_opt = self.optimizers()
+        (x,) = batch
+        for opt, loss in (
+            (gen_opt, lambda: F.softplus(-self.disc(self.gen(x))).mean()),  # the non-saturating GAN losses
+            (disc_opt, lambda: F.softplus(self.disc(self.gen(x).detach())).mean() + F.softplus(-self.disc(x)).mean()),
+        ):
+            self.toggle_optimizer(opt)
+            opt.zero_grad()
+            self.manual_backward(loss())
+            opt.step()
+            self.untoggle_optimizer(opt)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.gen.parameters(), lr=0.05), torch.optim.SGD(self.disc.parameters(), lr=0.05)
+
+
+def scenario_two_players_bf16() -> dict[str, Any]:
+    """toggle_optimizer under bf16-mixed: FSDP2 would fix the frozen player's reduce dtype to none at its first forward
+    and fail its first backward (a bf16 gradient into an fp32 parameter); autoshard initializes every unit first."""
+    pl.seed_everything(3, verbose=False)
+    model = TwoPlayers()
+    before = snapshot(model)
+    data = TensorDataset(torch.randn(32, 16))
+    with count_collectives() as collectives:
+        trainer("fsdp2", steps=3, precision="bf16-mixed").fit(model, DataLoader(data, batch_size=4))
+    after = snapshot(model)
+    return {
+        "changed": sorted(n for n in before if not torch.equal(after[n], before[n])),
+        "names": sorted(before),
+        "sharded": sorted(shard_fractions(model)),
+        "finite": all(bool(torch.isfinite(t).all()) for t in after.values()),
+        "reduced": sorted(collectives["reduce_scatter"]),
+        "sums": {n: float(t.double().sum()) for n, t in after.items()},
+    }
+
+
 SCENARIOS = {
     "zoo": scenario_zoo,
     "meta_init": scenario_meta_init,
@@ -485,6 +533,7 @@ SCENARIOS = {
     "parallelize_fn": scenario_parallelize_fn,
     "bf16_mixed": scenario_bf16_mixed,
     "ema_bf16": scenario_ema_bf16,
+    "two_players_bf16": scenario_two_players_bf16,
 }
 
 

@@ -162,6 +162,17 @@ def test_bf16_mixed_all_gathers_in_bf16_reduces_in_fp32_and_trains(ranks: list[d
         assert run["max_diff_vs_single_process"] < 1e-2
 
 
+def test_toggle_optimizer_under_bf16_mixed_trains_both_players_alike_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    """Lightning's GAN pattern (toggle_optimizer) under bf16-mixed: both players' units are sharded, both train, the
+    gradients are reduced in fp32 only, and the ranks end with the same weights."""
+    for rank in ranks:
+        run = rank["two_players_bf16"]
+        assert {n.split(".")[0] for n in run["sharded"]} == {"gen", "disc"}, run["sharded"]
+        assert run["changed"] == run["names"] and run["finite"]
+        assert run["reduced"] == ["float32"]
+    assert ranks[0]["two_players_bf16"]["sums"] == ranks[1]["two_players_bf16"]["sums"]
+
+
 @pytest.mark.timeout(450)
 def test_estimated_traffic_is_what_fully_shard_sends(ranks: list[dict[str, Any]]) -> None:
     """explain's bytes per step (memory.Traffic) against the all-gathers and reduce-scatters counted in the run."""

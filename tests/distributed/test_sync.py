@@ -117,21 +117,13 @@ def test_meta_init_gives_each_shard_its_own_values_on_cuda(tmp_path: Path) -> No
     assert all(r["tracker_left"] == "OffsetBasedRNGTracker" for r in ranks)
 
 
-def test_tensor_parallel_without_parallelize_fn_is_refused_at_construction() -> None:
+def test_tensor_parallel_builds_a_trainer_with_or_without_a_parallelize_fn() -> None:
+    """The layout comes from the model's own plan (found at setup) or a parallelize_fn: neither is needed to build."""
     import lightning.pytorch as pl
 
-    from autoshard.errors import IntentError
     from autoshard.lightning import FSDP2Strategy
 
-    with pytest.raises(IntentError) as caught:
-        pl.Trainer(strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}), accelerator="cpu", devices=2, logger=False)
-    text = str(caught.value)
-    assert text.startswith("tensor_parallel_size=2 needs a parallelize_fn: autoshard has no generic tensor-parallel layout")
-    assert "they would all train on the same batch" in text
-    assert text.endswith(
-        "Fix: pass FSDP2Strategy(parallelize_fn=fn), where fn(module, device_mesh) applies a tensor-parallel layout on"
-        " device_mesh['tensor_parallel'], or set tensor_parallel_size=1"
-    )
+    pl.Trainer(strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}), accelerator="cpu", devices=2, logger=False)
     pl.Trainer(
         strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}, parallelize_fn=lambda m, mesh: None), accelerator="cpu", devices=2, logger=False
     )

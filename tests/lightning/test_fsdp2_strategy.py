@@ -270,10 +270,29 @@ def test_user_configure_model_sharding_is_respected(caplog: pytest.LogCaptureFix
     assert "modules already sharded (your configure_model); the generic plan is skipped" in caplog.text
 
 
-def test_auto_shard_picks_deepspeed_when_the_intent_needs_it() -> None:
+NVME = {"offload": "optimizer", "offload_device": "nvme", "nvme_path": "/tmp/nvme"}
+
+
+def test_auto_shard_is_a_registered_factory_that_picks_deepspeed_when_the_intent_needs_it() -> None:
+    """ "auto-shard" names a factory (Lightning's registry calls it): a strategy class, never a constructor returning
+    another class. The factory builds DeepSpeed for an intent only DeepSpeed runs; the class itself refuses one."""
     pytest.importorskip("deepspeed")
-    strategy = AutoShardStrategy(intent={"offload": "optimizer", "offload_device": "nvme", "nvme_path": "/tmp/nvme"})
-    assert type(strategy).__name__ == "AutoShardDeepSpeedStrategy"
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from autoshard.lightning import auto_shard
+
+    assert dict.get(StrategyRegistry, "auto-shard")["strategy"] is auto_shard
+    strategy = auto_shard(intent=NVME)
+    assert type(strategy).__name__ == "AutoShardDeepSpeedStrategy" and strategy.requested_as == "auto-shard"
+    assert type(auto_shard(intent={"offload": "params"})) is AutoShardStrategy
+    assert "__new__" not in vars(AutoShardStrategy)
+    with pytest.raises(IntentError) as info:
+        AutoShardStrategy(intent=NVME)
+    text = str(info.value)
+    assert text.startswith("AutoShardStrategy is auto-shard's fsdp2 strategy, but this intent needs deepspeed_zero3")
+    assert text.split("Fix: ")[1].startswith("build it with autoshard.lightning.auto_shard(...) and the same arguments")
+    with pytest.raises(IntentError, match="DeepSpeed takes no parallelize_fn. Fix: drop parallelize_fn"):
+        auto_shard(intent=NVME, parallelize_fn=lambda m, mesh: None)
 
 
 def test_lightning_cli_yaml(tmp_path: Any) -> None:

@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.lightning import FSDP2Strategy
-from autoshard.lightning.fsdp2 import check_node_groups, check_slurm, check_torchrun
+from autoshard.lightning.environment import check_node_groups, check_slurm, check_torchrun
 
 LAUNCHERS = ("SLURM_", "TORCHELASTIC_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "PMI_", "OMPI_")
 
@@ -191,3 +191,46 @@ def test_node_shard_groups_must_be_one_node_each() -> None:
     text = str(info.value)
     assert "ranks 0-1 (shard group 0) are on nodes [0, 1]" in text
     assert fix_of(text) == "launch with `srun --distribution=block` (SLURM's default) or torchrun, which number the ranks node by node"
+
+
+# -- one check for every engine -------------------------------------------------------------------------------------
+def deepspeed_strategies() -> list[Any]:
+    """Lightning's DeepSpeed name (GuardedDeepSpeedStrategy through the registry) and autoshard-deepspeed."""
+    pytest.importorskip("deepspeed")
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy, GuardedDeepSpeedStrategy
+
+    return [("deepspeed_stage_3", GuardedDeepSpeedStrategy), (AutoShardDeepSpeedStrategy(), AutoShardDeepSpeedStrategy)]
+
+
+def refusal(devices: int, num_nodes: int, strategy: Any) -> str:
+    with pytest.raises(IntentError) as info:
+        pl.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("launch", "devices", "num_nodes", "fragment"),
+    [
+        ("slurm_tasks", 4, 1, "SLURM started 2 task(s) per node but Trainer(devices=4)"),
+        ("slurm_nodes", 2, 1, "SLURM allocated 2 node(s) but Trainer(num_nodes=1)"),
+        ("torchrun", 2, 1, "torchrun started 4 processes, 2 on this node"),
+    ],
+)
+def test_deepspeed_strategies_refuse_the_same_launch_mismatch_with_the_same_text(
+    monkeypatch: pytest.MonkeyPatch, launch: str, devices: int, num_nodes: int, fragment: str
+) -> None:
+    """The launch check is the strategies' common step (BackendMixin), not fsdp2's: under srun or torchrun Lightning
+    starts no launcher for DeepSpeed either, so without it a wrong devices= would only fail once processes wait."""
+    if launch == "torchrun":
+        torchrun(monkeypatch, world=4, per_node=2, rank=1)
+    else:
+        slurm(monkeypatch, NNODES="2", JOB_NUM_NODES="2", NTASKS="4", NTASKS_PER_NODE="2", TASKS_PER_NODE="2(x2)")
+    expected = refusal(devices, num_nodes, FSDP2Strategy())
+    assert fragment in expected and fix_of(expected)
+    for strategy, cls in deepspeed_strategies():
+        assert refusal(devices, num_nodes, strategy) == expected, cls.__name__
+    # The same launch, described right, builds each of them: the check refuses only the mismatch.
+    right = (2, 2)
+    for strategy, cls in deepspeed_strategies():
+        built = pl.Trainer(accelerator="cpu", devices=right[0], num_nodes=right[1], strategy=strategy, logger=False)
+        assert type(built.strategy) is cls and built.world_size == 4

@@ -63,8 +63,14 @@ ROW = {
     Feature.DISTRIBUTED_CHECKPOINT: yes("torch.distributed.checkpoint directory, reshardable on resume"),
     Feature.FULL_CHECKPOINT: yes("full state dict gathered on rank 0 into one file"),
     Feature.TENSOR_PARALLEL: partial(
-        "autoshard builds the 2-D (data_parallel, tensor_parallel) mesh but has no generic tensor-parallel layout",
-        "pass parallelize_fn that applies parallelize_module on device_mesh['tensor_parallel']",
+        "laid out from the model's own plan (transformers' base_model_tp_plan and _tp_plan, or a _tp_plan dict):"
+        " colwise and rowwise layers with their gathered-output and split-input variants, vocabulary-parallel"
+        " embeddings, whole norms (gradient-summed where the plan says so), tied weights kept one tensor; then"
+        " fully_shard over the data-parallel ranks of the same mesh; or laid out by your parallelize_fn. Not covered:"
+        " sequence parallelism, mixture-of-experts, packed and per-head-unit styles (refused by name before training),"
+        " and explain's simulated step (model states and traffic are estimated, activations are not)",
+        "for a model without a plan, or with a style autoshard refuses, pass parallelize_fn that applies"
+        " parallelize_module on device_mesh['tensor_parallel']",
     ),
     Feature.CPU_ACCELERATOR: yes("runs on gloo; used by autoshard's own tests"),
     Feature.INIT_FROM: yes("after sharding, each rank reads only its own rows of the safetensors, torch or DCP file"),

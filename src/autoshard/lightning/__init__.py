@@ -13,6 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from autoshard.lightning import guards
+from autoshard.lightning.auto_shard import auto_shard
 from autoshard.lightning.compat import check_lightning
 from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy, refuse_unsupported_precision
 from autoshard.lightning.guards import Change, installed
@@ -60,7 +61,7 @@ def register() -> None:
     guards.register_strategy(
         StrategyRegistry,
         "auto-shard",
-        AutoShardStrategy,
+        auto_shard,  # a factory: AutoShardStrategy, or autoshard's DeepSpeed strategy when the intent needs it
         "autoshard: the sharding backend your method can run on",
         "Trainer(strategy='auto-shard'): the backend the selector picks",
     )
@@ -93,4 +94,4 @@ def write_changes(path: str | Path) -> None:
     os.replace(staged, path)  # atomic: a failed write leaves the page as it was
 
 
-__all__ = ["AutoShardStrategy", "Change", "FSDP2Strategy", "installed", "register", "uninstall", "write_changes"]
+__all__ = ["AutoShardStrategy", "Change", "FSDP2Strategy", "auto_shard", "installed", "register", "uninstall", "write_changes"]

@@ -2,8 +2,9 @@
 
 Mixed in first (``class FSDP2Strategy(BackendMixin, ..., ModelParallelStrategy)``), so its ``_configure_launcher``
 runs before Lightning's. One order for every backend: when the Trainer is built, the Trainer's precision is resolved
-once (with the intent) and what needs no module is checked (mesh sizes, and per strategy more); at setup, the
-method's needs go through the same ``select_backend`` with the same accelerator, precision and strategy string.
+once (with the intent), the launch is checked against ``devices`` / ``num_nodes`` (``lightning.environment``: SLURM,
+torchrun), and what needs no module is checked (the parallel dims, resolved once, and per strategy more); at setup,
+the method's needs go through the same ``select_backend`` with the same accelerator, precision and strategy string.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard.intent import ShardingIntent
+from autoshard.lightning.environment import check_launch
+from autoshard.mesh import ParallelDims
 from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
 from autoshard.select import Decision, select_backend
@@ -22,25 +25,34 @@ if TYPE_CHECKING:
 
 
 class BackendMixin:
-    """Precision, construction-time checks, backend selection and mesh sizes, for FSDP2 and DeepSpeed alike."""
+    """Precision, launch and construction-time checks, backend selection and parallel dims, for FSDP2 and DeepSpeed alike."""
 
     prefer: str  # what select_backend is asked for: the backend's name, or "auto"
     intent: ShardingIntent
     requested_as: str | None = None  # the strategy string the user typed, when it is not this class's own name
     precision_plan: PrecisionPlan | None = None  # resolved once the Trainer's precision is known
     needs: MethodNeeds | None = None  # what the method needs, once inspected at setup
-    hsdp_sizes: tuple[int, int] | None = None  # (replicas, shard_size) for ShardingIntent(shard_size=...); None: pure FSDP
+    dims: ParallelDims | None = None  # resolved once when the Trainer is built (_resolve_dims)
     decision: Decision | None = None  # the backend decision for those needs
     # Provided by the Lightning strategy this is mixed into.
     num_nodes: int
     num_processes: int
     parallel_devices: list[torch.device] | None
     precision_plugin: Any
+    cluster_environment: Any
 
     def _configure_launcher(self) -> None:  # private Lightning hook: autoshard.lightning.compat
         self.precision_plan = self._resolve_precision()
+        # Under srun or torchrun Lightning starts no launcher, so its own validate_settings never runs: the world they
+        # started is compared with devices x num_nodes here, before any process waits, whatever the backend.
+        check_launch(self.num_processes, self.num_nodes, self.cluster_environment)
         self._check_construction()
         super()._configure_launcher()  # type: ignore[misc]
+
+    @property
+    def hsdp_sizes(self) -> tuple[int, int] | None:
+        """(replicas, shard_size) for ShardingIntent(shard_size=...); None: pure FSDP (or not resolved yet)."""
+        return self.dims.hsdp if self.dims is not None else None
 
     def _resolve_precision(self) -> PrecisionPlan | None:
         """The run's precision, once: the Trainer's precision plugin (the source of truth) with the intent."""
@@ -48,21 +60,17 @@ class BackendMixin:
 
     def _check_construction(self) -> None:
         """What can be refused once the Trainer is built and before any process starts; more per strategy."""
-        self._mesh_sizes()
+        self._resolve_dims()
 
     def _intent_to_check(self) -> ShardingIntent:
         """The intent the matrix judges (Lightning's own DeepSpeed names have none: the default)."""
         return self.intent
 
-    def _mesh_sizes(self) -> tuple[int, int]:
-        """(data parallel, tensor parallel) for this world; refuses sizes whose product is not the world size.
-
-        The hybrid-sharding split (``hsdp_sizes``) is resolved here too, once, where num_nodes is known ("node").
-        """
-        intent, world = self._intent_to_check(), self.num_nodes * self.num_processes
-        sizes = intent.mesh_sizes(world, self.num_nodes)
-        self.hsdp_sizes = intent.hsdp_sizes(world, self.num_nodes)
-        return sizes
+    def _resolve_dims(self) -> ParallelDims:
+        """The run's parallel dims (replicas x shard ranks x tensor parallel), resolved once for this world, where
+        num_nodes is known (``shard_size='node'``); refuses sizes that do not fit it."""
+        self.dims = ParallelDims.resolve(self._intent_to_check(), self.num_nodes * self.num_processes, self.num_nodes)
+        return self.dims
 
     def _accelerator_name(self) -> str | None:
         return self.parallel_devices[0].type if self.parallel_devices else None

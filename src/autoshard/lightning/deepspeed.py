@@ -13,7 +13,7 @@ import dataclasses
 import importlib.util
 import pickle
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from autoshard import deepspeed_files
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
@@ -400,6 +401,35 @@ _PASS_THROUGH = {
 }
 
 
+def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: int, world: int, broadcast: Callable[[Any], Any]) -> None:
+    """A DeepSpeed engine's save (``write(staging)``: every rank writes its files) through checkpoint_io's publish
+    protocol, for the Trainer and Fabric strategies alike: rank 0 holds the destination's lock; the engine writes into
+    a staging of this save's own; each rank fsyncs and hashes the files it wrote; rank 0 writes the manifest fsdp2
+    saves write too, and renames the staging in. A crash leaves the previous checkpoint whole, and a resume checks
+    every file before DeepSpeed reads one."""
+    deepspeed_files.check_version()  # the shares below follow DeepSpeed's file names
+    path = Path(broadcast(filepath))
+    token = broadcast(writer_token())
+    staged = staging_path(path, token)
+    held: list[Publisher] = []
+    try:
+        on_rank0(lambda: begin_save(path, token, held), rank, world, broadcast)
+        write(staged)  # returns after DeepSpeed's last barrier: all files are in
+        names = [f.relative_to(staged).as_posix() for f in staged.rglob("*") if f.is_file()]
+        mine = [name for name in names if deepspeed_files.writer_rank(name) % world == rank]
+        files = hash_on_every_rank(staged, mine, rank, sync=True)  # DeepSpeed does not fsync its files
+
+        def publish() -> None:
+            write_manifest(staged / MANIFEST, files, KIND_SAVE)
+            fsync_dir(staged)
+            held[0].publish(check_replaceable)
+
+        on_rank0(publish, rank, world, broadcast)
+    finally:
+        for publisher in held:  # a failed save's staging stays for the next save to clear
+            publisher.release()
+
+
 def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(intent fields, Lightning arguments); config-shaping Lightning arguments are refused with their intent field."""
     fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
@@ -456,27 +486,13 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         if storage_options is not None or self.deepspeed_engine.use_node_local_storage():
             super().save_checkpoint(checkpoint, filepath, storage_options)  # Lightning's refusal; per-node directories
             return
-        path = Path(self.broadcast(filepath))
-        token = self.broadcast(writer_token())
-        staged = staging_path(path, token)
-        rank, world = self.global_rank, self.world_size
-        held: list[Publisher] = []
-        try:
-            on_rank0(lambda: begin_save(path, token, held), rank, world, self.broadcast)
-            super().save_checkpoint(checkpoint, str(staged))  # returns after DeepSpeed's last barrier: all files are in
-            names = [f.relative_to(staged).as_posix() for f in staged.rglob("*") if f.is_file()]
-            mine = [name for name in names if _writer_rank(name) % world == rank]
-            files = hash_on_every_rank(staged, mine, rank, sync=True)  # DeepSpeed does not fsync its files
-
-            def publish() -> None:
-                write_manifest(staged / MANIFEST, files, KIND_SAVE)
-                fsync_dir(staged)
-                held[0].publish(check_replaceable)
-
-            on_rank0(publish, rank, world, self.broadcast)
-        finally:
-            for publisher in held:  # a failed save's staging stays for the next save to clear
-                publisher.release()
+        publish_deepspeed_save(
+            filepath,
+            lambda staged: super(AutoShardDeepSpeedStrategy, self).save_checkpoint(checkpoint, str(staged)),
+            self.global_rank,
+            self.world_size,
+            self.broadcast,
+        )
 
     def _autoshard_format_config(self) -> bool:
         trainer = _attached_trainer(self.lightning_module)
@@ -493,13 +509,6 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
             zero_overrides=self.zero_overrides,
         )
         return True
-
-
-def _writer_rank(name: str) -> int:
-    """The rank whose DeepSpeed file this is (``zero_pp_rank_R_...``: rank R's partition); 0 for the rest (rank 0
-    writes ``latest``, the shared model states and ``zero_to_fp32.py``)."""
-    found = re.search(r"zero_pp_rank_(\d+)_", name)
-    return int(found.group(1)) if found else 0
 
 
 def register_deepspeed_strategies(registry: Any) -> None:

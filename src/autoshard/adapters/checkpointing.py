@@ -1,0 +1,202 @@
+"""Activation checkpointing of one block, in the modes ``ShardingIntent(activation_checkpointing=...)`` names.
+
+Four settings, so that a memory budget has steps between nothing recomputed and everything:
+
+- ``False``: nothing recomputed;
+- ``True``: every block (its forward runs again in backward; only its inputs are kept);
+- ``k >= 2``: every k-th block, counted from the first (blocks 0, k, 2k, ...). torchtitan counts from 1 (blocks
+  k-1, 2k-1, ...), which checkpoints the last block when k divides the depth; the last block's forward is
+  recomputed right away, while every other block's activations are still alive, so checkpointing it lowers no
+  peak. Counting from 0 never picks the last block unless it must (k >= depth picks block 0 only);
+- ``'selective'``: op-level, torchtitan's policy through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``:
+  the outputs of compute-heavy ops (matmuls, attention, convolutions, reduce-scatters, max) are saved, except every
+  second matmul, and everything else (norms, activations functions, dropout masks, views) is recomputed. autoshard
+  counts ``addmm`` (a Linear with a bias) as a matmul, and adds the CPU attention kernels and convolutions, which the
+  CUDA-only llama list does not need.
+
+``apply_checkpointing`` uses torch's composable ``checkpoint`` (non-reentrant, hooks on the module): unlike
+``checkpoint_wrapper`` it leaves module paths and state-dict keys as they are, and it composes with ``fully_shard``
+applied after it. Recomputation gives the same values: the RNG state is restored for the recomputed forward
+(dropout draws the same mask), so training is unchanged, only slower.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import IntentError
+from autoshard.intent import SELECTIVE, ShardingIntent
+
+
+class Checkpointing(Enum):
+    """What a block recomputes in backward."""
+
+    NONE = "none"
+    FULL = "full"  # the whole forward of the block: only its inputs are saved
+    SELECTIVE = "selective"  # op-level: compute-heavy outputs saved, the rest recomputed
+
+
+@dataclass(frozen=True)
+class CheckpointMode:
+    """``ShardingIntent.activation_checkpointing`` resolved: the kind, and for FULL the block period ``every``."""
+
+    kind: Checkpointing
+    every: int = 1
+
+    @classmethod
+    def of(cls, value: bool | int | str | CheckpointMode) -> CheckpointMode:
+        """From the intent's value (validated there: ``ShardingIntent`` refuses anything else, with a Fix)."""
+        if isinstance(value, CheckpointMode):
+            return value
+        value = ShardingIntent(activation_checkpointing=value).activation_checkpointing  # one set of refusals
+        if value is False:
+            return cls(Checkpointing.NONE)
+        if value == SELECTIVE:
+            return cls(Checkpointing.SELECTIVE)
+        return cls(Checkpointing.FULL, 1 if value is True else int(value))
+
+    @property
+    def value(self) -> bool | int | str:
+        """Back to the intent's spelling: False, True, k or 'selective'."""
+        if self.kind is Checkpointing.NONE:
+            return False
+        if self.kind is Checkpointing.SELECTIVE:
+            return SELECTIVE
+        return True if self.every == 1 else self.every
+
+    def applies_to(self, index: int) -> bool:
+        """Whether the block at ``index`` (0-based, in forward order among the checkpointable blocks) is checkpointed."""
+        if self.kind is Checkpointing.NONE:
+            return False
+        return self.kind is Checkpointing.SELECTIVE or index % self.every == 0
+
+    def describe(self) -> str:
+        """In words, for plan summaries and budget tables: 'no', 'every block', 'every 2nd block', 'selective (op-level)'."""
+        if self.kind is Checkpointing.NONE:
+            return "no"
+        if self.kind is Checkpointing.SELECTIVE:
+            return "selective (op-level)"
+        return "every block" if self.every == 1 else f"every {_ordinal(self.every)} block"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def describe_checkpointing(value: bool | int | str) -> str:
+    """``activation_checkpointing`` in words (``FSDP2Plan.describe`` shows it; True/False read 'every block'/'no')."""
+    return CheckpointMode.of(value).describe()
+
+
+# -- the selective (op-level) policy ----------------------------------------------------------------------------------
+def _op(namespace: str, name: str, overload: str = "default") -> Any:
+    """An op overload when this torch has it (attention kernels come and go between releases), else None."""
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _save_list() -> tuple[frozenset[Any], frozenset[Any]]:
+    """(ops whose outputs are saved, the matmuls among them: every second one is recomputed)."""
+    matmuls = {_op("aten", "mm"), _op("aten", "addmm")}
+    saved = {
+        *matmuls,
+        _op("aten", "_scaled_dot_product_efficient_attention"),
+        _op("aten", "_scaled_dot_product_flash_attention"),
+        _op("aten", "_scaled_dot_product_cudnn_attention"),
+        _op("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+        _op("aten", "convolution"),
+        _op("_c10d_functional", "reduce_scatter_tensor"),
+        _op("aten", "max"),
+    }
+    return frozenset(saved - {None}), frozenset(matmuls - {None})
+
+
+def selective_context_fn() -> Any:
+    """A ``context_fn`` for ``checkpoint``: torchtitan's op-level policy, with a fresh matmul count per call.
+
+    The count is kept apart for the forward and the recomputation, so that both make the same choices.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved, matmuls = _save_list()
+    counts: defaultdict[str, int] = defaultdict(int)
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        phase = "recompute" if ctx.is_recompute else "forward"
+        if func in matmuls:
+            counts[phase] += 1
+        keep = func in saved and not (func in matmuls and counts[phase] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+# -- applying it --------------------------------------------------------------------------------------------------------
+def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMode, index: int) -> bool:
+    """Checkpoint ``block`` as ``mode`` says for the block at ``index`` (0-based, forward order among the blocks the
+    plan checkpoints); True when it did. Call it before ``fully_shard(block)``, as ``FSDP2Plan.apply`` does.
+
+    A block checkpointed twice is refused: torch's composable API would raise an opaque error on the second call.
+    """
+    mode = CheckpointMode.of(mode)
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise IntentError(f"apply_checkpointing: index must be the block's position (0, 1, ...), got {index!r}. Fix: count the blocks from 0")
+    if not mode.applies_to(index):
+        return False
+    from torch.distributed._composable import checkpoint
+
+    if _already(block):
+        raise IntentError(
+            f"{type(block).__name__} is already activation-checkpointed (torch.distributed._composable.checkpoint was"
+            f" applied to it before). Fix: checkpoint each block once: leave it to ShardingIntent(activation_checkpointing=...)"
+        )
+    if mode.kind is Checkpointing.SELECTIVE:
+        _checkpoint_forward(block)
+    else:
+        checkpoint(block)
+    return True
+
+
+def _checkpoint_forward(block: nn.Module) -> None:
+    """Selective checkpointing of ``block.forward`` itself, inside its hooks.
+
+    Not the composable API: it re-runs the whole ``block(...)`` call in backward, hooks included, and the hooks
+    ``fully_shard`` adds (their ``record_function`` ops) then reach the selective cache, which knows only the ops of
+    the forward it saw, and stops the backward ("encountered during backward but not found in storage"). Wrapping
+    the forward is what torchtitan's ``checkpoint_wrapper`` + ``fully_shard(wrapper)`` amounts to, without renaming
+    the block's parameters (``_checkpoint_wrapped_module.``) in the state dict.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    inner = block.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        call = functools.partial(inner, **kwargs) if kwargs else inner
+        return checkpoint(call, *args, use_reentrant=False, context_fn=selective_context_fn)
+
+    forward.autoshard_checkpointed = True  # type: ignore[attr-defined]
+    block.forward = forward  # type: ignore[method-assign]
+
+
+def _already(block: nn.Module) -> bool:
+    from torch.distributed._composable import checkpoint
+
+    if getattr(block.forward, "autoshard_checkpointed", False):
+        return True
+    try:
+        return checkpoint.state(block) is not None
+    except Exception:  # no state registered: not checkpointed
+        return False
+
+
+__all__ = ["CheckpointMode", "Checkpointing", "apply_checkpointing", "describe_checkpointing", "selective_context_fn"]

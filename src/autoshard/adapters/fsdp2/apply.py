@@ -1,0 +1,138 @@
+"""Applying a plan: ``fully_shard`` each unit on the run's mesh (autoshard.mesh), after the model's tensor-parallel
+layout when there is one, with the precision and offload policies; then the runtime guarantees.
+
+Private torch member used (listed in ``autoshard.torch_compat``): ``torch.utils._pytree``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from autoshard.adapters.fsdp2.api import fsdp2_api
+from autoshard.adapters.fsdp2.blocks import outermost
+from autoshard.adapters.fsdp2.ema import check_ema_alignment
+from autoshard.adapters.fsdp2.runtime import average_unsharded_gradients
+from autoshard.errors import IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.mesh import HYBRID_DIMS, ParallelMesh, dp_mesh
+from autoshard.needs import EMAPair
+from autoshard.precision import PrecisionPlan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def policies(precision: PrecisionPlan, intent: ShardingIntent) -> tuple[Any, Any]:
+    """FSDP2 MixedPrecisionPolicy for the precision and offload policy for the intent (offload 'optimizer' offloads params too).
+
+    fully_shard keeps the weights in ``precision.master`` (Lightning converts the module for "-true"); a dtype
+    that needs no cast is passed as None, so that FSDP2 does not cast every unit's inputs to the dtype they have.
+    """
+    _, _, mixed_precision_policy, cpu_offload_policy, offload_policy = fsdp2_api()
+    gather = None if precision.gather is precision.master else precision.gather
+    reduce = None if precision.reduce is (gather or precision.master) else precision.reduce
+    mp = mixed_precision_policy(param_dtype=gather and gather.torch, reduce_dtype=reduce and reduce.torch)
+    if intent.offload == "none":
+        return mp, offload_policy()
+    if intent.offload_device != "cpu":
+        raise IntentError("fsdp2 can offload to CPU memory only. Fix: use offload_device='cpu', or strategy='autoshard-deepspeed' for NVMe")
+    return mp, cpu_offload_policy(pin_memory=torch.cuda.is_available())
+
+
+def data_parallel_mesh(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
+    """Every data-parallel rank of ``mesh`` (``autoshard.mesh.ParallelMesh.dp``): its ``data_parallel`` dim, or a 1-D
+    mesh itself."""
+    return dp_mesh(mesh)
+
+
+HSDP_DIMS = HYBRID_DIMS
+
+
+def hsdp_mesh(mesh: DeviceMesh, sizes: tuple[int, int] | None) -> DeviceMesh:
+    """The mesh ``fully_shard`` shards on (``ParallelMesh.shard``): the data-parallel ranks of ``mesh`` (FSDP), or for
+    ``sizes`` = (replicas, shard_size) the same ranks as the ``("dp_replicate", "dp_shard")`` dims of a view of the
+    same mesh, on which fully_shard places parameters ``(Replicate(), Shard(0))``. Shard groups are consecutive
+    data-parallel ranks (one node's under torchrun), replicas every shard_size-th."""
+    if isinstance(mesh, ParallelMesh):
+        return mesh.shard
+    return ParallelMesh.of(mesh, hsdp=sizes).shard
+
+
+class PlanToApply(Protocol):
+    """What ``apply_plan`` reads of an FSDP2Plan (``plan.FSDP2Plan``), which sits above this module."""
+
+    units: list[Any]
+    ema_pairs: tuple[EMAPair, ...]
+    intent: ShardingIntent
+    hsdp: tuple[int, int] | None
+    tp_plan: Any
+
+    @property
+    def precision_plan(self) -> PrecisionPlan: ...
+
+
+def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> ParallelMesh:
+    """Shard ``module`` in place as ``plan`` says, on ``mesh`` (a ParallelMesh, or a DeviceMesh viewed with the
+    plan's ``hsdp``); returns the ParallelMesh used.
+
+    Tensor parallel first, when the plan has a layout (``tp_plan``, the model's own): on the mesh's tensor-parallel
+    dim. Then each unit is checkpointed as the intent says and ``fully_shard``-ed on the data-parallel dims of the SAME
+    mesh (``ParallelMesh.shard``), where FSDP2 composes its placements with the tensor-parallel ones. Unsharded
+    trainable parameters get their gradients averaged over every data-parallel rank (never one shard group, or the
+    replicas would drift apart); EMA pairs are checked to be sharded alike.
+    """
+    from autoshard.adapters.checkpointing import apply_checkpointing
+
+    fully_shard, _, _, _, _ = fsdp2_api()
+    parallel = mesh if isinstance(mesh, ParallelMesh) else ParallelMesh.of(mesh, hsdp=plan.hsdp)
+    if plan.tp_plan is not None and parallel.dims.tp > 1:
+        assert parallel.tp is not None
+        plan.tp_plan.apply(module, parallel.tp)
+    mp_policy, offload_policy = policies(plan.precision_plan, plan.intent)
+    scalars = {id(p) for p in module.parameters() if p.dim() == 0}
+    names = {u.name for u in plan.units}
+    checkpointed = 0
+    for unit in plan.units:
+        sub = module.get_submodule(unit.name)
+        if outermost(unit.name, names) != unit.name:  # an inner unit: see clone_view_outputs
+            sub.register_forward_hook(clone_view_outputs, prepend=True)  # runs before fully_shard's own hook
+        if unit.checkpointed:  # the intent's mode decides which of the checkpointed blocks, by their order
+            apply_checkpointing(sub, plan.intent.activation_checkpointing, checkpointed)
+            checkpointed += 1
+        ignored = {p for p in sub.parameters() if id(p) in scalars}
+        fully_shard(
+            sub,
+            mesh=parallel.shard,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            **({"ignored_params": ignored} if ignored else {}),
+        )
+    average_unsharded_gradients(module, parallel.dp)
+    for pair in plan.ema_pairs:
+        check_ema_alignment(module, pair)
+    return parallel
+
+
+def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """Inner units hand their outputs to the next unit: one that is a view (T5's position bias) would lose
+    fully_shard's pre-backward hook on an in-place op downstream, so FSDP2 warns; a copy has no such hazard.
+
+    Only inner units: their view outputs seen so far are small (T5: heads x tokens x tokens, independent of the
+    batch). An outermost unit's view output (BERT's logits) would cost a full copy at the peak, so FSDP2's warning
+    stands there: do not modify those outputs in place.
+    """
+    if not torch.is_grad_enabled():
+        return output
+    import torch.utils._pytree as pytree
+
+    is_view = lambda t: isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None  # noqa: E731
+    if not any(is_view(t) for t in pytree.tree_leaves(output)):
+        return output
+    return pytree.tree_map(lambda t: t.clone() if is_view(t) else t, output)
+
+
+__all__ = ["HSDP_DIMS", "PlanToApply", "apply_plan", "clone_view_outputs", "data_parallel_mesh", "hsdp_mesh", "policies"]

@@ -1,0 +1,247 @@
+"""Intent + method needs -> an FSDP2Plan: every parameter-owning block, then every trainable subtree; never the root.
+
+Which parameters each unit owns, which stay whole and why, and each unit's ``reshard_after_forward`` (torchtitan's
+policy). Block discovery is ``blocks``; the plan's types and summary are ``plan``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+from torch import nn
+
+from autoshard.adapters.fsdp2.blocks import block_units, is_metric, outermost, param_names, subtree_roots, within
+from autoshard.adapters.fsdp2.ema import check_ema_structure
+from autoshard.adapters.fsdp2.plan import PARALLELIZE_FN_HINT, FSDP2Plan, Replicated, Reshard, Role, ShardUnit, UnitKind, Unsharded
+from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
+from autoshard.errors import AutoShardError, IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.needs import MethodNeeds
+from autoshard.precision import PrecisionPlan
+
+
+def plan_fsdp2(
+    module: nn.Module, intent: ShardingIntent | None = None, needs: MethodNeeds | None = None, precision: PrecisionPlan | None = None
+) -> FSDP2Plan:
+    """Decide what to ``fully_shard``: every parameter-owning block, then every trainable subtree; never the root.
+
+    ``precision``: the run's resolved plan (the strategy's, from the Trainer); None plans for the intent's.
+    """
+    intent = intent or ShardingIntent()
+    needs = needs or MethodNeeds()
+    modules = dict(module.named_modules())
+    names_of = param_names(module)
+    excluded = set(intent.exclude) | set(needs.callback_modules)
+    excluded |= {n for n, m in modules.items() if n and is_metric(m)}
+    unknown = [p for p in intent.exclude if p not in modules]
+    if unknown:
+        top = ", ".join(n for n, _ in module.named_children())
+        raise IntentError(
+            f"exclude names {', '.join(map(repr, unknown))}, not a module of {type(module).__name__}: top-level modules"
+            f" are {top}. Fix: name module paths as printed by `print(model)`, or drop them from exclude"
+        )
+    tp_plan = tensor_parallel_plan(module, intent.tensor_parallel_size)
+    teachers = {p.teacher for p in needs.ema_pairs}
+    for pair in needs.ema_pairs:
+        check_ema_structure(module, pair)
+
+    def exclusive(path: str) -> bool:
+        """A unit may not share a parameter (tied weights) with anything outside it."""
+        inside = {path}
+        return all(within(n, inside) for p in modules[path].parameters() for n in names_of[id(p)])
+
+    roots = [r for r in subtree_roots(module, intent.shard) if not within(r, excluded)]
+    roots += [m for p in needs.ema_pairs for m in (p.teacher, p.student) if m not in roots and not within(m, excluded)]
+    notes: list[str] = []
+    candidates: dict[str, tuple[UnitKind, str]] = {}
+    replicated: list[Replicated] = []
+    planned: list[str] = []
+    for root_path in roots:
+        sub = modules[root_path]
+        if not any(True for _ in sub.parameters()):
+            continue
+        is_teacher = within(root_path, teachers)
+        if not is_teacher and not any(p.requires_grad for p in sub.parameters()):
+            if intent.shard is None:
+                replicated.append(_replicated(root_path, sub.parameters(), Unsharded.FROZEN))
+                continue
+        planned.append(root_path)
+    inside = set(planned)
+    for name, why in block_units(module, intent.blocks, modules).items():
+        if within(name, inside) and not within(name, excluded):
+            candidates[name] = (UnitKind.BLOCK, why)
+    sides = {p.student: f"EMA student of '{p.teacher}'" for p in needs.ema_pairs} | {
+        p.teacher: f"EMA teacher of '{p.student}'" for p in needs.ema_pairs
+    }
+    for root_path in planned:
+        why = "named in ShardingIntent(shard=...)" if intent.shard else sides.get(root_path, "top-level child")
+        candidates.setdefault(root_path, (UnitKind.SUBTREE, f"{why}: holds what no block took"))
+    for path in list(candidates):
+        if not exclusive(path):
+            notes.append(f"'{path}' shares parameters with modules outside it (tied weights): sharded with its parent instead")
+            del candidates[path]
+    units = _units(modules, candidates, teachers, intent, needs, names_of)
+    covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
+    unit_names = {u.name for u in units}
+    replicated_names = {r.name for r in replicated}
+    for name, p in module.named_parameters():
+        if id(p) in covered or within(name, replicated_names):
+            continue
+        if p.dim() == 0 and within(name, unit_names):
+            replicated.append(_replicated(name, [p], Unsharded.SCALAR))
+            replicated_names.add(name)
+            continue
+        owner = outermost(name, excluded)
+        if owner is not None:
+            if owner not in replicated_names:
+                replicated_names.add(owner)
+                why = Unsharded.CALLBACK if owner in needs.callback_modules else Unsharded.EXCLUDED
+                replicated.append(_replicated(owner, modules[owner].parameters(), why))
+        else:
+            why = Unsharded.ROOT if "." not in name else Unsharded.OUTSIDE
+            replicated.append(_replicated(name, [p], why))
+            replicated_names.add(name)
+    if not units:
+        message = (
+            f"no parameter-owning child modules found to shard in {type(module).__name__}: your trainable parameters"
+            f" live directly on the module. Fix: put them in child modules, or {PARALLELIZE_FN_HINT}"
+        )
+        if intent.strict:
+            raise AutoShardError(message)
+        notes.append(message)
+    root_params = [r.name for r in replicated if r.why is Unsharded.ROOT]
+    if root_params:
+        message = (
+            f"parameters live directly on {type(module).__name__}: {', '.join(root_params)}. The generic FSDP2 plan"
+            f" cannot shard them (sharding the root breaks training_steps that call children directly); they stay"
+            f" replicated with averaged gradients. Fix: move them into a child module, or {PARALLELIZE_FN_HINT}"
+        )
+        if intent.strict:
+            raise AutoShardError(message.replace("they stay replicated with averaged gradients", "strict=True refuses to replicate them"))
+        warnings.warn(message, stacklevel=2)
+    buffers = {name: b.numel() * b.element_size() for name, b in module.named_buffers()}
+    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, precision=precision, tp_plan=tp_plan)
+
+
+def tensor_parallel_plan(module: nn.Module, tp: int) -> TPPlan | None:
+    """The model's own tensor-parallel layout for ``tp`` ranks (``adapters.tp_plan``), checked; None for tp = 1.
+
+    Refused when the model carries none: the tensor-parallel ranks would hold whole copies and read the same batch,
+    so ``tensor_parallel_size`` would buy nothing but idle devices.
+    """
+    if tp <= 1:
+        return None
+    plan = find_tp_plan(module)
+    if plan is None:
+        raise IntentError(
+            f"tensor_parallel_size={tp} needs a tensor-parallel layout, and {type(module).__name__} carries none autoshard"
+            f" can read (no _tp_plan on it or its submodules, no transformers config.base_model_tp_plan), so nothing would"
+            f" be split across the {tp} tensor-parallel ranks and they would all train on the same batch. Fix: give the"
+            f" model a _tp_plan (e.g. {{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}}), pass"
+            f" FSDP2Strategy(parallelize_fn=fn), where fn(module, device_mesh) applies a tensor-parallel layout on"
+            f" device_mesh['tensor_parallel'], or set tensor_parallel_size=1"
+        )
+    plan.check(module, tp)
+    return plan
+
+
+def _replicated(name: str, params: Iterable[nn.Parameter], why: Unsharded) -> Replicated:
+    params = list(params)
+    return Replicated(
+        name,
+        sum(p.numel() for p in params),
+        sum(p.numel() * p.element_size() for p in params),
+        why,
+        any(p.requires_grad for p in params),
+    )
+
+
+def _units(
+    modules: dict[str, nn.Module],
+    candidates: dict[str, tuple[UnitKind, str]],
+    teachers: set[str],
+    intent: ShardingIntent,
+    needs: MethodNeeds,
+    names_of: dict[int, list[str]],
+) -> list[ShardUnit]:
+    """Order candidates deepest first, give each the parameters no deeper unit already owns, choose its resharding."""
+    order = {name: i for i, name in enumerate(modules)}
+    owned: set[int] = set()
+    found: list[tuple[str, list[nn.Parameter]]] = []
+    for name in sorted(candidates, key=lambda n: (-n.count("."), order[n])):
+        own = [p for p in modules[name].parameters() if id(p) not in owned and p.dim() > 0]
+        owned.update(id(p) for p in own)
+        if own:
+            found.append((name, own))
+    kept = _ending_forward(found, candidates, teachers, order)
+    units: list[ShardUnit] = []
+    for name, own in found:
+        kind, why = candidates[name]
+        teacher = within(name, teachers)
+        trainable = any(p.requires_grad for p in own)
+        units.append(
+            ShardUnit(
+                name=name,
+                kind=kind,
+                role=Role.TEACHER if teacher else Role.TRAINABLE,
+                numel=sum(p.numel() for p in own),
+                bytes=sum(p.numel() * p.element_size() for p in own),
+                reshard=_reshard(kept.get(name), teacher, trainable, intent, needs),
+                checkpointed=intent.activation_checkpointing and kind is UnitKind.BLOCK and trainable and not teacher,
+                why=why + _tied(own, names_of),
+            )
+        )
+    return units
+
+
+def _ending_forward(
+    found: list[tuple[str, list[nn.Parameter]]], candidates: dict[str, tuple[UnitKind, str]], teachers: set[str], order: dict[str, int]
+) -> dict[str, Reshard]:
+    """The trainable units that end the forward, which backward needs first: the outermost unit registered last, and
+    the one before it when it holds blocks (a ``model`` + ``head`` split: the final norm runs just before the head).
+
+    Units nested in another end their forward before it; among the outermost ones, registration order is the
+    forward order of every model we know (HF, timm, torchvision, Lightning examples). A wrong guess costs the
+    memory of a unit kept gathered, never correctness.
+    """
+    names = {name for name, _ in found}
+    top = sorted(
+        (name for name, own in found if outermost(name, names) == name and not within(name, teachers) and any(p.requires_grad for p in own)),
+        key=order.__getitem__,
+    )
+    if not top:
+        return {}
+    kept = {top[-1]: Reshard.KEPT_LAST}
+    holders = {outermost(n, names) for n in names if candidates[n][0] is UnitKind.BLOCK and outermost(n, names) != n}
+    if len(top) > 1 and top[-2] in holders:
+        kept[top[-2]] = Reshard.KEPT_BEFORE_LAST
+    return kept
+
+
+def _reshard(kept: Reshard | None, teacher: bool, trainable: bool, intent: ShardingIntent, needs: MethodNeeds) -> Reshard:
+    """torchtitan's policy: every unit reshards after forward, except those that end it (final norm, head), which
+    backward gathers at once: keeping them saves those all-gathers and raises no peak (backward would bring them
+    back before freeing anything). Not when a second forward, or an EMA teacher's, runs before backward."""
+    if teacher:
+        return Reshard.TEACHER
+    if not trainable:
+        return Reshard.FROZEN
+    if not intent.reshard_after_forward:
+        return Reshard.KEPT_BY_INTENT
+    if kept is None:
+        return Reshard.AFTER_FORWARD
+    if needs.multi_forward:
+        return Reshard.MULTI_FORWARD
+    if needs.ema_pairs:
+        return Reshard.EMA_FORWARD
+    return kept
+
+
+def _tied(own: list[nn.Parameter], names_of: dict[int, list[str]]) -> str:
+    """Parameters of this unit shared by several modules (tied embedding and head): all in this one unit."""
+    ties = [" = ".join(names_of[id(p)]) for p in own if len(names_of[id(p)]) > 1]
+    return f"; tied weights grouped in this unit: {'; '.join(ties)}" if ties else ""
+
+
+__all__ = ["plan_fsdp2", "tensor_parallel_plan"]

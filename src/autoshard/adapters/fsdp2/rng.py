@@ -1,0 +1,61 @@
+"""Random init of meta-device shards on CPU meshes: each shard its own values, replicas of a shard equal.
+
+Private torch members used (listed in ``autoshard.torch_compat``): ``torch.distributed.tensor._random._rng_tracker``
+and the ``_distribute_region`` method DTensor dispatch calls on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class _PerShardCPURandom:
+    """DTensor's RNG tracker for CPU meshes (see ``per_shard_random_init``); implements what DTensor dispatch calls."""
+
+    distribute_region_enabled = True
+
+    @contextmanager
+    def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+        seed = int(torch.randint(2**62, (), generator=generator))  # the same draw on ranks that share a seed
+        coordinate, shard = spec.mesh.get_coordinate(), 0
+        for dim, placement in enumerate(spec.placements):
+            if not placement.is_replicate():  # Shard, and FSDP2's _StridedShard over a tensor-parallel split (not is_shard())
+                shard = shard * spec.mesh.size(dim) + coordinate[dim]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + shard)
+            yield
+
+
+@contextmanager
+def per_shard_random_init(mesh: DeviceMesh) -> Iterator[None]:
+    """While meta shards are materialized on CPU, give each shard its own random values, as the whole parameter has.
+
+    DTensor offsets its random stream per shard only on CUDA-like devices: torch's OffsetBasedRNGTracker refuses
+    CPU, whose Mersenne-Twister generator has no Philox offset to advance. So on CPU ``reset_parameters()`` runs on
+    each local shard with the rank's own generator, and ranks that share a seed (seed_everything) get identical
+    shards: rows 0-15 of a weight equal rows 16-31. Here each DTensor random op draws one seed from the generator
+    and runs on a generator seeded with it plus the shard's index: distinct shards differ, replicas of one shard
+    agree, and every rank's generator advances alike. The values are not a single-process init's, but each shard
+    is an independent draw from the same distribution. Installed only for CPU meshes and removed after; CUDA keeps
+    torch's own tracker.
+    """
+    from torch.distributed.tensor import _random
+
+    if mesh.device_type != "cpu" or _random._rng_tracker is not None:
+        yield
+        return
+    _random._rng_tracker = _PerShardCPURandom()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _random._rng_tracker = None
+
+
+__all__ = ["per_shard_random_init"]

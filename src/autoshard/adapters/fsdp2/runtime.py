@@ -1,0 +1,375 @@
+"""What keeps the ranks equal while training, for whatever the plan (or the user) left unsharded: gradients
+averaged across the data-parallel ranks at the end of each backward, and rank 0's copy broadcast at setup and for
+buffers (BUFFER_RULE).
+
+Private torch members used (listed in ``autoshard.torch_compat``): ``torch._C._current_graph_task_id``, the autograd
+engine's ``queue_callback``, ``torch._utils._flatten_dense_tensors`` / ``_unflatten_dense_tensors``,
+``torch._foreach_copy_``, ``torch.distributed._broadcast_coalesced``, ``torch.utils._pytree``, and
+``Tensor._post_accumulate_grad_hooks`` (reset on a parameter whose contents ``torch.utils.swap_tensors`` replaced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autoshard.adapters.fsdp2.api import fsdp2_api
+from autoshard.mesh import ParallelMesh, dp_mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+BUFFER_RULE = (
+    "rank 0's copy is broadcast to every data-parallel rank at setup, before every training batch, at the start of"
+    " validation, before every checkpoint save and at the end of fit (DDP's broadcast_buffers rule)"
+)
+
+
+GRAD_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+_UNSHARDED_GRADS = "_autoshard_unsharded_grads"
+_ARMS = "_autoshard_arms_grad_average"  # on an FSDP unit: its forward hook queues the reduction (UnshardedGradients.arm)
+
+
+def spans_data_parallel(t: torch.Tensor, dp_ranks: AbstractSet[int]) -> bool:
+    """A DTensor over more than one of the data-parallel ranks (FSDP2's placements, a user's fully_shard): its own
+    collectives keep it equal across them. A plain tensor, or a DTensor on the tensor-parallel ranks alone (a layout's
+    ``Replicate()`` parameters), is one copy per data-parallel rank, which autoshard keeps equal."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and len(dp_ranks.intersection(t.device_mesh.mesh.flatten().tolist())) > 1
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local tensor (itself, not a copy, under no_grad), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh | ParallelMesh, bucket_bytes: int = GRAD_BUCKET_BYTES) -> int:
+    """Keep every trainable parameter left unsharded (probes, root or 0-dim parameters) identical across ranks.
+
+    Their gradients are averaged over the data-parallel ranks of ``mesh`` (``autoshard.mesh``: every replica and shard
+    rank, never one shard group, or the replicas would drift apart), once per backward, coalesced into buckets of
+    ``bucket_bytes`` as DDP does (see UnshardedGradients). Under tensor parallel that includes the ``Replicate()``
+    DTensors of the layout (``spans_data_parallel``): their local tensors are averaged. Hooks, not ``replicate()``:
+    callback optimizers already hold these very Parameter objects. Idempotent (a second setup adds no second hook, and
+    the hooks reduce over the newest mesh); called again once Lightning has moved or materialized the parameters, it
+    hooks what the module holds now (``UnshardedGradients.refresh``). Returns how many parameters got their first hook.
+    """
+    import torch.distributed as dist
+
+    group = dp_mesh(mesh).get_group()
+    if dist.get_world_size(group) == 1:
+        return 0
+    dp_ranks = frozenset(dist.get_process_group_ranks(group))
+    state: UnshardedGradients | None = getattr(module, _UNSHARDED_GRADS, None)
+    if state is None:
+        state = UnshardedGradients(group, bucket_bytes, dp_ranks)
+        object.__setattr__(module, _UNSHARDED_GRADS, state)  # not a submodule, not a buffer
+    state.group, state.bucket_bytes, state.dp_ranks, state.buckets = group, bucket_bytes, dp_ranks, None
+    state.refresh()  # homes registered before: the parameters they hold now, hooked
+    registered = {(id(owner), attr) for owner, attr in state.homes}
+    # nn.Embedding(sparse=True): a sparse gradient cannot join a flat bucket; it keeps its own all_reduce.
+    sparse = {id(p) for m in module.modules() if getattr(m, "sparse", False) is True for p in m.parameters(recurse=False)}
+    count = 0
+    for name, p in module.named_parameters():
+        if p.requires_grad and not spans_data_parallel(p, dp_ranks) and not getattr(p, "_autoshard_grad_hook", False):
+            if id(p) in sparse:
+                p.register_post_accumulate_grad_hook(state.reduce_alone)
+                p._autoshard_grad_hook = True  # type: ignore[attr-defined]
+            else:
+                path, _, attr = name.rpartition(".")
+                owner = module.get_submodule(path)
+                if (id(owner), attr) in registered:
+                    continue
+                state.params.append(p)
+                state.homes.append((owner, attr))
+                state.hook(p)
+            count += 1
+    fsdp_module = fsdp2_api()[1]
+    for unit in module.modules():
+        if state.params and isinstance(unit, fsdp_module) and not getattr(unit, _ARMS, False):
+            unit.register_forward_hook(state.arm)
+            object.__setattr__(unit, _ARMS, True)
+    return count
+
+
+@dataclass(eq=False)
+class UnshardedGradients:
+    """One module's unsharded trainable parameters, whose gradients are averaged at the end of each backward.
+
+    The backward's first gradient of one of them, or of an FSDP unit's output, queues one reduction at its end (the
+    autograd engine's final callback, where DDP and FSDP2 finish too): it sees every gradient of that backward, once.
+    Every registered parameter goes into the same buckets in the same order on every rank, whether this rank's
+    backward reached it or not (zeros then), with one flag per parameter riding in the bucket: every rank issues the
+    same all_reduces (one per bucket), so a parameter only some ranks used (a data-dependent branch) neither hangs the
+    others nor gets paired with the wrong tensor, and gets the average of what the ranks computed (DDP's
+    find_unused_parameters); one no rank reached keeps its gradient as it was (None stays None: optimizers still skip
+    it). The unit outputs make a rank whose backward reached none of these parameters reduce too, whenever it reached
+    the sharded model (as FSDP2 itself needs every rank to); a backward that reaches neither on any rank issues nothing.
+
+    Each backward of an accumulated step is reduced (Lightning's per-micro-batch rule for the sharded units too): the
+    sum of averaged micro-batches is the average of the sums, and the gradients agree across ranks at every point.
+    """
+
+    group: Any
+    bucket_bytes: int
+    dp_ranks: AbstractSet[int] = frozenset()  # the group's global ranks (spans_data_parallel)
+    params: list[nn.Parameter] = field(default_factory=list)
+    homes: list[tuple[nn.Module, str]] = field(default_factory=list)  # (owning module, attribute) of each, see refresh
+    buckets: list[list[nn.Parameter]] | None = None  # grad_buckets(params), kept until a parameter is replaced
+    _touched: set[int] = field(default_factory=set)  # ids of the parameters whose gradient grew since the last reduction
+    _queued: set[int] = field(default_factory=set)  # graph tasks (backwards) whose end will reduce
+
+    def hook(self, param: nn.Parameter) -> None:
+        param.register_post_accumulate_grad_hook(self.touched)
+        param._autoshard_grad_hook = True  # type: ignore[attr-defined]
+
+    def touched(self, param: torch.Tensor) -> None:
+        self._touched.add(id(param))
+        self.queue()
+
+    def arm(self, unit: nn.Module, args: Any, output: Any) -> None:
+        """An FSDP unit's forward hook: the gradient of any of its outputs queues the reduction of that backward."""
+        if torch.is_grad_enabled():
+            import torch.utils._pytree as pytree
+
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad: self.queue())
+
+    def queue(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in self._queued:  # by task, not a flag: a backward that raised never ran its callback
+            self._queued.add(task)
+            engine = torch.autograd.Variable._execution_engine
+            # Queued again from the engine's callback, so it runs behind every callback queued during the backward:
+            # FSDP2's final one reduce-scatters units whose inputs needed no grad, and which hook came first differs
+            # by rank when their backwards differ; collectives must not.
+            engine.queue_callback(lambda: engine.queue_callback(lambda: self.reduce(task)))
+
+    def reduce(self, task: int) -> None:
+        adopted = self.refresh()
+        touched = self._touched | {id(p) for p in self.params if id(p) in adopted and p.grad is not None}
+        self._touched = set()
+        self._queued.discard(task)
+        if adopted or self.buckets is None:
+            self.buckets = grad_buckets(self.params, self.bucket_bytes)
+        average_gradients(self.buckets, touched, self.group)
+
+    def refresh(self) -> set[int]:
+        """The parameters the module holds now; returns the ids of those it did not hold at registration.
+
+        Materializing meta parameters (``to_empty``, in Lightning's setup after sharding) or ``load_state_dict(assign=
+        True)`` puts new Parameter objects in the module, without the hooks: each gets one here, at its home, so the
+        order stays the same on every rank. ``Module.to`` keeps a DTensor parameter's identity but swaps its contents
+        (``torch.utils.swap_tensors``: Lightning's ``model_to_device``), hooks and attributes included: one whose
+        mark is gone is hooked again too. Its gradient so far was never averaged: it counts as reached. A home that
+        now holds a sharded parameter leaves the buckets, on every rank alike.
+        """
+        adopted: set[int] = set()
+        for i, (owner, attr) in enumerate(self.homes):
+            p = owner._parameters.get(attr)  # getattr would go through Module.__getattr__: 10x slower, per parameter
+            if not isinstance(p, nn.Parameter):
+                continue
+            swapped = p is self.params[i] and not getattr(p, "_autoshard_grad_hook", False)
+            if p is not self.params[i] or swapped:
+                self.params[i] = p
+                adopted.add(id(p))
+                if swapped:  # its hook dict stayed but is registered on the tensor it was swapped with: a dead one
+                    p._post_accumulate_grad_hooks = None  # type: ignore[attr-defined]
+                if not spans_data_parallel(p, self.dp_ranks) and not getattr(p, "_autoshard_grad_hook", False):
+                    self.hook(p)
+        if adopted:
+            kept = [i for i, p in enumerate(self.params) if not spans_data_parallel(p, self.dp_ranks)]
+            self.params, self.homes = [self.params[i] for i in kept], [self.homes[i] for i in kept]
+        return adopted
+
+    def reduce_alone(self, param: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=self.group)
+            param.grad.div_(dist.get_world_size(self.group))
+
+
+def grad_buckets(params: Iterable[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """``params`` in order, by dtype and device, cut into buckets of at most ``bucket_bytes`` (a larger parameter gets
+    one of its own): a layout that depends on the parameters only, so every rank builds the same one."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}
+    for p in params:
+        key, nbytes = (p.dtype, p.device), local(p).numel() * p.element_size()
+        own = buckets.setdefault(key, [[]])
+        if own[-1] and filled[key] + nbytes > bucket_bytes:
+            own.append([])
+            filled[key] = 0
+        own[-1].append(p)
+        filled[key] = filled.get(key, 0) + nbytes
+    return [bucket for own in buckets.values() for bucket in own]
+
+
+def average_gradients(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group: Any) -> int:
+    """Average the gradients of the parameters in ``buckets`` (grad_buckets) over ``group`` (``touched``: ids of those
+    this rank's backward reached), one all_reduce per bucket; returns how many. Two buckets in flight at most: bucket
+    k+1 is flattened while k is reduced.
+
+    Each rank contributes its gradient, or zeros where it has none, so the result is the average whatever each rank
+    accumulated before (the earlier micro-batches are already equal on every rank), plus a 1.0 flag where its backward
+    reached the parameter: a flag sum above 0 means some rank did, and only those gradients are written back.
+    Flattening, unflattening and the copies back are one call each (torch's own, as DDP's coalesced helpers use): with
+    hundreds of small parameters a Python loop of tensor ops costs more than the all_reduce saved.
+    """
+    with torch.no_grad():  # local() of a DTensor gradient is then the very tensor it holds, written back in place
+        return _average(buckets, touched, group)
+
+
+def _average(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group: Any) -> int:
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors
+
+    size = dist.get_world_size(group)
+
+    # A fake process group (activations.py's simulated step) has no other ranks and its fake tensors no values to read:
+    # every rank is this one there.
+    fake = dist.get_backend(group) == "fake"
+    pending: tuple[list[nn.Parameter], list[torch.Tensor], torch.Tensor, Any] | None = None
+    for bucket in buckets:
+        flags = torch.tensor([1.0 if id(p) in touched else 0.0 for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
+        parts = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
+        flat = _flatten_dense_tensors([*parts, flags])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        if pending is not None:
+            _write_back(*pending, size, fake, touched)
+        pending = (bucket, [*parts, flags], flat, work)
+    if pending is not None:
+        _write_back(*pending, size, fake, touched)
+    return len(buckets)
+
+
+def _write_back(
+    bucket: list[nn.Parameter], parts: list[torch.Tensor], flat: torch.Tensor, work: Any, size: int, fake: bool, touched: AbstractSet[int]
+) -> None:
+    """Wait for one bucket's all_reduce and write the averages of the parameters some rank reached into their grads."""
+    from torch._utils import _unflatten_dense_tensors
+
+    work.wait()
+    flat.div_(size)
+    *averages, flags = _unflatten_dense_tensors(flat, parts)
+    reached = [id(p) in touched for p in bucket] if fake else (flags > 0).tolist()
+    into, values = [], []
+    for p, used, average in zip(bucket, reached, averages):
+        if not used:
+            continue
+        if p.grad is None:  # this rank's backward did not reach it, another's did
+            p.grad = _like(p, average.clone())
+        else:
+            into.append(local(p.grad))
+            values.append(average)
+    if into:
+        torch._foreach_copy_(into, values)
+
+
+def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (this rank's tensor) as a gradient of ``p``: a DTensor with ``p``'s layout when ``p`` is one."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else value
+
+
+_BUCKET_BYTES = 250 * 2**20  # DDP's bucket size for module states
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], group: Any) -> None:
+    """Overwrite ``tensors`` in place with the group's first rank's copy, coalesced in buckets (what DDP uses)."""
+    import torch.distributed as dist
+
+    if tensors and dist.get_world_size(group) > 1:
+        dist._broadcast_coalesced(group, tensors, _BUCKET_BYTES, 0)
+
+
+def broadcast_unsharded(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> None:
+    """Every rank starts from rank 0's copy of whatever is not sharded, as DDP does at construction.
+
+    Without a common seed each rank initialized its own random values, and nothing reconciles them later: what the
+    plan keeps whole (root, tied, excluded, 0-dim parameters) only gets averaged gradients, buffers get nothing.
+    Plain tensors go from the data-parallel group's first rank; a DTensor along each mesh dimension it is replicated
+    on (HSDP or tensor-parallel replicas), and across the data-parallel ranks too when its mesh does not span them (a
+    tensor-parallel layout's ``Replicate()`` parameters: ``spans_data_parallel``). Shard placements need nothing: fully_shard keeps chunk r of rank r's own
+    init, so without a seed the whole parameter is rank 0's rows, then rank 1's, ...: independent draws from the
+    same distribution, hence still a valid init of the whole parameter (and an EMA teacher's chunk r is cut from
+    the same rank's copy of its student, so the pair still agrees).
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    dp_group = dp_mesh(mesh).get_group()
+    dp_ranks = frozenset(dist.get_process_group_ranks(dp_group))
+    by_group: dict[Any, list[torch.Tensor]] = {dp_group: []}
+    for t in (*module.parameters(), *module.buffers()):
+        if not spans_data_parallel(t, dp_ranks):
+            by_group[dp_group].append(local(t).detach())
+        if not isinstance(t, DTensor):
+            continue
+        for dim, placement in enumerate(t.placements):
+            if placement.is_replicate():
+                by_group.setdefault(t.device_mesh.get_group(dim), []).append(t.to_local().detach())
+    for group, tensors in by_group.items():
+        _broadcast_from_first(tensors, group)
+
+
+def sync_buffers(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> None:
+    """Rank 0's buffers on every data-parallel rank: BUFFER_RULE, DDP's ``broadcast_buffers=True``.
+
+    Buffers updated in forward (BatchNorm running statistics, a centering buffer) drift apart per rank, and a
+    checkpoint would keep whichever rank's copy it happened to write. One coalesced broadcast: buffers are small.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plain = [b.detach() for b in module.buffers() if not isinstance(b, DTensor)]
+    _broadcast_from_first(plain, dp_mesh(mesh).get_group())
+
+
+__all__ = [
+    "BUFFER_RULE",
+    "GRAD_BUCKET_BYTES",
+    "UnshardedGradients",
+    "average_gradients",
+    "average_unsharded_gradients",
+    "broadcast_unsharded",
+    "grad_buckets",
+    "sync_buffers",
+]
+
+
+def init_sharded_units(module: nn.Module) -> int:
+    """FSDP2's lazy init of every outermost unit now, with every parameter counted as trainable; returns how many.
+
+    FSDP2 fixes each unit's reduce dtype at its first forward, from the parameters that require grad at that moment,
+    and a unit with none gets no reduce dtype: its later gradients are reduced in the gather dtype. Lightning's
+    ``toggle_optimizer`` (GANs: the discriminator is frozen while the generator steps) and freeze-then-unfreeze
+    schedules make exactly that happen, and under bf16-mixed the first backward of such a unit then fails in
+    ``foreach_reduce`` ("a gradient with dtype BFloat16 to a tensor with grad_dtype Float"). Initializing here, after
+    the parameters are materialized and before any forward, gives every unit the plan's reduce dtype whatever is
+    frozen at the first step. Private torch member: ``FSDPState._lazy_init`` (``autoshard.torch_compat``).
+    """
+    fully_shard, fsdp_module, _, _, _ = fsdp2_api()
+    units = [m for m in module.modules() if isinstance(m, fsdp_module)]
+    inner = {id(c) for u in units for c in u.modules() if c is not u and isinstance(c, fsdp_module)}
+    roots = [u for u in units if id(u) not in inner]
+    frozen = [p for u in roots for p in u.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        for unit in roots:
+            fully_shard.state(unit)._lazy_init()
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+    return len(roots)

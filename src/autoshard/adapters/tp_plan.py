@@ -1,0 +1,741 @@
+"""Tensor parallel from the model's own plan: transformers' ``base_model_tp_plan`` / ``_tp_plan``, checked, then applied.
+
+Most models users train already say how to split them across tensor-parallel ranks: a transformers config holds
+``base_model_tp_plan`` (``layers.*.self_attn.q_proj: colwise``, ...), the model class ``_tp_plan`` (``lm_head:
+colwise_gather_output``), and a small model of one's own may carry a plain ``_tp_plan`` dict. ``find_tp_plan`` reads
+them into concrete module paths; ``TPPlan.check`` refuses, before any process trains, what would go wrong later
+(heads split mid-head, styles autoshard does not apply, a tied tensor split two ways); ``TPPlan.apply`` lays the
+module out on the tensor-parallel mesh with torch's own ``parallelize_module`` and turns every parameter the plan
+leaves alone into a ``Replicate()`` DTensor, which ``fully_shard`` over the data-parallel ranks then needs.
+
+Only the Megatron layout (no sequence parallelism) is built: between a rowwise layer and the next colwise one every
+activation is whole on every tensor-parallel rank, so a parameter the plan leaves alone sees the same input and the
+same output gradient on each of them, and its gradient is equal across them without any collective.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from autoshard.errors import IncompatibleBackendError, IntentError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class StyleKind(str, Enum):
+    """What a style does to a module's parameters; the plan's checks and the layout branch on this."""
+
+    COLWISE = "colwise"  # nn.Linear split by output features: weight and bias Shard(0)
+    ROWWISE = "rowwise"  # nn.Linear split by input features: weight Shard(1), bias whole (added once, after the sum)
+    EMBEDDING_ROWWISE = "embedding_rowwise"  # nn.Embedding split by vocabulary rows: weight Shard(0)
+    EMBEDDING_COLWISE = "embedding_colwise"  # nn.Embedding split by hidden columns: weight Shard(1)
+    REPLICATE = "replicate"  # whole on every rank, gradients equal across ranks by construction
+    REPLICATE_SUM_GRADS = "replicate_sum_grads"  # whole on every rank, each rank's gradient a partial sum (see below)
+
+
+@dataclass(frozen=True)
+class Style:
+    """One plan style autoshard applies: transformers' name, what it does, and the layout between modules."""
+
+    name: str
+    kind: StyleKind
+    meaning: str
+    gather_output: bool = False  # colwise: the output all-gathered (whole) instead of this rank's slice of features
+    split_input: bool = False  # rowwise: the input arrives whole and each rank takes its slice (no collective)
+
+    @property
+    def module_type(self) -> type[nn.Module] | None:
+        if self.kind in (StyleKind.COLWISE, StyleKind.ROWWISE):
+            return nn.Linear
+        if self.kind in (StyleKind.EMBEDDING_ROWWISE, StyleKind.EMBEDDING_COLWISE):
+            return nn.Embedding
+        return None
+
+    def split_dim(self, param: str) -> int | None:
+        """The dimension of parameter ``param`` (``weight``, ``bias``) this style splits across ranks; None: whole."""
+        if self.kind is StyleKind.COLWISE:
+            return 0
+        if self.kind is StyleKind.ROWWISE:
+            return 1 if param == "weight" else None
+        if self.kind is StyleKind.EMBEDDING_ROWWISE:
+            return 0 if param == "weight" else None
+        if self.kind is StyleKind.EMBEDDING_COLWISE:
+            return 1 if param == "weight" else None
+        return None
+
+    @property
+    def collective(self) -> str:
+        """The collective this style adds per forward (the backward mirrors it), for explain's traffic rows."""
+        if self.kind is StyleKind.COLWISE:
+            return "all-gather of the output" if self.gather_output else "none in forward (all-reduce of the input gradient in backward)"
+        if self.kind in (StyleKind.ROWWISE, StyleKind.EMBEDDING_ROWWISE):
+            return "all-reduce of the output"
+        if self.kind is StyleKind.EMBEDDING_COLWISE:
+            return "all-gather of the output"
+        if self.kind is StyleKind.REPLICATE_SUM_GRADS:
+            return "all-reduce of the gradient"
+        return "none"
+
+
+STYLES: dict[str, Style] = {
+    s.name: s
+    for s in (
+        Style("colwise", StyleKind.COLWISE, "output features split, output kept split"),
+        Style("colwise_rep", StyleKind.COLWISE, "output features split, output all-gathered", gather_output=True),
+        Style("colwise_gather_output", StyleKind.COLWISE, "output features split, output all-gathered", gather_output=True),
+        Style("rowwise", StyleKind.ROWWISE, "input features split, outputs summed"),
+        Style("rowwise_rep", StyleKind.ROWWISE, "input features split from a whole input, outputs summed", split_input=True),
+        Style("rowwise_split_input", StyleKind.ROWWISE, "input features split from a whole input, outputs summed", split_input=True),
+        Style("embedding_rowwise", StyleKind.EMBEDDING_ROWWISE, "vocabulary rows split, lookups summed"),
+        Style("embedding_colwise", StyleKind.EMBEDDING_COLWISE, "hidden columns split, lookups all-gathered"),
+        Style("replicate", StyleKind.REPLICATE, "whole on every rank"),
+        Style(
+            "replicated_with_grad_allreduce",
+            StyleKind.REPLICATE_SUM_GRADS,
+            "whole on every rank; sees only this rank's heads, so gradients are summed across ranks",
+        ),
+    )
+}
+REPLICATED = Style("(not in the plan)", StyleKind.REPLICATE, "whole on every rank")
+
+# Styles transformers defines that autoshard does not apply, and why; mixture-of-experts ones are reported first.
+MOE_STYLES: dict[str, str] = {
+    "moe_tp_experts": "mixture-of-experts experts split across tensor-parallel ranks",
+    "grouped_gemm": "mixture-of-experts grouped matmul of expert parallelism",
+    "ep_dispatch_experts": "mixture-of-experts token dispatch of expert parallelism",
+    "ep_router": "mixture-of-experts router of expert parallelism",
+}
+OTHER_STYLES: dict[str, str] = {
+    "packed_colwise": "fused weights packed along the output dimension (strided shards)",
+    "packed_rowwise": "fused weights packed along the input dimension (strided shards)",
+    "unit_colwise": "whole heads replicated when there are fewer heads than ranks",
+    "unit_rowwise": "whole heads replicated when there are fewer heads than ranks",
+    "sequence_parallel": "activations split along the sequence between layers",
+    "mla_kv_a_proj": "DeepSeek's multi-head latent attention projection",
+    "all_reduce": "a module whose output is a partial sum",
+    "local_params": "a parameter-level rule run on local tensors",
+}
+# Leaf names of attention projections whose colwise split must keep whole heads on each rank.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "query", "key", "value", "Wqkv", "c_attn")
+HEAD_COUNTS = (("num_attention_heads", "num_heads", "n_heads", "n_head"), ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))
+_APPLIED = "_autoshard_tp_plan_applied"
+_MOST_NAMED = 3
+
+
+@dataclass(frozen=True)
+class TPEntry:
+    """One concrete rule: module (or parameter) ``path`` relative to the module the plan was found on, its style
+    name, the plan key it came from, and why it is there (the plan, or a tied weight autoshard kept whole)."""
+
+    path: str
+    style: str
+    key: str
+    why: str = "the model's plan"
+    is_param: bool = False
+
+    @property
+    def spec(self) -> Style | None:
+        return STYLES.get(self.style)
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    """One collective the layout adds per training step, on the tensor-parallel ranks: ``features`` elements per
+    token of the micro-batch (``phase`` forward or backward), or per step (``phase`` "gradients": parameters)."""
+
+    path: str
+    collective: str  # "all-reduce" | "all-gather"
+    phase: str  # "forward" | "backward" | "gradients"
+    features: int
+
+    @property
+    def per_token(self) -> bool:
+        return self.phase != "gradients"
+
+    def sent(self, elements: int, elsize: int, tp: int) -> int:
+        """Bytes one rank sends for ``elements`` elements, ring algorithms: an all-reduce sends 2 (g - 1) / g of the
+        data, an all-gather (g - 1) / g of the gathered output."""
+        share = 2 * (tp - 1) if self.collective == "all-reduce" else tp - 1
+        return elements * elsize * share // tp
+
+
+@dataclass
+class TPPlan:
+    """The tensor-parallel layout of one module: concrete entries in module order, and where the plans came from.
+
+    ``roots``: paths of the modules that carry a plan (``''``: the module itself); the parameters inside them that
+    no entry splits become ``Replicate()`` DTensors on the tensor-parallel mesh. ``unmatched``: plan keys that name
+    no module of this model (transformers' generic plans name modules some configurations lack).
+    """
+
+    entries: tuple[TPEntry, ...]
+    roots: tuple[str, ...]
+    sources: tuple[str, ...]
+    unmatched: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(module path, style) of every entry, in module order: the plan table of ``autoshard explain``."""
+        return [(e.path, e.style) for e in self.entries]
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+    def check(self, module: nn.Module, tp_size: int) -> None:
+        """Refuse, before training, a layout that would fail or train wrongly on ``tp_size`` tensor-parallel ranks."""
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise IntentError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}. Fix: tensor_parallel_size=2")
+        if tp_size == 1:
+            return
+        self._check_styles()
+        modules = dict(module.named_modules())
+        self._check_module_types(modules)
+        self._check_ties(module, modules)
+        self._check_divisible(modules, tp_size)
+
+    def _check_styles(self) -> None:
+        bad: dict[str, list[str]] = {}
+        for e in self.entries:
+            if e.spec is None or (e.is_param and e.spec.kind is not StyleKind.REPLICATE):
+                bad.setdefault(e.style, []).append(e.path)
+        if not bad:
+            return
+        order = sorted(bad, key=lambda s: (s not in MOE_STYLES, s not in OTHER_STYLES, s))
+        parts = []
+        for style in order:
+            why = MOE_STYLES.get(style) or OTHER_STYLES.get(style)
+            if why is None:
+                why = "a parameter-level rule" if style in STYLES else "not a style autoshard knows"
+            parts.append(f"'{style}' ({why}) on {_some(bad[style])}")
+        moe = any(s in MOE_STYLES for s in bad)
+        raise IncompatibleBackendError(
+            f"the tensor-parallel plan of {', '.join(self.sources)} uses {'styles' if len(bad) > 1 else 'a style'} autoshard"
+            f" does not apply: {'; '.join(parts)}. autoshard applies {', '.join(STYLES)} to whole modules"
+            + (" and has no mixture-of-experts layout yet" if moe else "")
+            + ". Fix: set tensor_parallel_size=1 (FSDP alone), or pass FSDP2Strategy(parallelize_fn=fn), where fn lays out"
+            " these modules itself on device_mesh['tensor_parallel']"
+        )
+
+    def _check_module_types(self, modules: dict[str, nn.Module]) -> None:
+        for e in self.entries:
+            wanted = e.spec.module_type if e.spec else None
+            if wanted is None or e.is_param or isinstance(modules[e.path], wanted):
+                continue
+            raise IncompatibleBackendError(
+                f"the tensor-parallel plan gives '{e.path}' ({type(modules[e.path]).__name__}) the style '{e.style}',"
+                f" which splits {wanted.__name__} layers only (torch's parallel styles). Fix: set tensor_parallel_size=1,"
+                f" or pass FSDP2Strategy(parallelize_fn=fn) that lays out '{e.path}' itself"
+            )
+
+    def _check_ties(self, module: nn.Module, modules: dict[str, nn.Module]) -> None:
+        for homes in _tied(module).values():
+            splits = {home: self._split_of(modules, home) for home in homes}
+            if len(set(splits.values())) > 1:
+                shown = "; ".join(f"'{path}.{attr}' {_split_words(s)}" for (path, attr), s in splits.items())
+                names = " and ".join(f"'{p}.{a}'" for p, a in homes)
+                raise IncompatibleBackendError(
+                    f"{names} are one tied tensor, but the tensor-parallel plan would split it two ways: {shown}. One"
+                    f" tensor has one layout. Fix: untie them (e.g. config.tie_word_embeddings=False), or give both"
+                    f" modules styles that split the same dimension (a colwise lm_head with an 'embedding_rowwise'"
+                    f" input embedding)"
+                )
+
+    def _split_of(self, modules: dict[str, nn.Module], home: tuple[str, str]) -> int | None:
+        path, attr = home
+        spec = self.style_of(path)
+        return spec.split_dim(attr) if spec else None
+
+    def style_of(self, path: str) -> Style | None:
+        """The style of module ``path`` under this plan, or None when no entry names it."""
+        for e in self.entries:
+            if e.path == path and not e.is_param:
+                return e.spec
+        return None
+
+    def _check_divisible(self, modules: dict[str, nn.Module], tp_size: int) -> None:
+        """Heads first (the constraint users know), then every split dimension; the sizes that work divide all."""
+        heads = self._head_counts(modules)
+        dims: list[tuple[str, int]] = []
+        for e in self.entries:
+            if e.is_param or e.spec is None:
+                continue
+            for attr, p in modules[e.path].named_parameters(recurse=False):
+                dim = e.spec.split_dim(attr)
+                if dim is not None and p.dim() > dim:
+                    dims.append((f"'{e.path}.{attr}' dimension {dim} ({e.style})", int(p.shape[dim])))
+        every = [n for _, counts in heads for _, n in counts] + [n for _, n in dims]
+        works = _divisors(math.gcd(*every)) if every else [1]
+        fix = f"Fix: tensor_parallel_size= one of {', '.join(map(str, works))}"
+        for path, counts in heads:
+            if any(n % tp_size for _, n in counts):
+                numbers = " and ".join(f"{name}={n}" for name, n in counts)
+                raise IntentError(
+                    f"tensor_parallel_size={tp_size} does not divide the attention heads of '{path}' ({numbers}): each"
+                    f" tensor-parallel rank must hold whole query and key/value heads. {fix}"
+                )
+        for what, n in dims:
+            if n % tp_size:
+                raise IntentError(
+                    f"tensor_parallel_size={tp_size} does not divide {what}, which is {n}: each tensor-parallel rank must"
+                    f" hold an equal slice (fully_shard then splits that slice again over the data-parallel ranks). {fix}"
+                )
+
+    def _head_counts(self, modules: dict[str, nn.Module]) -> list[tuple[str, list[tuple[str, int]]]]:
+        """(attention module path, [(count name, value)]) for each attention whose projections are split by heads."""
+        out: dict[str, list[tuple[str, int]]] = {}
+        for e in self.entries:
+            spec = e.spec
+            if e.is_param or spec is None or spec.kind is not StyleKind.COLWISE or spec.gather_output:
+                continue
+            parent, _, leaf = e.path.rpartition(".")
+            owner = modules.get(parent)
+            if owner is None or parent in out:
+                continue
+            if leaf not in ATTENTION_PROJECTIONS and "attention" not in type(owner).__name__.lower():
+                continue
+            counts = _heads_of(owner)
+            if counts:
+                out[parent] = counts
+        return list(out.items())
+
+    def colwise_siblings(self) -> dict[str, list[str]]:
+        """{parent path: its colwise children}, for parents with two or more (q/k/v, gate/up): they share one input."""
+        groups: dict[str, list[str]] = {}
+        for e in self.entries:
+            if not e.is_param and e.spec is not None and e.spec.kind is StyleKind.COLWISE and e.path:
+                groups.setdefault(e.path.rpartition(".")[0], []).append(e.path)
+        return {parent: children for parent, children in groups.items() if len(children) > 1}
+
+    # -- what the layout costs (explain, memory) -------------------------------------------------------------------
+    def split_params(self, module: nn.Module) -> dict[str, int]:
+        """{parameter name: the dimension the layout splits across tensor-parallel ranks}, names as
+        ``module.named_parameters()`` gives them (a tied tensor once); parameters not listed are whole on each rank."""
+        modules = dict(module.named_modules())
+        homes: dict[int, list[tuple[str, str]]] = {}
+        for path, sub in modules.items():
+            for attr, p in sub._parameters.items():
+                if p is not None:
+                    homes.setdefault(id(p), []).append((path, attr))
+        out: dict[str, int] = {}
+        for name, p in module.named_parameters():
+            dims = {self._split_of(modules, home) for home in homes.get(id(p), [])} - {None}
+            if dims:
+                out[name] = dims.pop()  # type: ignore[assignment]  # check() refused a tensor split two ways
+        return out
+
+    def collectives(self, module: nn.Module) -> list[TPCollective]:
+        """The collectives the layout adds to one training step, per module (torch's styles, no sequence parallel):
+        a colwise layer all-reduces its input's gradient in backward, once for siblings that read the same input
+        (``SharedInput``: q/k/v, gate/up), and all-gathers its output when it gathers; a
+        rowwise one all-reduces its output in forward (and all-gathers its input's gradient when its input arrived
+        whole), an embedding sums or gathers its lookups; gradient-summing parameters are all-reduced once per step."""
+        modules = dict(module.named_modules())
+        out: list[TPCollective] = []
+        shared = {c: parent for parent, children in self.colwise_siblings().items() for c in children}
+        counted: set[str] = set()
+        for e in self.entries:
+            spec, sub = e.spec, modules.get(e.path)
+            if e.is_param or spec is None or sub is None:
+                continue
+            size_in = getattr(sub, "in_features", getattr(sub, "num_embeddings", 0))
+            size_out = getattr(sub, "out_features", getattr(sub, "embedding_dim", 0))
+            if spec.kind is StyleKind.COLWISE:
+                if spec.gather_output:
+                    out.append(TPCollective(e.path, "all-gather", "forward", size_out))
+                group = shared.get(e.path)
+                if group is None or group not in counted:  # siblings reading one input sum its gradient once
+                    out.append(TPCollective(group or e.path, "all-reduce", "backward", size_in))
+                    counted.add(group or e.path)
+            elif spec.kind is StyleKind.ROWWISE:
+                out.append(TPCollective(e.path, "all-reduce", "forward", size_out))
+                if spec.split_input:
+                    out.append(TPCollective(e.path, "all-gather", "backward", size_in))
+            elif spec.kind is StyleKind.EMBEDDING_ROWWISE:
+                out.append(TPCollective(e.path, "all-reduce", "forward", size_out))
+            elif spec.kind is StyleKind.EMBEDDING_COLWISE:
+                out.append(TPCollective(e.path, "all-gather", "forward", size_out))
+            elif spec.kind is StyleKind.REPLICATE_SUM_GRADS:
+                numel = sum(p.numel() for p in sub.parameters(recurse=False) if p.requires_grad)
+                out.append(TPCollective(e.path, "all-reduce", "gradients", numel))
+        return out
+
+    def describe(self, module: nn.Module, tp: int) -> list[str]:
+        """The layout on ``tp`` ranks in words, one line per plan key (its modules counted): style, what each rank
+        holds of the split weight, the collectives; then the plan's sources and notes. For ``autoshard explain``."""
+        modules = dict(module.named_modules())
+        groups: dict[tuple[str, str], list[TPEntry]] = {}
+        for e in self.entries:
+            groups.setdefault((e.key, e.style), []).append(e)
+        lines = [f"from {', '.join(self.sources)}; every other parameter of the plan's modules is whole on each of the {tp} ranks"]
+        width = max((len(key) for key, _ in groups), default=0)
+        for (key, style), entries in groups.items():
+            spec, sub = entries[0].spec, modules.get(entries[0].path)
+            count = f"{len(entries)} modules" if len(entries) > 1 else "1 module"
+            held = ""
+            if spec is not None and sub is not None and not entries[0].is_param:
+                weight = sub._parameters.get("weight")
+                dim = spec.split_dim("weight")
+                if weight is not None and dim is not None and weight.dim() > dim:
+                    local = [int(n) for n in weight.shape]
+                    local[dim] //= tp
+                    held = f"; weight {tuple(int(n) for n in weight.shape)} -> {tuple(local)} per rank"
+            meaning = spec.meaning if spec else "not applied"
+            comm = f"; {spec.collective}" if spec and spec.collective != "none" else ""
+            lines.append(f"  {key:<{width}}  {style:<22} {count:>11}: {meaning}{held}{comm}")
+        lines += [f"note: {n}" for n in self.notes]
+        return lines
+
+    # -- the layout -----------------------------------------------------------------------------------------------
+    def apply(self, module: nn.Module, tp_mesh: DeviceMesh) -> None:
+        """Lay ``module`` out on ``tp_mesh`` (1-D): the plan's modules through torch's ``parallelize_module``, every
+        other parameter inside the plan's roots as a ``Replicate()`` DTensor; tied tensors stay one Parameter.
+
+        The module's own direct parameters (a LightningModule's) stay plain tensors: the FSDP2 plan keeps those
+        whole and averages their gradients over the data-parallel ranks itself. Idempotent: a second call on the same
+        module (a second setup) changes nothing.
+        """
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if getattr(module, _APPLIED, False):
+            return
+        tp = tp_mesh.size()
+        self.check(module, tp)
+        if tp == 1:
+            return
+        modules = dict(module.named_modules())
+        ties = _tied(module)
+        styles = {e.path: _torch_style(e.spec) for e in self.entries if not e.is_param and e.spec and e.spec.module_type}
+        for path, style in styles.items():  # one call per concrete path: keys are not patterns here
+            if path:
+                parallelize_module(module, tp_mesh, {path: style})
+            else:
+                parallelize_module(module, tp_mesh, style)
+        for homes in ties.values():  # parallelize_module gave each home its own Parameter: one tensor again
+            first = next((h for h in homes if self._split_of(modules, h) is not None), homes[0])
+            shared = modules[first[0]]._parameters[first[1]]
+            for path, attr in homes:
+                modules[path]._parameters[attr] = shared
+        self._local_head_counts(modules, tp)
+        replicated: dict[int, nn.Parameter] = {}
+        for path, sub in modules.items():
+            if path and any(_within(path, r) for r in self.roots):
+                for p in sub._parameters.values():
+                    if p is not None and not _is_dtensor(p) and id(p) not in replicated:
+                        replicated[id(p)] = nn.Parameter(distribute_tensor(p.detach(), tp_mesh, [Replicate()]), requires_grad=p.requires_grad)
+        owners: dict[str, list[tuple[str, bool]]] = {}
+        sum_grads = {e.path for e in self.entries if e.spec and e.spec.kind is StyleKind.REPLICATE_SUM_GRADS}
+        for path, sub in modules.items():  # every home of a converted tensor, a tied one outside the roots included
+            for attr, p in list(sub._parameters.items()):
+                if path and p is not None and id(p) in replicated:
+                    sub._parameters[attr] = replicated[id(p)]
+                    owners.setdefault(path, []).append((attr, path in sum_grads))
+        for path, params in owners.items():
+            LocalParams(tuple(params)).install(modules[path])
+        for parent, children in self.colwise_siblings().items():
+            SharedInput(tp_mesh).install(modules[parent], [modules[c] for c in children])
+        object.__setattr__(module, _APPLIED, True)
+
+    def _local_head_counts(self, modules: dict[str, nn.Module], tp: int) -> None:
+        """Attention modules that keep their head counts as attributes (older transformers, NeMo's rewrite) get this
+        rank's; transformers 5 computes heads from the projection's output shape (``view(..., -1, head_dim)``)."""
+        for path, _ in self._head_counts(modules):
+            owner = modules[path]
+            for names in HEAD_COUNTS:
+                for name in names:
+                    value = vars(owner).get(name)
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        setattr(owner, name, value // tp)
+                        self.notes.append(f"'{path}.{name}' set to {value // tp} (this rank's share of {value})")
+
+
+@dataclass(frozen=True)
+class LocalParams:
+    """Run one module's forward on the local tensors of its ``Replicate()`` DTensor parameters.
+
+    The module's inputs are plain tensors (every parallel style hands back local tensors), so its parameters must be
+    plain while it runs: a forward pre-hook puts ``param.to_local()`` in their place (differentiable: the gradient
+    arrives on the DTensor as ``Replicate()``, or as ``Partial()`` where each rank saw only its own heads, which
+    ``fully_shard`` then sums over the tensor-parallel ranks) and a forward hook, run even when the forward raises,
+    puts the DTensors back, before fully_shard's own post-forward hook (registered later) reshards them.
+    """
+
+    params: tuple[tuple[str, bool], ...]  # (attribute, gradient is a partial sum)
+
+    def install(self, module: nn.Module) -> None:
+        if getattr(module, "_autoshard_local_params", None) is None:
+            module.register_forward_pre_hook(self.before)
+            module.register_forward_hook(self.after, always_call=True)
+            object.__setattr__(module, "_autoshard_local_params", self)
+            for attr, partial in self.params:
+                if partial:  # without fully_shard (no data-parallel ranks), nobody else sums the partial gradients
+                    module._parameters[attr].register_post_accumulate_grad_hook(_sum_partial_grad)  # type: ignore[union-attr]
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        from torch.distributed.tensor import Partial, Replicate
+
+        saved = {}
+        for attr, partial in self.params:
+            p = module._parameters.get(attr)
+            if _is_dtensor(p):
+                saved[attr] = p
+                module._parameters[attr] = p.to_local(grad_placements=[Partial() if partial else Replicate()])  # type: ignore[union-attr]
+        object.__setattr__(module, "_autoshard_saved_params", saved)
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        saved = vars(module).pop("_autoshard_saved_params", None) or {}
+        for attr, p in saved.items():
+            module._parameters[attr] = p
+
+
+class SharedInput:
+    """Colwise siblings (q/k/v of an attention, gate/up of an MLP) that read one tensor get one DTensor of it.
+
+    torch's ColwiseParallel wraps each layer's plain input in its own DTensor, so each layer's backward all-reduces its
+    own share of the input's gradient: five all-reduces per Llama layer where a hand-written plan (torchtitan's
+    ``PrepareModuleInput`` on the attention and the MLP) issues two. Here a forward pre-hook on each sibling, run before
+    torch's own, hands every sibling that receives the same tensor (same object, unmodified) the same ``Replicate()``
+    DTensor: their gradients add up on it, and its backward all-reduces the sum once. Siblings fed different tensors
+    (cross-attention) get one DTensor each, as before. The parent's forward hook empties the cache, so no activation
+    outlives its forward (a checkpointed block's recomputation included).
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.cache: dict[int, tuple[Any, int, Any]] = {}  # id(input) -> (input, its version, its DTensor)
+
+    def install(self, parent: nn.Module, children: list[nn.Module]) -> None:
+        for child in children:
+            child.register_forward_pre_hook(self.convert, prepend=True)
+        parent.register_forward_hook(self.clear, always_call=True)
+
+    def convert(self, module: nn.Module, args: Any) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not args or _is_dtensor(args[0]) or not hasattr(args[0], "_version"):
+            return None
+        x = args[0]
+        hit = self.cache.get(id(x))
+        if hit is None or hit[0] is not x or hit[1] != x._version:
+            hit = (x, x._version, DTensor.from_local(x, self.mesh, [Replicate()], run_check=False))
+            self.cache[id(x)] = hit
+        return (hit[2], *args[1:])
+
+    def clear(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.cache.clear()
+
+
+def _sum_partial_grad(param: Any) -> None:
+    """A ``Replicate()`` parameter whose gradient arrived as ``Partial()``: summed over the tensor-parallel ranks.
+
+    Under ``fully_shard`` this hook never runs (FSDP2 assigns the sharded gradient itself, after redistributing the
+    unsharded one to the parameter's placements, which is this same sum).
+    """
+    grad = param.grad
+    if _is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+# -- finding the plan ---------------------------------------------------------------------------------------------
+def find_tp_plan(module: nn.Module) -> TPPlan | None:
+    """The tensor-parallel plan ``module`` or its submodules carry, with wildcards resolved; None when there is none.
+
+    Looked for, outermost first (a plan's module is not searched further): a transformers model's resolved plan
+    (its instance ``_tp_plan``, which transformers builds from the class ``_tp_plan``, ``config.base_model_tp_plan``
+    under the base model's prefix, the children's plans, and the input embeddings' ``embedding_rowwise``); failing
+    that, that plan built here the same way; or a plain ``_tp_plan`` dict on any module. A tied tensor that one side
+    of the plan splits and an ``nn.Embedding`` on the other side would keep whole gets the split that keeps it one
+    tensor (``embedding_rowwise`` under a colwise head), as transformers does.
+    """
+    modules = dict(module.named_modules())
+    params = dict(module.named_parameters(remove_duplicate=False))
+    order = {path: i for i, path in enumerate(modules)}
+    found: dict[str, TPEntry] = {}
+    roots: list[str] = []
+    sources: list[str] = []
+    unmatched: list[str] = []
+    for path, sub in modules.items():
+        if any(_within(path, r) for r in roots):
+            continue
+        raw, source = _raw_plan(sub)
+        if not raw:
+            continue
+        roots.append(path)
+        sources.append(f"'{path}' ({source})" if path else source)
+        for key, style in raw.items():
+            full = _join(path, key)
+            pattern = _pattern(full)
+            hits = [m for m in modules if pattern.fullmatch(m) and _within(m, path)]
+            if hits:
+                for hit in hits:
+                    found[hit] = TPEntry(hit, str(style), full)
+                continue
+            param_hits = [n for n in params if pattern.fullmatch(n)]
+            for hit in param_hits:
+                found[hit] = TPEntry(hit, str(style), full, is_param=True)
+            if not param_hits:
+                unmatched.append(full)
+    if not roots:
+        return None
+    notes = [f"plan key '{key}' names no module or parameter of this model: ignored" for key in unmatched]
+    for root in roots:
+        experts = _expert_plan(modules[root])
+        if experts:
+            where = f"'{root}'" if root else type(module).__name__
+            notes.append(
+                f"{where} also has an expert-parallel plan ({_some(list(experts))}): autoshard does not apply it, so"
+                f" the experts stay whole on every tensor-parallel rank (sharded over the data-parallel ranks by fully_shard)"
+            )
+    plan = TPPlan(tuple(sorted(found.values(), key=lambda e: _order(e, order))), tuple(roots), tuple(sources), tuple(unmatched), notes)
+    added = _tie_fixes(module, plan, modules)
+    plan.notes += [f"'{e.path}' gets '{e.style}': {e.why}" for e in added]
+    if added:
+        plan.entries = tuple(sorted((*plan.entries, *added), key=lambda e: _order(e, order)))
+    return plan
+
+
+def _order(entry: TPEntry, order: dict[str, int]) -> tuple[int, str]:
+    owner = entry.path.rpartition(".")[0] if entry.is_param else entry.path
+    return order.get(owner, len(order)), entry.path
+
+
+def _raw_plan(sub: nn.Module) -> tuple[dict[str, str], str]:
+    """The plan ``sub`` itself carries (keys relative to it) and where it came from; ({}, '') for none."""
+    name = type(sub).__name__
+    own = vars(sub).get("_tp_plan")
+    config = getattr(sub, "config", None)
+    is_hf = hasattr(sub, "base_model_prefix") and hasattr(config, "base_model_tp_plan")
+    if isinstance(own, Mapping) and own:
+        return {str(k): str(v) for k, v in own.items()}, f"{name}.tp_plan, as transformers resolved it" if is_hf else f"{name}._tp_plan"
+    if is_hf:
+        plan = dict(getattr(type(sub), "_tp_plan", None) or {})
+        prefix = str(getattr(sub, "base_model_prefix", "") or "")
+        base = getattr(sub, prefix, None) if prefix else None
+        under = prefix if isinstance(base, nn.Module) and base is not sub else ""
+        plan.update({_join(under, k): v for k, v in (config.base_model_tp_plan or {}).items()})  # type: ignore[union-attr]
+        return plan, f"{name}._tp_plan + {type(config).__name__}.base_model_tp_plan"
+    cls_plan = getattr(type(sub), "_tp_plan", None)
+    if isinstance(cls_plan, Mapping) and cls_plan:
+        return {str(k): str(v) for k, v in cls_plan.items()}, f"{name}._tp_plan"
+    return {}, ""
+
+
+def _expert_plan(sub: nn.Module) -> dict[str, str]:
+    """transformers' expert-parallel plan of a model (instance ``_ep_plan``, else ``config.base_model_ep_plan``)."""
+    own = vars(sub).get("_ep_plan")
+    if isinstance(own, Mapping) and own:
+        return dict(own)
+    plan = getattr(getattr(sub, "config", None), "base_model_ep_plan", None) if hasattr(sub, "base_model_prefix") else None
+    return dict(plan) if isinstance(plan, Mapping) else {}
+
+
+def _tie_fixes(module: nn.Module, plan: TPPlan, modules: dict[str, nn.Module]) -> list[TPEntry]:
+    """Entries that keep a tied tensor one tensor: an ``nn.Embedding`` the plan leaves whole, tied to a weight the plan
+    splits, gets the embedding style that splits the same dimension (exact: the two layouts are one layout)."""
+    added: list[TPEntry] = []
+    for homes in _tied(module).values():
+        splits = {home: plan._split_of(modules, home) for home in homes}
+        split = {s for s in splits.values() if s is not None}
+        if len(split) != 1:
+            continue
+        dim = split.pop()
+        for (path, attr), s in splits.items():
+            if s is None and attr == "weight" and isinstance(modules[path], nn.Embedding) and plan.style_of(path) is None:
+                style = "embedding_rowwise" if dim == 0 else "embedding_colwise"
+                other = next(f"{p}.{a}" for (p, a), d in splits.items() if d is not None)
+                added.append(TPEntry(path, style, path, why=f"tied to '{other}', which the plan splits on dimension {dim}"))
+    return added
+
+
+def _tied(module: nn.Module) -> dict[int, list[tuple[str, str]]]:
+    """Parameters held by more than one (module path, attribute): id -> homes, in module order."""
+    homes: dict[int, list[tuple[str, str]]] = {}
+    for path, sub in module.named_modules():
+        for attr, p in sub._parameters.items():
+            if p is not None:
+                homes.setdefault(id(p), []).append((path, attr))
+    return {pid: h for pid, h in homes.items() if len(h) > 1}
+
+
+def _heads_of(owner: nn.Module) -> list[tuple[str, int]]:
+    """[(name, count)] of query and key/value heads: the module's config (transformers), else its own attributes."""
+    config = getattr(owner, "config", None)
+    out: list[tuple[str, int]] = []
+    for names in HEAD_COUNTS:
+        for source in (config, owner):
+            value = next(((n, getattr(source, n)) for n in names if isinstance(getattr(source, n, None), int)), None) if source is not None else None
+            if value is not None:
+                out.append(value)
+                break
+    return out
+
+
+# -- small helpers ------------------------------------------------------------------------------------------------
+def _torch_style(spec: Style | None) -> Any:
+    """torch's ParallelStyle for a style (every output handed back as a local tensor)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    assert spec is not None
+    if spec.kind is StyleKind.COLWISE:
+        return ColwiseParallel(output_layouts=Replicate()) if spec.gather_output else ColwiseParallel()
+    if spec.kind is StyleKind.ROWWISE:
+        return RowwiseParallel(input_layouts=Replicate()) if spec.split_input else RowwiseParallel()
+    if spec.kind is StyleKind.EMBEDDING_ROWWISE:
+        return RowwiseParallel(input_layouts=Replicate())  # token ids whole on every rank; partial lookups summed
+    if spec.kind is StyleKind.EMBEDDING_COLWISE:
+        return ColwiseParallel(output_layouts=Replicate())
+    raise AssertionError(spec)
+
+
+def _is_dtensor(p: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    """A plan key as a regular expression: ``*`` is one path component (transformers uses it for layer numbers)."""
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")))
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix and key else prefix or key
+
+
+def _within(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(root + ".")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _some(paths: list[str]) -> str:
+    shown = ", ".join(f"'{p}'" for p in paths[:_MOST_NAMED])
+    return shown + (f" (+{len(paths) - _MOST_NAMED} more)" if len(paths) > _MOST_NAMED else "")
+
+
+def _split_words(dim: int | None) -> str:
+    return "kept whole" if dim is None else f"split on dimension {dim}"
+
+
+__all__ = [
+    "STYLES",
+    "MOE_STYLES",
+    "OTHER_STYLES",
+    "LocalParams",
+    "SharedInput",
+    "Style",
+    "StyleKind",
+    "TPCollective",
+    "TPEntry",
+    "TPPlan",
+    "find_tp_plan",
+]

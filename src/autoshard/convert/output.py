@@ -1,0 +1,87 @@
+"""Where ``convert`` writes: the check of DST (before the source is read, and again under the lock), the record of
+what an output came from, and the publish step, all through ``checkpoint_io``'s protocol (the one every autoshard
+writer follows); only the words of the refusals are convert's own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from autoshard.checkpoint import detect_format
+from autoshard.checkpoint_io import Clash, Publisher, output_clash
+from autoshard.convert.state import ConvertError
+
+RECORD = "autoshard-convert.json"  # inside a converted checkpoint: what it came from
+
+
+def output_kind(to: str) -> str:
+    """The kind a converted output's manifest records: ``--force`` replaces only an output of the same kind."""
+    return f"autoshard convert --to {to}"
+
+
+def _recorded_target(out: Path) -> str | None:
+    """The target in an output's autoshard-convert.json (convert wrote it before manifests recorded a kind)."""
+    try:
+        return str(json.loads((out / RECORD).read_text())["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def beside(path: Path, suffix: str) -> Path:
+    """A new sibling of ``path`` named after it (``v`` -> ``v-dcp``), as the user wrote it ('.' resolved to a name)."""
+    named = path if path.name else path.resolve()
+    return named.with_name(f"{named.name}-{suffix}")
+
+
+def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -> None:
+    """What ``checkpoint_io.output_clash`` refuses for every offline writer, in convert's words: the source itself,
+    a DST that holds it or lies inside it, a place nothing can be written, and an existing DST unless ``force`` and
+    DST is an output of ``convert --to {to}`` holding nothing else (its manifest says so). --force never deletes what
+    autoshard did not write."""
+    found = output_clash(out, source, output_kind(to) if to else None, force=force, legacy=bool(to) and _recorded_target(Path(out)) == to)
+    if found is None:
+        return
+    suggest = f"{source}-{to or 'converted'}" if source is not None else f"{out}-new"
+    if found.clash is Clash.SAME:
+        raise ConvertError(f"refusing to write {str(out)!r}: it is the checkpoint being converted. Fix: choose another output path")
+    if found.clash is Clash.HOLDS:
+        raise ConvertError(
+            f"refusing to write {str(out)!r}: it holds the checkpoint being converted ({str(source)!r}), and"
+            f" publishing DST replaces it whole, so even --force never does. Fix: choose a new output path outside"
+            f" it, e.g. {str(beside(Path(out), to or 'converted'))!r}"
+        )
+    if found.clash is Clash.INSIDE:
+        raise ConvertError(
+            f"refusing to write {str(out)!r}: it is inside the checkpoint being converted ({str(source)!r}), which"
+            f" would then hold files its save did not write (and the next save to it, which replaces it whole, would"
+            f" delete them). Fix: choose a new output path outside it, e.g. {suggest!r}"
+        )
+    if found.clash is Clash.UNWRITABLE:
+        raise ConvertError(found.detail)
+    what = detect_format(out, verify=False).detail
+    if found.clash is Clash.EXISTS:
+        raise ConvertError(
+            f"refusing to overwrite {str(out)!r}: it already exists ({what}). Fix: choose a new"
+            f" output path, or pass --force (force=True) to replace it once the new one is complete"
+        )
+    even = " even with --force" if force else ""
+    raise ConvertError(
+        f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {found.detail}: --force replaces"
+        f" only an output of `{output_kind(to)}` holding nothing else. Fix: choose a new output path, e.g."
+        f" {suggest!r}, or move {str(out)!r} away first"
+    )
+
+
+def write_record(staged: Path, record: dict[str, Any]) -> None:
+    """autoshard-convert.json, inside the output: what it was converted from (source, formats, world sizes, step)."""
+    (staged / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def publish(publisher: Publisher, force: bool, source: Path, to: str) -> None:
+    """Manifest of every file, with this output's kind; then, under the lock, DST checked again (another writer may
+    have published meanwhile) and the rename (``commit``: aside, in, old removed; never a partial DST)."""
+    publisher.publish_with_manifest(output_kind(to), lambda path: check_output(path, source, force, to=to))
+
+
+__all__ = ["RECORD", "beside", "check_output", "output_kind", "publish", "write_record"]

@@ -1,0 +1,279 @@
+"""``fabric.save`` / ``fabric.load`` under autoshard's Fabric fsdp2 strategies: the crash-safe writer of the Trainer
+path (``checkpoint_io.Publisher``: lock, staging of this save's own, manifest of every file, rename), the same layout
+(a DCP directory with ``meta.pt``; ``checkpoint='full'``: one torch file with its sidecar manifest), so ``autoshard
+consolidate`` / ``convert`` read it, and a load that checks every file first and restores each rank's RNG state.
+
+Fabric's state dict holds whatever the user puts in it: modules and optimizers become their (sharded) state dicts
+under their own keys (``{"model": ..., "optimizer": ...}``: consolidate picks the module under ``"model"``), the rest
+goes into ``meta.pt``. Unlike Lightning's ModelParallelStrategy, several models may share one checkpoint: each
+optimizer is saved with the model whose parameters it trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from autoshard.adapters.fsdp2 import sync_buffers
+from autoshard.capability import Format
+from autoshard.checkpoint import (
+    LIGHTNING_META,
+    CheckpointFormatError,
+    check_replaceable,
+    detect_format,
+    load_torch_file,
+    model_mismatch,
+    resolve_for_load,
+    saved_shapes,
+)
+from autoshard.checkpoint_io import Publisher, fsync_file, stage_sidecar, staging_path, unverified_warning, writer_token
+from autoshard.lightning.checkpoint import (
+    FORMAT_VERSION,
+    KIND_SAVE,
+    STATE_KEY,
+    CheckpointMixin,
+    begin_save,
+    hash_on_every_rank,
+    rng_state,
+    set_rng_state,
+    verify_on_every_rank,
+)
+
+Filter = Mapping[str, Callable[[str, Any], bool]]
+
+
+def _is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _filtered(key: str, filters: Filter | None, value: Any) -> Any:
+    """Fabric's ``save(filter={key: fn(name, value) -> keep})`` on one converted entry."""
+    keep = (filters or {}).get(key)
+    if keep is None or not isinstance(value, Mapping):
+        return value
+    return {k: v for k, v in value.items() if keep(k, v)}
+
+
+def owner_of(optimizer: torch.optim.Optimizer, modules: Mapping[str, nn.Module], key: str) -> nn.Module:
+    """The model (among those in the state) whose parameters ``optimizer`` trains: its state is saved by their names."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in modules.values():
+        if any(id(p) in held for p in module.parameters()):
+            return module
+    raise ValueError(
+        f"the optimizer under {key!r} trains no parameter of the model(s) in this state ({', '.join(map(repr, modules)) or 'none'}),"
+        f" so its state could not be saved or loaded by parameter name. Fix: put the model it trains in the same"
+        f" state, e.g. {{'model': model, {key!r}: optimizer}}"
+    )
+
+
+def unmatched_keys_refusal(path: Path, missing: list[str]) -> KeyError:
+    return KeyError(
+        f"the state asks for {', '.join(map(repr, missing))}, which {str(path)!r} does not hold. Fix: load with"
+        f" fabric.load(path, state, strict=False) to skip them, or save them in the checkpoint"
+    )
+
+
+class FabricCheckpoint(CheckpointMixin):
+    """``save_checkpoint`` / ``load_checkpoint`` with Fabric's signatures, on CheckpointMixin's writer: the staged DCP
+    shards of every rank, ``meta.pt`` with the manifest, rank 0's rename under the lock."""
+
+    intent: Any
+    device_mesh: Any
+
+    # -- save ----------------------------------------------------------------------------------------------------
+    def save_checkpoint(  # type: ignore[override]
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: Filter | None = None,
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy writes"
+                f" the checkpoint itself (crash-safe), not through a CheckpointIO"
+            )
+        full = self.intent.checkpoint == "full"
+        if filter is not None and not full:
+            raise NotImplementedError(
+                "fabric.save(..., filter=...) with a distributed checkpoint is not supported: a filtered DCP checkpoint"
+                " could not be loaded back (pytorch/pytorch#105379). Fix: drop filter, or use"
+                " ShardingIntent(checkpoint='full')"
+            )
+        path = Path(self.broadcast(path))  # type: ignore[attr-defined]
+        modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+        if not modules:
+            raise ValueError(
+                "fabric.save found no model in the state, and a checkpoint without one cannot be loaded back. Fix: put"
+                " the model set up with this Fabric in it: fabric.save(path, {'model': model, 'optimizer': optimizer, 'step': step})"
+            )
+        for module in modules.values():  # the checkpoint holds rank 0's buffers, and so does every rank after it
+            sync_buffers(module, self.device_mesh)
+        options = StateDictOptions(full_state_dict=full, cpu_offload=True)
+        tensors: dict[str, Any] = {}
+        metadata: dict[str, Any] = {}
+        for key, obj in state.items():
+            if isinstance(obj, nn.Module):
+                tensors[key] = _filtered(key, filter, get_model_state_dict(obj, options=options))
+            elif isinstance(obj, torch.optim.Optimizer):
+                tensors[key] = _filtered(key, filter, get_optimizer_state_dict(owner_of(obj, modules, key), obj, options=options))
+            else:
+                metadata[key] = _filtered(key, filter, obj.state_dict() if _is_stateful(obj) else obj)
+        metadata[STATE_KEY] = {
+            "version": FORMAT_VERSION,
+            "world_size": self.world_size,
+            "rng_states": self._all_gather(rng_state()),
+            "fabric": {"modules": list(modules), "optimizers": [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]},
+        }
+        token = self.broadcast(writer_token())  # type: ignore[attr-defined]
+        staged = staging_path(path, token)
+        held: list[Publisher] = []
+        try:
+            self._on_rank0(lambda: begin_save(path, token, held))
+            if full:
+                self._on_rank0(lambda: self._write_full_file({**tensors, **metadata}, staged, path, token))
+            else:
+                self._on_rank0(lambda: staged.mkdir(parents=True))
+                shards = hash_on_every_rank(staged, self._write_shards(tensors, staged), self.global_rank)
+                self._on_rank0(lambda: self._write_meta(metadata, staged, shards))
+            self._on_rank0(lambda: held[0].publish(check_replaceable))
+        finally:
+            for publisher in held:  # a failed save's staging stays for the next save to clear (it may be complete)
+                publisher.release()
+
+    def _write_full_file(self, checkpoint: dict[str, Any], staged: Path, path: Path, token: str) -> None:
+        torch.save(checkpoint, staged)
+        fsync_file(staged)
+        stage_sidecar(path, token, KIND_SAVE)
+
+    # -- load ----------------------------------------------------------------------------------------------------
+    def load_checkpoint(  # type: ignore[override]
+        self,
+        path: Any,
+        state: Any = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if not isinstance(state, dict) or not state:  # load_raw (a module alone), or no state: Lightning's own paths
+            return ModelParallelStrategy.load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)  # type: ignore[arg-type]
+        path = Path(self.broadcast(path))  # type: ignore[attr-defined]
+        resolved = Path(self._on_rank0(lambda: str(_resolve(path))))  # type: ignore[arg-type]
+        verified = verify_on_every_rank(resolved, self.global_rank, self.world_size)
+        modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+        optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        if not modules:
+            raise ValueError("fabric.load found no model in the state. Fix: fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        trust = weights_only is False
+        if resolved.is_dir():
+            self._load_shards(resolved, modules, optimizers, strict)
+            metadata = load_torch_file(resolved / LIGHTNING_META, action="load", trust_pickle=trust)
+        else:
+            metadata = self._load_full(resolved, modules, optimizers, strict, trust)
+        extra = metadata.pop(STATE_KEY, None)
+        if extra is not None:
+            self._restore_rng(extra)
+            if not verified:
+                rank_zero_warn(unverified_warning(resolved))
+        requested = [k for k in state if k not in modules and k not in optimizers]
+        absent = [k for k in requested if k not in metadata]
+        if absent and strict:
+            raise unmatched_keys_refusal(resolved, absent)
+        for key in requested:
+            if key in metadata:
+                value = metadata.pop(key)
+                if _is_stateful(state[key]):
+                    state[key].load_state_dict(value)
+                else:
+                    state[key] = value
+        return metadata
+
+    def _load_shards(self, path: Path, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], strict: bool) -> None:
+        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, load
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        holder: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
+        owners = {k: owner_of(o, modules, k) for k, o in optimizers.items()}
+        holder.update({k: get_optimizer_state_dict(owners[k], o) for k, o in optimizers.items()})
+        try:
+            load(holder, storage_reader=FileSystemReader(str(path)), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
+            raise _load_failure(path, modules, exc) from None
+        for key, module in modules.items():
+            set_model_state_dict(module, holder[key], options=StateDictOptions(strict=strict))
+        for key, optimizer in optimizers.items():
+            set_optimizer_state_dict(owners[key], optimizer, optim_state_dict=holder[key], options=StateDictOptions(cpu_offload=True))
+
+    def _load_full(
+        self, path: Path, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], strict: bool, trust: bool
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        loaded = dict(load_torch_file(path, action="load", trust_pickle=trust))
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        for key, module in modules.items():
+            set_model_state_dict(module, loaded.pop(key), options=options)
+        for key, optimizer in optimizers.items():
+            set_optimizer_state_dict(owner_of(optimizer, modules, key), optimizer, optim_state_dict=loaded.pop(key), options=options)
+        return loaded
+
+    def _restore_rng(self, extra: dict[str, Any]) -> None:
+        rng = extra.get("rng_states") or []
+        if extra.get("world_size") == self.world_size and len(rng) == self.world_size:
+            set_rng_state(rng[self.global_rank])
+        else:
+            rank_zero_warn(
+                f"autoshard: saved at world size {extra.get('world_size')}, loaded at {self.world_size}: model and optimizer"
+                f" states are resharded exactly, but per-rank RNG states cannot be mapped, so random draws differ from an"
+                f" uninterrupted run"
+            )
+
+
+def _resolve(path: Path) -> Path:
+    """The checkpoint to read: a full file as it is (Fabric's hold their own keys, not Lightning's ``state_dict``),
+    else ``resolve_for_load``: an interrupted save's complete copy, the refusals with their fix."""
+    if detect_format(path, verify=False).format is Format.FULL:
+        return path
+    return resolve_for_load(path, "fsdp2")
+
+
+def _load_failure(path: Path, modules: Mapping[str, nn.Module], exc: Any) -> CheckpointFormatError:
+    """torch's CheckpointException as the names that differ between a saved model entry and the model."""
+    for key, module in modules.items():
+        model = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        saved = saved_shapes(path, key)
+        mismatch = model_mismatch(saved, model)
+        if mismatch:
+            reshaped = any(saved[n] is not None and tuple(saved[n] or ()) != model[n] for n in set(saved) & set(model))
+            other = (
+                "a model whose shapes match (strict=False skips missing and unexpected names, never another shape)"
+                if reshaped
+                else "fabric.load(path, state, strict=False) to load the names both have"
+            )
+            return CheckpointFormatError(
+                f"cannot load {str(path)!r}: its {key!r} weights do not match this {type(module).__name__}: {mismatch}."
+                f" Fix: load a checkpoint of this model, or {other}"
+            )
+    ranks = ", ".join(map(str, sorted(exc.failures)))
+    return CheckpointFormatError(
+        f"cannot load {str(path)!r}: torch.distributed.checkpoint failed on rank(s) {ranks}: {exc}. Fix: load it with"
+        f" the models and optimizers that wrote it, under the same keys"
+    )
+
+
+__all__ = ["FabricCheckpoint", "owner_of"]

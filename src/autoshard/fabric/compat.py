@@ -1,0 +1,93 @@
+"""Every private Lightning Fabric member autoshard's Fabric strategies touch: where, and why (the Trainer's are listed
+in ``autoshard.lightning.compat``, with the same ``Private`` record and the same supported range).
+
+tests/fabric/test_fabric_registration.py checks every entry on the installed Lightning, so an upgrade that drops one
+fails by name; a strategy whose hooked member is gone refuses to be built (``missing``), with the pin.
+
+Public behaviours relied on as well: ``STRATEGY_REGISTRY`` entries are dicts whose ``"strategy"`` is called with
+``"init_params"`` when ``Fabric()`` is built (read raw, never called, by ``autoshard.fabric.register``);
+``Fabric.setup`` hands the unwrapped module to ``Strategy.setup_module_and_optimizers`` (``setup_module`` without
+optimizers) and ``setup_optimizers`` to ``setup_optimizer``; ``ModelParallelStrategy.setup_module`` calls the
+``parallelize_fn`` given to ``__init__`` and then materializes meta tensors; ``fabric.save`` / ``fabric.load`` call
+``save_checkpoint`` / ``load_checkpoint`` with the unwrapped objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from autoshard.lightning.compat import Private
+
+_MODEL_PARALLEL = "lightning.fabric.strategies.ModelParallelStrategy"
+_DEEPSPEED = "lightning.fabric.strategies.DeepSpeedStrategy"
+_LEFT = "Fabric(strategy='fsdp2' / 'auto-shard' / 'autoshard-deepspeed') is refused (it could not set its mesh or config)"
+
+FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
+    Private(
+        _MODEL_PARALLEL,
+        "_configure_launcher",
+        "fabric/strategies.py (lightning/base.py's BackendMixin)",
+        "overridden: the last step of Fabric() construction, where the precision plugin is known; precision, backend"
+        " and mesh sizes are checked there, before any process starts",
+        without=_LEFT,
+    ),
+    Private(
+        _MODEL_PARALLEL,
+        "_data_parallel_size",
+        "fabric/strategies.py",
+        "set from the intent before Fabric resolves 'auto' (which means tensor parallel within a node)",
+        on_instance=True,
+    ),
+    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "fabric/strategies.py", "set with _data_parallel_size", on_instance=True),
+    Private(_DEEPSPEED, "_configure_launcher", "fabric/deepspeed.py", "overridden, as for ModelParallelStrategy", without=_LEFT),
+    Private(
+        _DEEPSPEED,
+        "_format_config",
+        "fabric/deepspeed.py",
+        "overridden: Fabric calls it once the processes exist; the config is generated from the intent there",
+        without=_LEFT,
+    ),
+    Private(
+        _DEEPSPEED,
+        "_setup_distributed",
+        "fabric/deepspeed.py",
+        "overridden on CPU only: Lightning's checks device indices, which CPU devices lack",
+        without=_LEFT,
+    ),
+    Private(_DEEPSPEED, "_set_world_ranks", "fabric/deepspeed.py", "called on CPU, as Lightning's _setup_distributed does", without=_LEFT),
+    Private(
+        _DEEPSPEED,
+        "_init_deepspeed_distributed",
+        "fabric/deepspeed.py",
+        "called on CPU: MASTER_*/RANK env, gloo for a CPU root device, the strategy's timeout",
+        without=_LEFT,
+    ),
+    Private(
+        _DEEPSPEED, "_config_initialized", "fabric/deepspeed.py", "set on CPU after the config is formatted, as Lightning does", on_instance=True
+    ),
+)
+
+
+def _owner(path: str) -> object:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def missing(owner: type | None = None) -> list[str]:
+    """The listed methods (of ``owner`` only, if given) that the installed Lightning Fabric lacks."""
+    gone = []
+    for member in FABRIC_PRIVATE_MEMBERS:
+        if member.on_instance:
+            continue
+        where = _owner(member.owner)
+        if owner is not None and where is not owner:
+            continue
+        if not hasattr(where, member.name):
+            gone.append(str(member))
+    return gone
+
+
+__all__ = ["FABRIC_PRIVATE_MEMBERS", "missing"]

@@ -1,0 +1,215 @@
+"""``Fabric(strategy="autoshard-deepspeed")``: ZeRO-3 from a ShardingIntent, refused before any engine exists for what
+DeepSpeed cannot train, and runnable on CPU (gloo), as on the Trainer side.
+
+Fabric shows the method at ``fabric.setup``: the optimizers handed over (several are refused, naming each one and what
+it trains), an EMA teacher inside the model (ZeRO-3 would update empty placeholders), 0-dim parameters, and a second
+setup call: DeepSpeed builds one engine per call, and Lightning's DeepSpeedStrategy keeps the last one only (Lightning
+issue #19773), so a GAN's or a teacher's second ``fabric.setup`` would silently step through the wrong engine.
+Importing this module imports deepspeed only when a strategy is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import DeepSpeedStrategy
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.seed import reset_seed
+from torch import nn
+
+from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
+from autoshard.backends import deepspeed as deepspeed_backend
+from autoshard.capability import Feature
+from autoshard.checkpoint import resolve_for_load
+from autoshard.checkpoint_io import unverified_warning
+from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
+from autoshard.fabric.compat import missing
+from autoshard.fabric.optimizers import ParameterNames
+from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
+from autoshard.fabric.strategies import FabricBackend
+from autoshard.intent import ShardingIntent, as_intent
+from autoshard.lightning.checkpoint import verify_on_every_rank
+from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
+from autoshard.lightning.deepspeed import publish_deepspeed_save, require_deepspeed, zero_dim_parameters
+from autoshard.precision import PrecisionPlan, resolve_precision
+
+BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
+# Lightning Fabric DeepSpeedStrategy arguments passed through; the ones that shape the config come from the intent.
+PASS_THROUGH = frozenset(
+    {"accelerator", "parallel_devices", "cluster_environment", "precision", "process_group_backend", "timeout", "logging_level"}
+    | {"load_full_weights", "exclude_frozen_parameters", "remote_device"}
+)
+
+
+class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
+    """``Fabric(strategy="autoshard-deepspeed")``: ZeRO-3, its config generated from the intent once the world size is
+    known (``micro_batch_size`` is DeepSpeed's per-rank batch, which Fabric cannot see: 1 unless given)."""
+
+    strategy_name = "autoshard-deepspeed"
+    prefer = BACKEND
+
+    def __init__(
+        self,
+        intent: ShardingIntent | Mapping[str, Any] | None = None,
+        *,
+        micro_batch_size: int | None = None,
+        zero_overrides: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        gone = missing(DeepSpeedStrategy)
+        if gone:
+            raise BackendUnavailableError(
+                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's Fabric DeepSpeed"
+                f" strategy hooks (verified on lightning {SUPPORTED_LIGHTNING}). Backend that works: fsdp2"
+                f" (Fabric(strategy='fsdp2')). Fix: {PIN}"
+            )
+        require_deepspeed()
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
+        for key in kwargs:
+            if key not in PASS_THROUGH:
+                raise IntentError(
+                    f"autoshard-deepspeed does not take {key}=: it builds the DeepSpeed config from the intent."
+                    f" Fix: set the ShardingIntent field that says it, or pass zero_overrides={{'{key}': ...}} for a"
+                    f" zero_optimization key"
+                )
+        base = as_intent(intent)
+        self.intent = base.replace(**fields) if fields else base
+        self.micro_batch_size = micro_batch_size
+        self.zero_overrides = dict(zero_overrides or {})
+        provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
+        super().__init__(config=provisional, **kwargs)
+        self.setups: list[Setup] = []
+
+    def _intent_to_check(self) -> ShardingIntent:
+        return self.intent
+
+    def _label(self) -> str:
+        return f"DeepSpeed ZeRO stage 3 ({type(self).__name__})"
+
+    def _resolve_precision(self) -> PrecisionPlan:
+        plan = resolve_precision(self.precision.precision, self.intent)
+        precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
+        return plan
+
+    def _format_config(self) -> None:  # private Lightning hook: autoshard.fabric.compat
+        """The final config, once the world size is known; Fabric's DeepSpeed needs it before any model exists."""
+        self.config = deepspeed_config(
+            self.intent,
+            None,
+            precision=self.precision_plan,
+            world_size=self.world_size,
+            micro_batch_size=1 if self.micro_batch_size is None else self.micro_batch_size,
+            zero_overrides=self.zero_overrides,
+        )
+
+    # -- CPU (gloo): the three checks that block Lightning's DeepSpeedStrategy on CPU, as on the Trainer side -----------
+    def _on_cpu(self) -> bool:
+        return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._on_cpu():
+            return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
+        return super().root_device
+
+    def setup_environment(self) -> None:
+        if not self._on_cpu():
+            super().setup_environment()  # Lightning's CUDA path, unchanged
+            return
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = str(get_accelerator().device_name())
+        if accelerator != "cpu":
+            cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
+            raise IncompatibleBackendError(
+                f"Fabric(accelerator='cpu') with DeepSpeed, but DeepSpeed's accelerator is '{accelerator}': {cell.reason}."
+                f" Backend that works on CPU: fsdp2 (Fabric(strategy='fsdp2')). Fix: export DS_ACCELERATOR=cpu before"
+                f" Python starts, or {cell.remedy}"
+            )
+        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
+
+    def _setup_distributed(self) -> None:  # private Lightning hook: autoshard.fabric.compat
+        if not self._on_cpu():
+            super()._setup_distributed()
+            return
+        # Lightning checks device indices against local ranks; CPU devices have none, and nothing to select.
+        reset_seed()
+        self._set_world_ranks()
+        self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True
+
+    # -- fabric.setup: the method, checked before any engine exists -------------------------------------------------
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
+        self._check_setup(module, [optimizer_label(module, o) for o in optimizers])
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    def setup_module(self, module: nn.Module) -> Any:
+        self._check_setup(module, [])
+        return super().setup_module(module)
+
+    def _check_setup(self, module: nn.Module, arriving: list[str]) -> None:
+        """What DeepSpeed cannot train, refused with the backend that works and the fix; every rank sees the same
+        models, so every rank refuses and none waits in a collective."""
+        if self.setups:
+            raise second_setup_refusal(self._label(), self.setups, module, arriving)
+        needs = run_needs(module, [], arriving, 1)
+        try:
+            decision = self._select(needs)
+        except IncompatibleBackendError as err:
+            why = f" ({self.requested_as} chose DeepSpeed when Fabric was built, for what the intent asks.)" if self.requested_as else ""
+            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}") from None
+        zero_dim = zero_dim_parameters(module)
+        if zero_dim:
+            names = ", ".join(repr(n) for n in zero_dim)
+            raise IncompatibleBackendError(
+                f"{type(module).__name__} has 0-dim parameter(s) {names}, so it cannot train under {self._label()}:"
+                f" DeepSpeed sends every parameter as bytes (dist.broadcast(p.data.view(torch.uint8))) when it builds the"
+                f" engine, and torch cannot view a 0-dim tensor that way; refused before the engine is built. Backend"
+                f" that works: fsdp2 (Fabric(strategy='fsdp2')). Fix: use Fabric(strategy='fsdp2'), or give the"
+                f" parameter shape (1,): nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
+            )
+        self.needs, self.decision = needs, decision
+        self.report_decision(decision)
+        self.setups.append(Setup(1, type(module).__name__, _no_ref, ParameterNames(type(module).__name__, {}), arriving))
+
+    # -- fabric.save / fabric.load: the crash-safe writer, the checks before DeepSpeed reads a file -------------------
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
+        """DeepSpeed's engine writes every rank's files into a staging of this save's own; each rank hashes its own; rank 0
+        writes the manifest and renames the staging in, holding the destination's lock (checkpoint_io's protocol)."""
+        if storage_options is not None or filter is not None:
+            super().save_checkpoint(path, state, storage_options, filter)  # Lightning's refusals
+            return
+
+        def write(staged: Path) -> None:
+            super(AutoShardDeepSpeedStrategy, self).save_checkpoint(str(staged), state)
+            self.barrier()  # every rank's files are in before any rank hashes
+
+        publish_deepspeed_save(
+            path,
+            write,
+            self.global_rank,
+            self.world_size,
+            self.broadcast,
+        )
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+        if isinstance(state, dict) and state and not (self.load_full_weights and self.zero_stage_3):
+            path = resolve_for_load(Path(self.broadcast(path)), BACKEND, world_size=self.world_size)
+            if not verify_on_every_rank(Path(path), self.global_rank, self.world_size):
+                rank_zero_warn(unverified_warning(path))
+        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+
+
+def _no_ref() -> None:
+    """DeepSpeed's setup record keeps no module: nothing is remapped or re-sharded after its single setup."""
+    return None
+
+
+__all__ = ["AutoShardDeepSpeedStrategy"]

@@ -1,0 +1,446 @@
+"""``Fabric(strategy="fsdp2")`` and ``Fabric(strategy="auto-shard")``: Fabric's ModelParallelStrategy sharding any
+``nn.Module`` itself, with what the Trainer path guarantees, from the same code.
+
+The same pieces as ``autoshard.lightning.fsdp2.FSDP2Strategy``, called where Fabric shows the method: the plan
+(``adapters.fsdp2.plan_fsdp2`` / ``FSDP2Plan.apply``: blocks, teachers like students, unsharded gradients averaged),
+the precision plan (``BackendMixin``: bf16-mixed gathers in bf16 and reduces in fp32), meta-device init with
+``init_from``, rank 0's unsharded parameters and buffers broadcast, no-grad forwards resharded
+(``lightning.guarantees``), and the selector's refusals. What Fabric adds: an optimizer built before setup is moved onto
+the sharded parameters (``fabric.optimizers``), several setup calls count (``fabric.setups``), and ``fabric.save`` /
+``fabric.load`` go through the crash-safe writer (``fabric.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Mapping
+from datetime import timedelta
+from importlib import metadata
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from autoshard.adapters.fsdp2 import (
+    FSDP2Plan,
+    ParallelizeFn,
+    Reshard,
+    Role,
+    average_unsharded_gradients,
+    broadcast_unsharded,
+    check_ema_alignment,
+    data_parallel_mesh,
+    is_sharded,
+    per_shard_random_init,
+    plan_fsdp2,
+    sync_buffers,
+)
+from autoshard.backends import fsdp2 as fsdp2_backend
+from autoshard.errors import AutoShardError, BackendUnavailableError, IncompatibleBackendError, IntentError
+from autoshard.fabric.checkpoint import FabricCheckpoint
+from autoshard.fabric.compat import missing
+from autoshard.fabric.optimizers import ParameterNames, label, remap_optimizer, stale_parameters, stale_refusal
+from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, run_needs
+from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
+from autoshard.intent import ShardingIntent, as_intent
+from autoshard.lightning.base import BackendMixin
+from autoshard.lightning.checkpoint import all_gather_object
+from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
+from autoshard.lightning.environment import check_node_groups
+from autoshard.lightning.fsdp2 import refuse_unsupported_precision
+from autoshard.lightning.guarantees import reshard_after_no_grad_forward, reshard_teachers
+from autoshard.lightning.meta_init import check_meta_init, copy_students_into_teachers
+from autoshard.needs import EMAPair, MethodNeeds
+from autoshard.precision import PrecisionPlan
+from autoshard.select import Decision, select_backend
+
+BACKEND = fsdp2_backend.BACKEND.name  # "fsdp2"
+_BUFFER_HOOK = "_autoshard_buffer_sync"
+
+
+def in_fabric_terms(text: str) -> str:
+    """A refusal written for the Trainer (shared with it, word for word), said to a Fabric user."""
+    return text.replace("Trainer(", "Fabric(").replace("the Trainer's", "Fabric's").replace("the Trainer", "Fabric")
+
+
+class FabricBackend(BackendMixin):
+    """BackendMixin (precision resolved once, the launch and construction checks, the selector) for Fabric's
+    strategies: Fabric calls the same ``_configure_launcher`` last when ``Fabric()`` is built, and holds the precision
+    plugin as ``precision``. The refusals are the Trainer's, said in Fabric's terms."""
+
+    @property
+    def precision_plugin(self) -> Any:
+        return self.precision  # type: ignore[attr-defined]
+
+    def _configure_launcher(self) -> None:  # private Lightning hook: autoshard.fabric.compat
+        try:
+            super()._configure_launcher()
+        except AutoShardError as exc:
+            raise type(exc)(in_fabric_terms(str(exc))) from None
+
+
+def teacher_plan(student: FSDP2Plan, path: str) -> FSDP2Plan:
+    """The plan that shards a teacher set up apart exactly like its student: the student's units under ``path`` ("":
+    the whole set-up module), renamed into the teacher, each resharded after forward (no backward follows)."""
+    prefix = f"{path}." if path else ""
+
+    def inside(name: str) -> str | None:
+        if not path:
+            return name
+        return "" if name == path else name[len(prefix) :] if name.startswith(prefix) else None
+
+    units = [
+        dataclasses.replace(u, name=n, role=Role.TEACHER, reshard=Reshard.TEACHER, checkpointed=False)
+        for u in student.units
+        if (n := inside(u.name)) is not None
+    ]
+    replicated = [dataclasses.replace(r, name=n, trainable=False) for r in student.replicated if (n := inside(r.name)) is not None]
+    return FSDP2Plan(units, replicated, (), student.intent, precision=student.precision, hsdp=student.hsdp)
+
+
+def _pair(teacher: nn.Module, student: nn.Module) -> tuple[nn.Module, EMAPair]:
+    """A throwaway container holding both, so the checks written for one module (positional EMA alignment) apply."""
+    both = nn.Module()
+    both.add_module("teacher", teacher)
+    both.add_module("student", student)
+    return both, EMAPair("teacher", "student")
+
+
+def _sync_buffers_before_forward(module: nn.Module, mesh: Any) -> None:
+    """BUFFER_RULE (adapters.fsdp2): rank 0's buffers on every rank before each training forward, as DDP's
+    ``broadcast_buffers`` does in its forward (a Fabric loop has no batch hook to do it in). Once per module."""
+    from torch.distributed.tensor import DTensor
+
+    if getattr(module, _BUFFER_HOOK, False) or not any(not isinstance(b, DTensor) for b in module.buffers()):
+        return
+
+    def sync(m: nn.Module, args: Any) -> None:
+        if m.training:
+            sync_buffers(m, mesh)
+
+    module.register_forward_pre_hook(sync)
+    object.__setattr__(module, _BUFFER_HOOK, True)
+
+
+class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
+    """``Fabric(strategy="fsdp2")``: pure FSDP by default (dp = world size, tp = 1), sharding at ``fabric.setup``.
+
+    ``parallelize_fn(module, device_mesh)`` replaces the generic plan (``device_mesh["data_parallel"]`` is the dp
+    slice); the guarantees stay. Fabric's own "auto" sizes mean tensor parallel = processes per node: replaced here by
+    the intent's ``mesh_sizes`` before Fabric resolves them.
+    """
+
+    strategy_name = "fsdp2"
+    prefer = "fsdp2"
+
+    def __init__(
+        self,
+        intent: ShardingIntent | Mapping[str, Any] | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **intent_fields: Any,
+    ) -> None:
+        gone = missing(ModelParallelStrategy)
+        if gone:  # Fabric would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
+            raise BackendUnavailableError(
+                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's Fabric strategies"
+                f" hook (verified on lightning {SUPPORTED_LIGHTNING}). Fix: {PIN}"
+            )
+        self.intent = as_intent(intent, **intent_fields)
+        super().__init__(
+            parallelize_fn=self._shard,
+            data_parallel_size="auto",
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=self.intent.checkpoint == "distributed",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.user_parallelize_fn = parallelize_fn
+        self.setups: list[Setup] = []  # every fabric.setup / setup_module call, in order
+        self.plans: dict[int, FSDP2Plan] = {}  # autoshard's plan of each setup call (by its index), when it planned
+        self.init_reports: dict[int, InitReport] = {}  # what this rank read for ShardingIntent(init_from=...)
+        self._arriving: list[str] = []  # the optimizers handed over with the module being set up, described
+        self._pending: tuple[int, MethodNeeds, tuple[int, str] | None] | None = None  # (call, needs, student) in setup
+
+    @property
+    def plan(self) -> FSDP2Plan | None:
+        """The plan of the last setup call (the Trainer strategy's attribute of the same name)."""
+        return self.plans.get(len(self.setups)) if self.setups else None
+
+    # -- Fabric() construction (BackendMixin._configure_launcher): what can be refused before a process starts --------
+    def _check_construction(self) -> None:
+        super()._check_construction()  # the run's sizes, resolved once (hybrid sharding's too)
+        self._select(MethodNeeds(), self._prefer_at_construction())
+        # Set before Fabric's setup_environment, which keeps sizes that are not "auto" (Fabric's "auto" means tensor
+        # parallel = processes per node).
+        self._data_parallel_size, self._tensor_parallel_size = self.intent.mesh_sizes(self.num_nodes * self.num_processes, self.num_nodes)
+        tp = self.intent.tensor_parallel_size
+        if self.intent.shard_size is not None and self.user_parallelize_fn is not None:
+            raise IntentError(
+                f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
+                f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
+                f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
+            )
+        if tp > 1 and self.user_parallelize_fn is None:
+            raise IntentError(
+                f"tensor_parallel_size={tp} needs a parallelize_fn: autoshard has no generic tensor-parallel layout, so"
+                f" nothing would be split across the {tp} tensor-parallel ranks and they would all train on the same"
+                f" batch. Fix: pass Fabric(strategy=autoshard.fabric.FSDP2Strategy(parallelize_fn=fn)), where"
+                f" fn(module, device_mesh) applies a tensor-parallel layout on device_mesh['tensor_parallel'], or set"
+                f" tensor_parallel_size=1"
+            )
+
+    def _prefer_at_construction(self) -> str:
+        return self.prefer
+
+    def _resolve_precision(self) -> PrecisionPlan | None:
+        refuse_unsupported_precision(self.precision.precision, self)  # type: ignore[arg-type]
+        return super()._resolve_precision()
+
+    def _decide(self, needs: MethodNeeds) -> Decision:
+        decision = self._select(needs)
+        if decision.backend != BACKEND:
+            raise IncompatibleBackendError(
+                f"auto-shard chose {decision.backend} for these models, but Fabric was built for fsdp2."
+                f" Fix: use Fabric(strategy='{decision.strategy}')\n{decision.describe()}"
+            )
+        return decision
+
+    def describe_mesh(self) -> dict[str, Any]:
+        return {
+            "data_parallel_size": self._data_parallel_size,
+            "tensor_parallel_size": self._tensor_parallel_size,
+            "world_size": self.world_size,
+            **({"hsdp": self.hsdp_sizes} if self.hsdp_sizes else {}),
+        }
+
+    # -- fabric.setup(model, *optimizers) / fabric.setup_module(model) -----------------------------------------------
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
+        """The first place Fabric shows a model with its optimizers: the optimizers count towards the decision, and each
+        one built before setup is moved onto the sharded parameters (by name, state and param groups kept)."""
+        self._arriving = [optimizer_label(module, o) for o in optimizers]
+        try:
+            module = self.setup_module(module)
+        finally:
+            self._arriving = []
+        return module, [self._adopt(o, label(o, i if len(optimizers) > 1 else None)) for i, o in enumerate(optimizers)], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Decide from the module (and the optimizers handed with it, if any), shard, materialize, load init_from,
+        broadcast what stays whole. Alone (the FSDP2-recommended order), the optimizers are checked when they arrive."""
+        call = len(self.setups) + 1
+        before = ParameterNames.of(module)
+        needs = run_needs(module, self.setups, self._arriving, call)
+        self.needs, self.decision = needs, self._decide(needs)
+        student = self._student_of(module, call)
+        init = self._plan_init_from(module, needs)
+        on_meta = check_meta_init(module, init.covered if init is not None else frozenset())
+        self._pending = (call, needs, student)
+        try:
+            with per_shard_random_init(self.device_mesh), warnings.catch_warnings():
+                if init is not None:  # modules without reset_parameters() passed check_meta_init: init_from fills them
+                    warnings.filterwarnings("ignore", message="Parameter initialization incomplete")
+                module = super().setup_module(module)  # -> self._shard, then Fabric materializes meta shards
+        finally:
+            self._pending = None
+        if init is not None:  # after materialization, before teachers copy students and rank 0's copy is broadcast
+            self.init_reports[call] = load_init_from(module, init)
+            rank_zero_info(self.init_reports[call].describe())
+        if on_meta or init is not None:  # teachers the files do not hold start as copies of their (loaded) students
+            copy_students_into_teachers(module, init.copy_teachers if init is not None else needs.ema_pairs)
+            if student is not None and (init is None or not init.covered):
+                self._copy_student_into(module, student)
+        broadcast_unsharded(module, self.device_mesh)
+        reshard_after_no_grad_forward(module)  # whoever sharded: a unit forwarded without grad gives its memory back
+        _sync_buffers_before_forward(module, self.device_mesh)
+        self.setups.append(Setup(call, type(module).__name__, weakref.ref(module), before, list(self._arriving)))
+        self._shard_earlier_teachers(module, call)
+        self.report_decision(self.decision)
+        return module
+
+    def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
+        """Fabric's parallelize_fn: autoshard's plan, or the user's parallelize_fn / fully_shard calls plus the
+        guarantees; a teacher set up apart from its student gets the student's units."""
+        assert self._pending is not None, "called by ModelParallelStrategy.setup_module only"
+        call, needs, student = self._pending
+        dp_mesh = data_parallel_mesh(mesh)
+        if student is not None and student[0] in self.plans:
+            plan = teacher_plan(self.plans[student[0]], student[1])
+            plan.apply(module, mesh)
+            self.plans[call] = plan
+            self._check_pair(module, student)
+            rank_zero_info(f"autoshard: EMA teacher {type(module).__name__} (fabric.setup call {call}) sharded exactly like its student")
+            return module
+        if is_sharded(module) or self.user_parallelize_fn is not None:
+            if is_sharded(module):
+                rank_zero_info("autoshard: modules already sharded (your fully_shard calls); the generic plan is skipped")
+            else:
+                returned = self.user_parallelize_fn(module, mesh)  # type: ignore[misc]
+                module = returned if isinstance(returned, nn.Module) else module
+                rank_zero_info("autoshard: sharded by your parallelize_fn; the generic plan is skipped")
+            average_unsharded_gradients(module, dp_mesh)
+            for pair in needs.ema_pairs:
+                check_ema_alignment(module, pair)
+            teachers = reshard_teachers(module, needs.ema_pairs)
+            if teachers:
+                rank_zero_info(f"autoshard: EMA teacher units reshard after forward: {', '.join(teachers)}")
+            return module
+        plan = plan_fsdp2(module, self.intent, needs, self.precision_plan)
+        plan.hsdp = self.hsdp_sizes
+        if self.intent.shard_size == "node" and self.hsdp_sizes is not None:
+            check_node_groups(all_gather_object(self.node_rank), self.hsdp_sizes[1])
+        plan.apply(module, mesh)
+        self.plans[call] = plan
+        rank_zero_info(plan.describe(self.describe_mesh()))
+        return module
+
+    def _plan_init_from(self, module: nn.Module, needs: MethodNeeds) -> InitPlan | None:
+        if self.intent.init_from is None:
+            return None
+        return plan_everywhere(module, sources_of(self.intent.init_from), needs.ema_pairs, all_gather_object)
+
+    # -- EMA teachers set up apart from their students ---------------------------------------------------------------
+    def _live(self) -> list[tuple[int, nn.Module]]:
+        return [(s.index, m) for s in self.setups if (m := s.module()) is not None]
+
+    def _student_of(self, module: nn.Module, call: int) -> tuple[int, str] | None:
+        """(setup call, path) of the student ``module`` mirrors as a whole, when it is an EMA teacher of a model set up
+        earlier (``teacher = copy.deepcopy(student)``, set up apart); a frozen part of it mirroring one is refused."""
+        for t_call, t_path, s_call, s_path in cross_setup_pairs([*self._live(), (call, module)]):
+            if t_call != call:
+                continue
+            if t_path:
+                raise AutoShardError(
+                    f"'{t_path}' of {type(module).__name__} (fabric.setup call {call}) is a frozen copy of a model set up"
+                    f" in call {s_call}, an EMA teacher, but it is set up inside another model: it cannot be sharded like"
+                    f" its student, and the positional EMA update would mix whole tensors with shards."
+                    f" Fix: set the teacher up on its own (teacher = fabric.setup_module(teacher)), or set teacher and"
+                    f" student up in one module"
+                )
+            return s_call, s_path
+        return None
+
+    def _check_pair(self, teacher: nn.Module, student: tuple[int, str]) -> None:
+        setup = next(s for s in self.setups if s.index == student[0])
+        owner = setup.module()
+        assert owner is not None
+        check_ema_alignment(*_pair(teacher, owner.get_submodule(student[1])))
+
+    @torch.no_grad()
+    def _copy_student_into(self, teacher: nn.Module, student: tuple[int, str]) -> None:
+        """A meta-initialized teacher set up apart starts as a copy of its student, as inside one module."""
+        setup = next(s for s in self.setups if s.index == student[0])
+        owner = setup.module()
+        assert owner is not None
+        source = owner.get_submodule(student[1])
+        for t, s in zip((*teacher.parameters(), *teacher.buffers()), (*source.parameters(), *source.buffers())):
+            t.copy_(s)
+
+    def _shard_earlier_teachers(self, module: nn.Module, call: int) -> None:
+        """A teacher set up before its student was planned alone (frozen: left whole); now that the student's plan
+        exists, shard the teacher like it (its parameters are whole and equal on every rank: each keeps its shard)."""
+        for t_call, t_path, s_call, s_path in cross_setup_pairs(self._live()):
+            if s_call != call or t_call == call:
+                continue
+            teacher = next(m for i, m in self._live() if i == t_call)
+            if t_path:
+                raise AutoShardError(
+                    f"'{t_path}' of {type(teacher).__name__} (fabric.setup call {t_call}) is a frozen copy of"
+                    f" {type(module).__name__} (call {call}), an EMA teacher set up inside another model: it cannot be"
+                    f" sharded like its student. Fix: set the teacher up on its own, after its student"
+                )
+            if not is_sharded(teacher) and call in self.plans:
+                plan = teacher_plan(self.plans[call], s_path)
+                plan.apply(teacher, self.device_mesh)
+                self.plans[t_call] = plan
+                reshard_after_no_grad_forward(teacher)
+                rank_zero_info(f"autoshard: EMA teacher {type(teacher).__name__} (fabric.setup call {t_call}) sharded exactly like its student")
+            check_ema_alignment(*_pair(teacher, module.get_submodule(s_path)))
+
+    # -- optimizers -----------------------------------------------------------------------------------------------------
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``fabric.setup_optimizers`` after ``setup_module``: the optimizer is moved onto the sharded parameters if it
+        was built before, counted with the setup call whose model it trains, and the decision is made again."""
+        optimizer = self._adopt(optimizer, label(optimizer))
+        owner = self._owner(optimizer)
+        if owner is not None:
+            module = owner.module()
+            assert module is not None
+            owner.optimizers.append(optimizer_label(module, optimizer))
+            assert self.needs is not None
+            sources = tuple((f"fabric.setup call {s.index}: {o}", 1) for s in self.setups for o in s.optimizers)
+            if not any(source == "declared" for source, _ in self.needs.optimizer_sources):
+                self.needs = dataclasses.replace(self.needs, optimizer_sources=sources)
+            self.decision = self._decide(self.needs)
+        return optimizer
+
+    def _owner(self, optimizer: torch.optim.Optimizer) -> Setup | None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for setup in reversed(self.setups):
+            module = setup.module()
+            if module is not None and any(id(p) in held for p in module.parameters()):
+                return setup
+        return None
+
+    def _adopt(self, optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Optimizer:
+        """Move what ``optimizer`` holds of each set-up model's pre-setup parameters onto the sharded ones, or refuse."""
+        moved = states = 0
+        for setup in self.setups:
+            module = setup.module()
+            if module is not None:
+                done = remap_optimizer(optimizer, setup.before, module, name)
+                moved, states = moved + done.parameters, states + done.states
+        live = {id(p) for _, m in self._live() for p in m.parameters()}
+        stale = stale_parameters(optimizer, [s.before for s in self.setups], live)
+        if stale:
+            raise stale_refusal(name, stale[0][0], [n for _, n in stale], "the model that held them is gone")
+        if moved:
+            kept = f", {states} with their state cut to this rank's shard" if states else ""
+            rank_zero_info(f"autoshard: {name} was built before fabric.setup: {moved} parameter(s) moved onto the sharded ones by name{kept}")
+        return optimizer
+
+
+class AutoShardStrategy(FSDP2Strategy):
+    """``Fabric(strategy="auto-shard")``: the backend the selector picks; checked again against each model at setup.
+
+    The intent alone can require DeepSpeed (NVMe or optimizer-only offload): then construction returns autoshard's
+    Fabric DeepSpeed strategy instead, as for the Trainer.
+    """
+
+    strategy_name = "auto-shard"
+    prefer = "auto"
+
+    def __new__(
+        cls,
+        intent: ShardingIntent | Mapping[str, Any] | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **intent_fields: Any,
+    ) -> Any:
+        wanted = as_intent(intent, **intent_fields)
+        needed = select_backend(MethodNeeds(), wanted.replace(precision=None)).backend
+        if needed != BACKEND:
+            if parallelize_fn is not None:
+                raise IntentError(
+                    "this intent needs DeepSpeed (only it has what it asks for), and DeepSpeed takes no parallelize_fn."
+                    " Fix: drop parallelize_fn, or change the intent so that fsdp2 can run it"
+                )
+            from autoshard.fabric.deepspeed import AutoShardDeepSpeedStrategy  # the one other backend the selector runs
+
+            chosen = AutoShardDeepSpeedStrategy(wanted, process_group_backend=process_group_backend, timeout=timeout)
+            chosen.requested_as = cls.strategy_name  # its refusals must not propose the auto-shard the user is on
+            return chosen
+        return super().__new__(cls)
+
+    def _prefer_at_construction(self) -> str:
+        return "fsdp2"
+
+
+__all__ = ["AutoShardStrategy", "FSDP2Strategy", "FabricBackend", "in_fabric_terms", "teacher_plan"]

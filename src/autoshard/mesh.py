@@ -1,0 +1,234 @@
+"""The run's parallel layout, resolved once, and the one DeviceMesh that names it.
+
+``ParallelDims`` (data-parallel replicas x shard ranks x tensor-parallel ranks) is resolved from the intent, the world
+size and the number of nodes once, when the Trainer is built; every later question (the mesh, the sampler's ranks,
+the node groups, the plan's summary) reads it instead of resolving again.
+
+One DeviceMesh is built, with Lightning's names ``("data_parallel", "tensor_parallel")``: it is what Lightning's
+ModelParallelStrategy builds (the sampler reads ``["data_parallel"]``), and what a user's ``configure_model`` or
+``parallelize_fn`` indexes. Everything else is a view of that same mesh, taken by name (``ParallelMesh``):
+
+- ``dp``: every data-parallel rank (replicas x shard ranks, one tensor-parallel coordinate): the sampler, buffer
+  broadcasts, averaged unsharded gradients and SyncBatchNorm all use it, so the ranks of one tensor-parallel group
+  read the same batch;
+- ``tp``: the tensor-parallel ranks, where a tensor-parallel layout places its shards;
+- ``shard``: what ``fully_shard`` takes: ``dp`` itself (FSDP), or for hybrid sharding the ``("dp_replicate",
+  "dp_shard")`` dims of the 3-D view ``("dp_replicate", "dp_shard", "tensor_parallel")``, which splits the
+  ``data_parallel`` dim in place (``DeviceMesh._unflatten``): the same ranks, the same root mesh, so FSDP2 composes
+  its placements with tensor parallel's (``(Replicate(), Shard(0), <tp placement>)``).
+
+Ranks are numbered (replica, shard, tensor parallel), tensor parallel innermost: torchrun and SLURM number a node's
+ranks consecutively, so tensor-parallel groups, then shard groups, stay inside a node.
+
+Private torch member used (listed in ``autoshard.torch_compat``): ``DeviceMesh._unflatten``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autoshard.errors import AutoShardError, BackendUnavailableError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autoshard.intent import ShardingIntent
+
+DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
+REPLICATE = "dp_replicate"
+SHARD = "dp_shard"
+MESH_DIMS = (DATA_PARALLEL, TENSOR_PARALLEL)  # the one DeviceMesh: Lightning's names, what users index
+HYBRID_DIMS = (REPLICATE, SHARD)  # the data_parallel dim split for hybrid sharding (HSDP)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the world's ranks split: ``dp_replicate`` replicas of ``dp_shard``-rank shard groups, times ``tp``
+    tensor-parallel ranks. ``dp_replicate == 1`` is pure FSDP over the ``dp_shard`` ranks."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AutoShardError(f"ParallelDims.{name} must be a positive integer, got {value!r}. Fix: resolve it with ParallelDims.resolve")
+
+    @classmethod
+    def resolve(cls, intent: ShardingIntent, world_size: int, num_nodes: int = 1) -> ParallelDims:
+        """The dims for this world, refusing sizes that do not fit it (the intent's own texts)."""
+        dp, tp = intent.mesh_sizes(world_size, num_nodes)
+        replicas, shard = intent.hsdp_sizes(world_size, num_nodes) or (1, dp)
+        return cls(replicas, shard, tp)
+
+    @classmethod
+    def of(cls, dp: int, tp: int = 1, hsdp: tuple[int, int] | None = None) -> ParallelDims:
+        """From sizes already resolved: ``dp`` data-parallel ranks, split as ``hsdp`` = (replicas, shard) if given."""
+        replicas, shard = hsdp or (1, dp)
+        if replicas * shard != dp:
+            raise AutoShardError(
+                f"hybrid sharding {replicas} x {shard} does not cover the {dp} data-parallel ranks. Fix: resolve the"
+                f" sizes with ParallelDims.resolve(intent, world_size, num_nodes)"
+            )
+        return cls(replicas, shard, tp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads its own part of the batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def hybrid(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def hsdp(self) -> tuple[int, int] | None:
+        """(replicas, shard_size) under hybrid sharding; None: pure FSDP."""
+        return (self.dp_replicate, self.dp_shard) if self.hybrid else None
+
+    @property
+    def node_group(self) -> int:
+        """Consecutive ranks one shard group spans with its tensor-parallel ranks (a node for shard_size='node')."""
+        return self.dp_shard * self.tp
+
+    def describe(self) -> dict[str, Any]:
+        """The sizes the plan's summary prints (``settings_in_words``)."""
+        return {
+            "data_parallel_size": self.dp,
+            "tensor_parallel_size": self.tp,
+            "world_size": self.world_size,
+            **({"hsdp": self.hsdp} if self.hsdp else {}),
+        }
+
+
+def _names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(getattr(mesh, "mesh_dim_names", None) or ())
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The one DeviceMesh (``root``) and the views the run takes of it by name; see the module docstring.
+
+    ``root`` is 2-D ``("data_parallel", "tensor_parallel")`` (Lightning's), or 1-D data parallel (a mesh built
+    without tensor parallel: ``explain``, tests). ``hybrid_view`` exists under hybrid sharding only.
+    """
+
+    dims: ParallelDims
+    root: DeviceMesh
+    hybrid_view: DeviceMesh | None = None
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh, dims: ParallelDims | None = None, hsdp: tuple[int, int] | None = None) -> ParallelMesh:
+        """View ``mesh`` with ``dims`` (None: read from the mesh, split as ``hsdp``); refuses dims that do not fit it.
+
+        The hybrid view is made here, once per mesh: it creates the replica and shard process groups.
+        """
+        names = _names(mesh)
+        two_d = mesh.ndim == 2 and names == MESH_DIMS
+        if mesh.ndim > 1 and not two_d:
+            raise AutoShardError(
+                f"autoshard shards on a 1-D data-parallel mesh or a 2-D {MESH_DIMS} mesh, got dims {names or mesh.shape}."
+                f" Fix: build it with autoshard.mesh.build_mesh(dims, device_type)"
+            )
+        dp, tp = (mesh.size(0), mesh.size(1)) if two_d else (mesh.size(), 1)
+        dims = dims or ParallelDims.of(dp, tp, hsdp)
+        if (dims.dp, dims.tp) != (dp, tp):
+            raise AutoShardError(
+                f"the mesh has {dp} data-parallel x {tp} tensor-parallel ranks, but the run was resolved for"
+                f" {dims.dp} x {dims.tp}. Fix: build the mesh from the same ParallelDims (autoshard.mesh.build_mesh)"
+            )
+        return cls(dims, mesh, _hybrid_view(mesh, dims) if dims.hybrid else None)
+
+    @property
+    def dp(self) -> DeviceMesh:
+        """Every data-parallel rank (replicas x shard ranks) of this rank's tensor-parallel coordinate."""
+        return self.root[DATA_PARALLEL] if self.root.ndim > 1 else self.root
+
+    @property
+    def tp(self) -> DeviceMesh | None:
+        """This rank's tensor-parallel group; None on a mesh built without a tensor-parallel dim."""
+        return self.root[TENSOR_PARALLEL] if self.root.ndim > 1 else None
+
+    @property
+    def shard(self) -> DeviceMesh:
+        """What ``fully_shard`` takes: the data-parallel ranks, as (replicas, shard) under hybrid sharding."""
+        return self.hybrid_view[HYBRID_DIMS] if self.hybrid_view is not None else self.dp
+
+
+_VIEWS = "_autoshard_hybrid_views"  # on a root DeviceMesh: {(replicas, shard): its hybrid view}
+
+
+def _hybrid_view(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The root with its data_parallel dim split into (dp_replicate, dp_shard): the same ranks and root mesh.
+
+    Made once per root mesh and split (it creates process groups, a collective call on every rank): a second plan
+    applied on the same mesh (Fabric's setup calls, a validate after fit) reuses it.
+    """
+    views: dict[tuple[int, int], DeviceMesh] = vars(mesh).setdefault(_VIEWS, {})
+    key = (dims.dp_replicate, dims.dp_shard)
+    if key not in views:
+        views[key] = _split_data_parallel(mesh, dims)
+    return views[key]
+
+
+def _split_data_parallel(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    if hasattr(mesh, "_unflatten"):
+        return mesh._unflatten(0, (dims.dp_replicate, dims.dp_shard), HYBRID_DIMS)
+    if dims.tp > 1 or mesh.ndim > 1:  # torch before DeviceMesh._unflatten: only a separate 2-D mesh of the whole world
+        import torch
+
+        raise BackendUnavailableError(
+            f"hybrid sharding with tensor parallel needs DeviceMesh._unflatten, which torch {torch.__version__} lacks."
+            f" Fix: pip install 'torch>=2.13', or set tensor_parallel_size=1"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(mesh.device_type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=HYBRID_DIMS)
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
+    """The one DeviceMesh for ``dims`` on ``device_type`` (what Lightning's ModelParallelStrategy builds, with the
+    same names), and its views. The process group must exist, with ``dims.world_size`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
+    return ParallelMesh.of(root, dims)
+
+
+def dp_mesh(mesh: ParallelMesh | DeviceMesh) -> DeviceMesh:
+    """Every data-parallel rank (sampler, buffers, unsharded gradients, SyncBatchNorm)."""
+    return mesh.dp if isinstance(mesh, ParallelMesh) else ParallelMesh.of(mesh).dp
+
+
+def shard_mesh(mesh: ParallelMesh) -> DeviceMesh:
+    """What ``fully_shard`` takes."""
+    return mesh.shard
+
+
+def tp_mesh(mesh: ParallelMesh) -> DeviceMesh | None:
+    """The tensor-parallel group (None without a tensor-parallel dim)."""
+    return mesh.tp
+
+
+__all__ = [
+    "DATA_PARALLEL",
+    "HYBRID_DIMS",
+    "MESH_DIMS",
+    "REPLICATE",
+    "SHARD",
+    "TENSOR_PARALLEL",
+    "ParallelDims",
+    "ParallelMesh",
+    "build_mesh",
+    "dp_mesh",
+    "shard_mesh",
+    "tp_mesh",
+]

@@ -1,0 +1,170 @@
+"""The bad-input catalog, rows 120-129 (docs/bad-inputs.md): memory budgets and activation checkpointing modes.
+
+A budget is never met by guessing: a value that is not a size, a mode that does not exist, a decision without a batch
+and a budget nothing meets are each refused with the fix, and an impossible budget names the smallest world size that
+fits (found by search) or, when none does, the micro-batch that would.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from autoshard import cli
+from autoshard.activations import fake_world, measure_step
+from autoshard.adapters.checkpointing import apply_checkpointing
+from autoshard.budget import BudgetRefusedError, decide
+from autoshard.errors import IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.memory import estimate_memory, with_step
+from autoshard.precision import resolve_precision
+from tests.test_activations import Stack
+
+SAVING = {"reshard_after_forward": True, "activation_checkpointing": True}  # everything but offload
+
+
+class Small(Stack):
+    """Activations dominate: more ranks do not help it."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=32, depth=3)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Wide(Stack):
+    """Model states dominate (wide layers, AdamW, a tiny batch): more ranks help it."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=256, depth=2)
+
+
+def small_batch() -> list[torch.Tensor]:
+    return [torch.randn(32, 16, 32)]
+
+
+def wide_batch() -> list[torch.Tensor]:
+    return [torch.randn(2, 4, 256)]
+
+
+@functools.cache
+def wide_peak(world_size: int) -> int:
+    intent = ShardingIntent(**SAVING)
+    precision = resolve_precision(None, intent)
+    step = measure_step(Wide, intent, world_size, precision, make_batch=wide_batch)
+    with torch.device("meta"):
+        module = Wide()
+    return with_step(estimate_memory(module, intent, world_size=world_size, precision=precision), step, True).device
+
+
+def test_120_a_memory_budget_that_is_not_a_size_is_refused() -> None:
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(memory_budget="70 gigs")
+    assert str(info.value) == "memory_budget '70 gigs' is not a size. Fix: write it as 70GiB, 500MB, 2GiB or a number of bytes"
+    assert ShardingIntent(memory_budget="70GiB").memory_budget == 70 * 2**30 and ShardingIntent(memory_budget=1000).memory_budget == 1000
+
+
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        ("yes", "Fix: activation_checkpointing=True"),
+        ("selectve", "Fix: activation_checkpointing='selective'"),
+        ("2", "Fix: activation_checkpointing=2 (a number, not a string)"),
+        (0, "Fix: activation_checkpointing=False (no checkpointing), or a k >= 1 (1: every block, 2: every second block)"),
+    ],
+)
+def test_121_an_activation_checkpointing_mode_that_does_not_exist_is_refused(value: Any, fix: str) -> None:
+    with pytest.raises(IntentError) as info:
+        ShardingIntent(activation_checkpointing=value)
+    assert str(info.value).startswith("activation_checkpointing must be True (every block), False, 'selective' (op-level")
+    assert str(info.value).endswith(f"got {value!r}. {fix}")
+
+
+def test_122_pinned_names_what_the_budget_chooses_and_needs_a_budget() -> None:
+    with pytest.raises(
+        IntentError,
+        match=r"pinned names field\(s\) memory_budget does not choose: 'ofload' \(did you mean 'offload'\?\).* Fix: pinned=\('offload',\)",
+    ):
+        ShardingIntent(memory_budget="1GiB", pinned=["ofload"])
+    with pytest.raises(IntentError, match=r"without memory_budget pins nothing.* Fix: add memory_budget='70GiB', or drop pinned"):
+        ShardingIntent(pinned=("offload",))
+
+
+def test_123_a_budget_is_never_decided_without_a_batch() -> None:
+    with pytest.raises(IntentError) as info:
+        decide(Small, None, ShardingIntent(memory_budget="1GiB"), 2)
+    assert "autoshard never decides from model states alone" in str(info.value) and "Fix: pass the batch" in str(info.value)
+
+
+def test_124_a_budget_more_ranks_meet_names_the_smallest_world_size_found_by_search() -> None:
+    budget = wide_peak(3)
+    assert wide_peak(2) > budget  # two ranks do not fit, three do: the answer is 3, not the doubled 4
+    with pytest.raises(BudgetRefusedError) as info:
+        decide(Wide, wide_batch(), ShardingIntent(memory_budget=budget, pinned=("offload",)), 2)
+    assert info.value.min_world_size == 3
+    assert re.search(
+        r"cannot be met at world size 2: even activation_checkpointing=True peaks at .* The smallest world size at which a configuration fits is 3 \(found by search",
+        str(info.value),
+    )
+    assert "Fix: run on 3 ranks" in str(info.value)
+
+
+def test_125_a_budget_no_world_size_meets_names_the_micro_batch_that_fits() -> None:
+    intent = ShardingIntent(memory_budget="600KiB")
+    with pytest.raises(BudgetRefusedError) as info:
+        decide(Small, small_batch(), intent, 2)
+    error = info.value
+    assert error.min_world_size is None and error.micro_batch is not None and error.micro_batch < 32
+    assert "no world size up to 4096 fits: activations and what stays whole do not shrink with ranks" in str(error)
+    n = error.micro_batch
+    assert f"Fix: DataLoader(batch_size={n}) with Trainer(accumulate_grad_batches={32 // n}) keeps the global batch" in str(error)
+    fits = decide(Small, [torch.randn(n, 16, 32)], intent, 2)  # and it does fit
+    assert fits.peak <= 600 * 1024
+
+
+def test_126_a_budget_with_tensor_parallel_is_refused_until_the_step_simulates_it() -> None:
+    with pytest.raises(IntentError, match=r"memory_budget with tensor_parallel_size=2 is not decided yet.* Fix: drop memory_budget"):
+        decide(Small, small_batch(), ShardingIntent(memory_budget="1GiB", tensor_parallel_size=2), 2)
+
+
+def test_127_explain_json_answers_an_impossible_budget_with_an_error_entry_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["explain", f"{__name__}:Small", "--batch", f"{__name__}:small_batch", "--budget", "600KiB", "--world-sizes", "2", "--json"]
+    code = cli.main(argv)
+    out = json.loads(capsys.readouterr().out)
+    (entry,) = out["auto"]
+    assert code == 1 and entry["world_size"] == 2 and entry["budget"] == 600 * 1024
+    assert entry["error"]["type"] == "BudgetRefusedError" and entry["error"]["min_world_size"] is None
+    assert "Fix: DataLoader(batch_size=" in entry["error"]["message"]
+
+
+def test_128_a_block_checkpointed_twice_is_refused() -> None:
+    block = Small().blocks[0]
+    apply_checkpointing(block, True, 0)
+    with pytest.raises(IntentError) as info:
+        apply_checkpointing(block, "selective", 0)
+    assert str(info.value) == (
+        "Sequential is already activation-checkpointed (torch.distributed._composable.checkpoint was applied to it"
+        " before). Fix: checkpoint each block once: leave it to ShardingIntent(activation_checkpointing=...)"
+    )
+
+
+def test_129_a_budget_is_decided_before_sharding_not_after() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        module = Small()
+    with fake_world(2, 0):
+        fully_shard(module.blocks[0], mesh=init_device_mesh("cpu", (2,)))
+    with pytest.raises(IntentError) as info:
+        decide(module, small_batch(), ShardingIntent(memory_budget="1GiB"), 2)
+    assert str(info.value) == (
+        "memory_budget is decided before sharding, but Small.blocks.0.0.weight is already sharded. Fix: decide on the"
+        " unsharded module (the strategy does, at setup, before fully_shard)"
+    )

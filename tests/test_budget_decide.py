@@ -1,0 +1,137 @@
+"""``ShardingIntent(memory_budget=...)``: the cheapest configuration whose simulated peak fits, every cheaper one with
+its peak and why it does not, the user's own fields kept, and a decision a checkpoint can store and a resume keep."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoshard.activations import measure_step
+from autoshard.budget import BudgetDecision, Rates, decide, decide_at_fit, describe_config, resume_decision
+from autoshard.errors import IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.memory import estimate_memory, with_step
+from autoshard.precision import resolve_precision
+from tests.test_activations import Stack
+
+
+class Small(Stack):
+    """Three blocks (so every 2nd block differs from every block), SGD: a simulated step in about a second."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=32, depth=3)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def batch() -> list[torch.Tensor]:
+    return [torch.randn(32, 16, 32)]
+
+
+@functools.cache
+def peak_of(**config: Any) -> int:
+    """The device peak of one configuration at world size 2, as explain's table computes it (states + a step)."""
+    intent = ShardingIntent(**config)
+    precision = resolve_precision(None, intent)
+    step = measure_step(Small, intent, 2, precision, make_batch=batch)
+    with torch.device("meta"):
+        module = Small()
+    return with_step(estimate_memory(module, intent, world_size=2, precision=precision), step, True).device
+
+
+@functools.cache
+def decided(budget: int, flops_per_s: float = Rates().flops_per_s) -> BudgetDecision:
+    return decide(Small, batch(), ShardingIntent(memory_budget=budget), 2, rates=Rates(flops_per_s=flops_per_s))
+
+
+def test_a_budget_the_cheapest_configuration_fits_changes_nothing_that_costs() -> None:
+    roomy = peak_of(reshard_after_forward=False) + 1
+    decision = decided(roomy)
+    assert decision.chosen == {"reshard_after_forward": False, "activation_checkpointing": False, "offload": "none"}
+    assert decision.cheaper == [] and decision.peak == roomy - 1
+    assert "nothing cheaper: this is the cheapest configuration" in decision.table()
+
+
+def test_the_cheapest_configuration_that_fits_is_chosen_and_every_cheaper_one_shown_with_its_peak() -> None:
+    budget = (peak_of(reshard_after_forward=False) + peak_of(reshard_after_forward=False, activation_checkpointing=True)) // 2
+    decision = decided(budget)
+    assert decision.peak <= budget < decision.cheaper[0].peak
+    assert decision.peak == peak_of(**decision.chosen)  # the figure explain gives for the same configuration, set by hand
+    seconds = [t.cost.seconds for t in decision.cheaper]
+    assert seconds == sorted(seconds) and seconds[-1] <= decision.cost.seconds  # cheapest first, all cheaper than the choice
+    for tried in decision.cheaper:
+        assert not tried.fits and tried.peak > budget, tried
+        assert "over the budget" in tried.why
+    assert decision.chosen["activation_checkpointing"] is not False  # checkpointing is what makes it fit here
+    table = decision.table()
+    assert f"chosen: {describe_config(decision.chosen)}" in table and "cheaper, and why each does not fit" in table
+    assert all(describe_config(t.config) in table for t in decision.cheaper)
+
+
+def test_the_cost_order_decides_when_recomputation_is_dear_offload_wins() -> None:
+    # Checkpointing every block fits, and so does selective checkpointing (no matmul recomputed here) with offload:
+    # at the nominal rates recomputing is cheaper; at 1 GFLOP/s it costs more than copying shards to the host and back.
+    budget = peak_of(reshard_after_forward=False, activation_checkpointing="selective", offload="params") + 1
+    cheap_flops, dear_flops = decided(budget), decided(budget, flops_per_s=1e9)
+    assert cheap_flops.chosen["offload"] == "none" and cheap_flops.cost.recompute_flops > 0, cheap_flops.chosen
+    assert dear_flops.cost.recompute_flops < cheap_flops.cost.recompute_flops, (cheap_flops.chosen, dear_flops.chosen)
+    assert dear_flops.chosen["offload"] == "params" and dear_flops.cost.host_bytes > 0, dear_flops.chosen
+    assert dear_flops.peak <= budget and cheap_flops.peak <= budget
+
+
+def test_fields_the_user_set_are_kept() -> None:
+    budget = peak_of(reshard_after_forward=False, activation_checkpointing=True) + 1
+    decision = decide(Small, batch(), ShardingIntent(memory_budget=budget, offload="params", reshard_after_forward=False), 2)
+    assert set(decision.chosen) == {"activation_checkpointing"} and decision.kept == ("reshard_after_forward", "offload")
+    assert all(set(t.config) == {"activation_checkpointing"} for t in decision.cheaper)
+    pinned = decide(Small, batch(), ShardingIntent(memory_budget=budget, pinned=("offload",)), 2)
+    assert "offload" not in pinned.chosen and "offload" in pinned.kept and pinned.peak <= budget
+    assert "kept as you set them: offload" in pinned.table()
+
+
+def test_the_decision_round_trips_through_json_and_resume_keeps_it_unless_budget_or_world_change() -> None:
+    decision = decided(peak_of(reshard_after_forward=False) + 1)
+    stored = json.loads(json.dumps(decision.to_dict()))
+    assert BudgetDecision.from_dict(stored) == decision
+    intent = ShardingIntent(memory_budget=decision.budget)
+    kept, said = resume_decision(stored, intent, 2)
+    assert kept == decision and said.startswith("autoshard memory budget: kept the checkpoint's decision")
+    again, why = resume_decision(stored, intent, 4)
+    assert again is None and "world size 2 -> 4" in why
+    again, why = resume_decision(stored, intent.replace(memory_budget=decision.budget * 2), 2)
+    assert again is None and "memory_budget" in why and "decided again" in why
+    assert resume_decision(None, intent, 2) == (None, "")
+    assert decision.intent(ShardingIntent(exclude=("head",))).exclude == ("head",)
+
+
+def test_a_module_instance_is_copied_to_meta_never_changed_and_decided_beside_a_live_process_group(tmp_path: Path) -> None:
+    """At fit, a strategy holds the real module and the process group is already up: the simulated steps run in a
+    forked child (their fake group cannot coexist with the real one); the module and the real group stay as they were."""
+    module = Small()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    budget = peak_of(reshard_after_forward=False) + 1
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        decision = decide_at_fit(module, batch(), ShardingIntent(memory_budget=budget), 2)
+        ones = torch.ones(2)
+        dist.all_reduce(ones)  # the live group still works
+    finally:
+        dist.destroy_process_group()
+    assert decision == decided(budget)
+    assert ones.tolist() == [1.0, 1.0]
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert not any(p.is_meta for p in module.parameters())
+
+
+def test_no_batch_means_no_decision() -> None:
+    with pytest.raises(IntentError, match=r"never decides from model states alone.* Fix: pass the batch"):
+        decide(Small, None, ShardingIntent(memory_budget="1GiB"), 2)
+    with pytest.raises(IntentError, match=r"decide needs a memory budget\. Fix: ShardingIntent\(memory_budget='70GiB'\)"):
+        decide(Small, batch(), ShardingIntent(), 2)
