@@ -467,3 +467,22 @@ def test_49_a_save_killed_between_its_renames_still_resumes(tmp_path: Path) -> N
     assert resumed.steps == 1
     trainer.save_checkpoint(path)  # the next save puts the complete one back first, then clears the rest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_130_a_lock_file_that_cannot_be_opened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A lock file another user's crashed writer left (here: a directory in its place, as root reads any file) used
+    to end the save in a raw OSError; it is refused naming the lock file, and nothing is written."""
+    from autoshard.checkpoint_io import CheckpointWriteError, Publisher, lock_path
+
+    source = lightning_dcp(tmp_path / "last.ckpt")
+    weights = tmp_path / "weights.pt"
+    lock_path(weights).mkdir()
+    assert main(["consolidate", str(source), str(weights)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot open {str(lock_path(weights))!r}" in err and "(EISDIR: Is a directory)" in err, err
+    assert err.rstrip().endswith(
+        f"Fix: if no process is writing {str(weights)!r}, remove the lock file (a crashed writer left it), or write to another path"
+    )
+    assert not weights.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.ckpt", lock_path(weights).name])
+    with pytest.raises(CheckpointWriteError, match="the lock file that keeps two writers of"):
+        Publisher(weights).acquire()

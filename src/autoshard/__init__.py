@@ -3,8 +3,10 @@
 ``import autoshard`` registers the Lightning strategies ``"auto-shard"``, ``"fsdp2"`` and ``"autoshard-deepspeed"``
 and installs the FSDP1 / DeepSpeed guards: at once when Lightning is already imported, else the moment
 ``lightning.pytorch`` is. The same three names go into Lightning Fabric's own registry (``autoshard.fabric``) the
-moment ``lightning.fabric`` is loaded. So ``import autoshard`` itself, ``autoshard --version`` and ``autoshard matrix`` import
-neither torch nor Lightning (seconds each); the names below that need torch load on first use.
+moment ``lightning.fabric`` is loaded. Every change is in one record, listed in docs/lightning-changes.md;
+``autoshard.uninstall()`` undoes all of it and ``autoshard.register()`` installs it again. ``import autoshard``
+itself, ``autoshard --version`` and ``autoshard matrix`` import neither torch nor Lightning (seconds each); the names
+below that need torch load on first use.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ __all__ = [
     "IntentError",
     "ShardingIntent",
     "Support",
+    "register",
+    "uninstall",
     *_LAZY,
 ]
 
@@ -128,6 +132,22 @@ def _register(ours: ModuleType | None) -> None:
 def _register_fabric() -> None:
     """``autoshard.fabric.register()`` (idempotent): imports Fabric's registry only, no strategy, no lightning.pytorch."""
     importlib.import_module("autoshard.fabric").register()
+
+
+def register() -> None:
+    """Install again what ``uninstall()`` undid (idempotent): the Trainer's names and guards, Fabric's names. Imports
+    Lightning, so call it where Lightning is in use."""
+    _register_fabric()
+    _register(None)
+
+
+def uninstall() -> list[Any]:
+    """Undo everything ``import autoshard`` changed in Lightning, the Trainer's and Fabric's alike: every change in the
+    one record (``autoshard.install_record``, listed in docs/lightning-changes.md), newest first, each registry entry
+    and method put back by identity; returns the changes undone. An import hook still waiting for Lightning is removed
+    too, so nothing is registered later. ``register()`` installs everything again."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterAfterImport)]
+    return importlib.import_module("autoshard.install_record").uninstall()
 
 
 if _loaded(_FABRIC):

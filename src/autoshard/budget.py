@@ -310,7 +310,7 @@ class BudgetRefusedError(IntentError):
     which one does (None: none up to MAX_RANKS, activations do not shrink with ranks), ``micro_batch`` the largest
     micro-batch that fits here with every saving on (None: unknown, or the batch cannot be cut along dim 0)."""
 
-    def __init__(self, message: str, min_world_size: int | None, micro_batch: int | None = None) -> None:
+    def __init__(self, message: str, min_world_size: int | None = None, micro_batch: int | None = None) -> None:
         super().__init__(message)
         self.min_world_size = min_world_size
         self.micro_batch = micro_batch

@@ -37,10 +37,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from autoshard.errors import AutoShardError
+
 try:
     import fcntl
 except ImportError:  # not POSIX: writers still stage and rename, without the lock
     fcntl = None  # type: ignore[assignment]
+
+class CheckpointWriteError(AutoShardError, OSError):
+    """A checkpoint or output that cannot be written, refused before anything is: the file named, with the Fix."""
+
 
 STAGING_SUFFIX = ".autoshard-tmp"  # a save in progress (or interrupted): never under the final name
 ASIDE_SUFFIX = ".autoshard-old"  # the previous checkpoint, moved aside for the instant of the swap
@@ -212,7 +218,7 @@ class Publisher:
             return self
         warned = False
         while True:
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock_file()
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -250,6 +256,25 @@ class Publisher:
         self._fd = fd
         _HELD_LOCKS.add(fd)
         return self
+
+    def _open_lock_file(self) -> int:
+        """The lock file's descriptor; a lock file that cannot be opened (another user's, left by a crash; a directory
+        in its place) is refused naming it, instead of an OSError from deep inside a save."""
+        try:
+            return os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            code = errno.errorcode.get(exc.errno or 0, "error")
+            try:
+                import pwd
+
+                owner = f", owned by {pwd.getpwuid(os.stat(self.lock_file).st_uid).pw_name}"
+            except (ImportError, KeyError, OSError):
+                owner = ""
+            raise CheckpointWriteError(
+                f"cannot open {str(self.lock_file)!r}{owner} ({code}: {exc.strerror}), the lock file that keeps two"
+                f" writers of {str(self.path)!r} apart, so nothing was written. Fix: if no process is writing"
+                f" {str(self.path)!r}, remove the lock file (a crashed writer left it), or write to another path"
+            ) from exc
 
     def release(self, discard: bool = False) -> None:
         """Give the lock back (and remove its file); ``discard``: remove this writer's staging first."""

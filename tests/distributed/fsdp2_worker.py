@@ -522,6 +522,49 @@ def scenario_two_players_bf16() -> dict[str, Any]:
     }
 
 
+class ConvBN(pl.LightningModule):
+    """A small ResNet-like classifier: conv + BatchNorm blocks, as torchvision's models are built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = lambda c_in, c_out: nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())  # noqa: E731
+        self.blocks = nn.ModuleList([block(3, 16), block(16, 16), block(16, 16)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def scenario_batchnorm_bf16() -> dict[str, Any]:
+    """BatchNorm under bf16-mixed: a bf16-gathered BatchNorm weight next to its float32 running statistics fails in
+    batch_norm; the plan keeps BatchNorm's parameters whole in float32 (averaged), and the convolutions sharded."""
+    pl.seed_everything(4, verbose=False)
+    model = ConvBN()
+    before = snapshot(model)
+    data = TensorDataset(torch.randn(32, 3, 8, 8), torch.randint(0, 4, (32,)))
+    trainer("fsdp2", steps=3, precision="bf16-mixed").fit(model, DataLoader(data, batch_size=4))
+    after = snapshot(model)
+    norm = model.blocks[0][1]
+    return {
+        "changed": sorted(n for n in before if not torch.equal(after[n], before[n])),
+        "names": sorted(before),
+        "sharded": sorted(shard_fractions(model)),
+        "norm_weight": [type(norm.weight).__name__, str(norm.weight.dtype)],
+        "replicated": sorted(r.name for r in model.trainer.strategy.plan.replicated),
+        "sums": {n: float(t.double().sum()) for n, t in after.items()},
+        "buffers": {n: float(b.double().sum()) for n, b in model.named_buffers() if b.is_floating_point()},
+    }
+
+
 SCENARIOS = {
     "zoo": scenario_zoo,
     "meta_init": scenario_meta_init,
@@ -534,6 +577,7 @@ SCENARIOS = {
     "bf16_mixed": scenario_bf16_mixed,
     "ema_bf16": scenario_ema_bf16,
     "two_players_bf16": scenario_two_players_bf16,
+    "batchnorm_bf16": scenario_batchnorm_bf16,
 }
 
 

@@ -173,6 +173,19 @@ def test_toggle_optimizer_under_bf16_mixed_trains_both_players_alike_on_every_ra
     assert ranks[0]["two_players_bf16"]["sums"] == ranks[1]["two_players_bf16"]["sums"]
 
 
+def test_batchnorm_under_bf16_mixed_keeps_its_parameters_whole_in_float32(ranks: list[dict[str, Any]]) -> None:
+    """Convolutions are sharded and gathered in bf16; BatchNorm's weight and bias stay whole float32 tensors (batch_norm
+    takes no bf16 weight next to float32 running statistics), train, and are equal on every rank, as are the stats."""
+    for rank in ranks:
+        run = rank["batchnorm_bf16"]
+        assert run["norm_weight"] == ["Parameter", "torch.float32"]
+        assert run["replicated"] == [f"blocks.{i}.1.{k}" for i in range(3) for k in ("bias", "weight")]
+        assert run["sharded"] == sorted(n for n in run["names"] if n.split(".")[2:3] != ["1"])  # all but blocks.*.1
+        assert run["changed"] == run["names"]
+    assert ranks[0]["batchnorm_bf16"]["sums"] == ranks[1]["batchnorm_bf16"]["sums"]
+    assert ranks[0]["batchnorm_bf16"]["buffers"] == ranks[1]["batchnorm_bf16"]["buffers"]
+
+
 @pytest.mark.timeout(450)
 def test_estimated_traffic_is_what_fully_shard_sends(ranks: list[dict[str, Any]]) -> None:
     """explain's bytes per step (memory.Traffic) against the all-gathers and reduce-scatters counted in the run."""

@@ -6,47 +6,51 @@ Fabric keeps its own registry, ``lightning.fabric.strategies.STRATEGY_REGISTRY``
 factory that imports its strategy (and ``autoshard.lightning``, whose guarantees it shares) when ``Fabric()`` builds
 it, so ``from lightning.fabric import Fabric`` stays as fast as without autoshard.
 
-Every registry entry this changes is recorded (``installed``) and put back by ``uninstall``, as for the Trainer.
+Every registry entry this changes goes into the one record of what ``import autoshard`` changes in Lightning
+(``autoshard.install_record``, the Trainer's changes beside it), is listed in docs/lightning-changes.md, and is put
+back by ``uninstall`` (Fabric's entries) or ``autoshard.uninstall()`` (everything).
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
-# name -> (module.attribute of the strategy class it builds, the registry's description)
-STRATEGIES: dict[str, tuple[str, str]] = {
-    "fsdp2": ("autoshard.fabric.strategies.FSDP2Strategy", "autoshard: FSDP2 (fully_shard) for any nn.Module, optimizers remapped"),
-    "auto-shard": ("autoshard.fabric.strategies.AutoShardStrategy", "autoshard: the sharding backend your models can run on"),
-    "autoshard-deepspeed": ("autoshard.fabric.deepspeed.AutoShardDeepSpeedStrategy", "autoshard: DeepSpeed ZeRO-3 from a ShardingIntent"),
+from autoshard.install_record import FABRIC_KINDS, Change, ChangeKind, register_strategy
+from autoshard.install_record import installed as recorded
+from autoshard.install_record import uninstall as uninstall_changes
+
+# name -> (module.attribute of what it builds: a strategy class, or auto-shard's factory; the registry's description;
+# why, for the record of changes)
+STRATEGIES: dict[str, tuple[str, str, str]] = {
+    "fsdp2": (
+        "autoshard.fabric.strategies.FSDP2Strategy",
+        "autoshard: FSDP2 (fully_shard) for any nn.Module, optimizers remapped",
+        "Fabric(strategy='fsdp2'). Another library's 'fsdp2' is replaced (said once, on rank 0) and restored by uninstall",
+    ),
+    "auto-shard": (
+        "autoshard.fabric.factory.auto_shard",
+        "autoshard: the sharding backend your models can run on",
+        "Fabric(strategy='auto-shard'): a factory building the fsdp2 strategy, or autoshard-deepspeed's when the intent needs DeepSpeed",
+    ),
+    "autoshard-deepspeed": (
+        "autoshard.fabric.deepspeed.AutoShardDeepSpeedStrategy",
+        "autoshard: DeepSpeed ZeRO-3 from a ShardingIntent",
+        "Fabric(strategy='autoshard-deepspeed'): ZeRO-3 from a ShardingIntent",
+    ),
 }
 _LAZY = {
     "FSDP2Strategy": "autoshard.fabric.strategies",
     "AutoShardStrategy": "autoshard.fabric.strategies",
     "AutoShardDeepSpeedStrategy": "autoshard.fabric.deepspeed",
+    "auto_shard": "autoshard.fabric.factory",
     "fabric_target": "autoshard.fabric.explain",
 }
 
 
-@dataclass(frozen=True)
-class FabricChange:
-    """One entry of Fabric's registry set by ``register``, with the entry it replaced (None: the name was free)."""
-
-    name: str
-    now: str
-    previous: dict[str, Any] | None
-
-    @property
-    def target(self) -> str:
-        return f"lightning.fabric STRATEGY_REGISTRY[{self.name!r}]"
-
-
-_INSTALLED: list[FabricChange] = []
-
-
 def _factory(name: str) -> Any:
-    """What the registry calls for ``name``: imports the strategy class on first use and builds it."""
+    """What the registry calls for ``name``: imports what it builds on first use (a strategy class, or auto-shard's
+    factory) and calls it; named after it, so the record of changes names it too."""
     path = STRATEGIES[name][0]
 
     def build(**kwargs: Any) -> Any:
@@ -73,37 +77,28 @@ def replaced_message(name: str, replaced: Any) -> str:
 def register() -> None:
     """Register "fsdp2", "auto-shard" and "autoshard-deepspeed" in Fabric's registry; idempotent, and again after
     ``uninstall()``. Must run before ``Fabric()`` is built (``import autoshard`` sees to it)."""
-    if _INSTALLED:
+    if installed():  # the record says it is done (autoshard.uninstall() empties it)
         return
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-    for name, (path, description) in STRATEGIES.items():
-        previous = dict.get(STRATEGY_REGISTRY, name)  # the raw entry: STRATEGY_REGISTRY.get() would build it
-        STRATEGY_REGISTRY.register(name, _factory(name), description=description, override=True)
-        _INSTALLED.append(FabricChange(name, path, previous))
+    for name, (_, description, why) in STRATEGIES.items():
+        previous = register_strategy(STRATEGY_REGISTRY, name, _factory(name), description, why, ChangeKind.FABRIC_REGISTRY)
         theirs = previous.get("strategy") if isinstance(previous, dict) else None
         if callable(theirs):
             rank_zero_info(replaced_message(name, theirs))
 
 
-def installed() -> tuple[FabricChange, ...]:
-    """The entries of Fabric's registry autoshard set, in the order it set them."""
-    return tuple(_INSTALLED)
+def installed() -> tuple[Change, ...]:
+    """The entries of Fabric's registry autoshard set, in the order it set them (the Trainer's changes are in the same
+    record: ``autoshard.install_record.installed()``)."""
+    return recorded(FABRIC_KINDS)
 
 
-def uninstall() -> list[FabricChange]:
-    """Put back every entry of Fabric's registry as it was before ``register`` (by identity); returns them."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-    undone = list(reversed(_INSTALLED))
-    for change in undone:
-        if change.previous is None:
-            dict.pop(STRATEGY_REGISTRY, change.name, None)
-        else:
-            dict.__setitem__(STRATEGY_REGISTRY, change.name, change.previous)
-    _INSTALLED.clear()
-    return undone
+def uninstall() -> list[Change]:
+    """Put back every entry of Fabric's registry as it was before ``register`` (by identity); returns them, newest
+    first. The Trainer's changes stay: ``autoshard.uninstall()`` undoes both."""
+    return uninstall_changes(FABRIC_KINDS)
 
 
 def __getattr__(name: str) -> Any:
@@ -114,4 +109,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'autoshard.fabric' has no attribute {name!r}")
 
 
-__all__ = ["STRATEGIES", "FabricChange", "installed", "register", "replaced_message", "uninstall", *_LAZY]
+__all__ = ["STRATEGIES", "installed", "register", "replaced_message", "uninstall", *_LAZY]

@@ -31,13 +31,10 @@ from autoshard.adapters.fsdp2 import (
     ParallelizeFn,
     Reshard,
     Role,
-    average_unsharded_gradients,
-    broadcast_unsharded,
     check_ema_alignment,
-    data_parallel_mesh,
+    init_sharded_units,
     is_sharded,
     per_shard_random_init,
-    plan_fsdp2,
     sync_buffers,
 )
 from autoshard.backends import fsdp2 as fsdp2_backend
@@ -46,18 +43,19 @@ from autoshard.fabric.checkpoint import FabricCheckpoint
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, label, remap_optimizer, stale_parameters, stale_refusal
 from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, run_needs
-from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
+from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.checkpoint import all_gather_object
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.environment import check_node_groups
-from autoshard.lightning.fsdp2 import refuse_unsupported_precision
-from autoshard.lightning.guarantees import reshard_after_no_grad_forward, reshard_teachers
-from autoshard.lightning.meta_init import check_meta_init, copy_students_into_teachers
+from autoshard.lightning.fsdp2 import backend_for_intent, refuse_unsupported_precision
+from autoshard.lightning.guarantees import reshard_after_no_grad_forward
+from autoshard.lightning.meta_init import check_meta_init
+from autoshard.lightning.sharding import after_materialize, shard_module
+from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
 from autoshard.precision import PrecisionPlan
-from autoshard.select import Decision, select_backend
+from autoshard.select import Decision
 
 BACKEND = fsdp2_backend.BACKEND.name  # "fsdp2"
 _BUFFER_HOOK = "_autoshard_buffer_sync"
@@ -130,9 +128,13 @@ def _sync_buffers_before_forward(module: nn.Module, mesh: Any) -> None:
 class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
     """``Fabric(strategy="fsdp2")``: pure FSDP by default (dp = world size, tp = 1), sharding at ``fabric.setup``.
 
+    One mesh (``autoshard.mesh``), as on the Trainer side: Fabric's ``("data_parallel", "tensor_parallel")`` DeviceMesh,
+    built with the dims resolved when ``Fabric()`` was built (Fabric's own "auto" sizes, tensor parallel = processes per
+    node, are replaced by them before Fabric reads them); ``parallel_mesh`` holds the views the plan takes of it.
+    ``tensor_parallel_size > 1`` lays each model out by its own plan (``_tp_plan``, transformers' tp plans) before
+    ``fully_shard``; the ranks of a tensor-parallel group read one batch (``fabric.setup_dataloaders``).
     ``parallelize_fn(module, device_mesh)`` replaces the generic plan (``device_mesh["data_parallel"]`` is the dp
-    slice); the guarantees stay. Fabric's own "auto" sizes mean tensor parallel = processes per node: replaced here by
-    the intent's ``mesh_sizes`` before Fabric resolves them.
+    slice); the guarantees stay.
     """
 
     strategy_name = "fsdp2"
@@ -162,6 +164,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
             timeout=timeout,
         )
         self.user_parallelize_fn = parallelize_fn
+        self.parallel_mesh: ParallelMesh | None = None  # views of device_mesh, made in setup_environment
         self.setups: list[Setup] = []  # every fabric.setup / setup_module call, in order
         self.plans: dict[int, FSDP2Plan] = {}  # autoshard's plan of each setup call (by its index), when it planned
         self.init_reports: dict[int, InitReport] = {}  # what this rank read for ShardingIntent(init_from=...)
@@ -175,25 +178,17 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
 
     # -- Fabric() construction (BackendMixin._configure_launcher): what can be refused before a process starts --------
     def _check_construction(self) -> None:
-        super()._check_construction()  # the run's sizes, resolved once (hybrid sharding's too)
+        super()._check_construction()  # the run's dims, resolved once (hybrid sharding's and tensor parallel's too)
         self._select(MethodNeeds(), self._prefer_at_construction())
+        assert self.dims is not None
         # Set before Fabric's setup_environment, which keeps sizes that are not "auto" (Fabric's "auto" means tensor
-        # parallel = processes per node).
-        self._data_parallel_size, self._tensor_parallel_size = self.intent.mesh_sizes(self.num_nodes * self.num_processes, self.num_nodes)
-        tp = self.intent.tensor_parallel_size
+        # parallel = processes per node) and builds the one mesh with them.
+        self._data_parallel_size, self._tensor_parallel_size = self.dims.dp, self.dims.tp
         if self.intent.shard_size is not None and self.user_parallelize_fn is not None:
             raise IntentError(
                 f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
                 f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
                 f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
-            )
-        if tp > 1 and self.user_parallelize_fn is None:
-            raise IntentError(
-                f"tensor_parallel_size={tp} needs a parallelize_fn: autoshard has no generic tensor-parallel layout, so"
-                f" nothing would be split across the {tp} tensor-parallel ranks and they would all train on the same"
-                f" batch. Fix: pass Fabric(strategy=autoshard.fabric.FSDP2Strategy(parallelize_fn=fn)), where"
-                f" fn(module, device_mesh) applies a tensor-parallel layout on device_mesh['tensor_parallel'], or set"
-                f" tensor_parallel_size=1"
             )
 
     def _prefer_at_construction(self) -> str:
@@ -213,12 +208,18 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         return decision
 
     def describe_mesh(self) -> dict[str, Any]:
-        return {
-            "data_parallel_size": self._data_parallel_size,
-            "tensor_parallel_size": self._tensor_parallel_size,
-            "world_size": self.world_size,
-            **({"hsdp": self.hsdp_sizes} if self.hsdp_sizes else {}),
-        }
+        assert self.dims is not None
+        return self.dims.describe()
+
+    # -- In each process ------------------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()  # Fabric builds the one DeviceMesh, with the sizes _check_construction set
+        assert self.dims is not None
+        self.parallel_mesh = ParallelMesh.of(self.device_mesh, self.dims)
+
+    def _mesh(self) -> ParallelMesh:
+        assert self.parallel_mesh is not None, "the mesh exists once setup_environment has run"
+        return self.parallel_mesh
 
     # -- fabric.setup(model, *optimizers) / fabric.setup_module(model) -----------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
@@ -249,16 +250,13 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
                 module = super().setup_module(module)  # -> self._shard, then Fabric materializes meta shards
         finally:
             self._pending = None
-        if init is not None:  # after materialization, before teachers copy students and rank 0's copy is broadcast
-            self.init_reports[call] = load_init_from(module, init)
-            rank_zero_info(self.init_reports[call].describe())
-        if on_meta or init is not None:  # teachers the files do not hold start as copies of their (loaded) students
-            copy_students_into_teachers(module, init.copy_teachers if init is not None else needs.ema_pairs)
-            if student is not None and (init is None or not init.covered):
-                self._copy_student_into(module, student)
-        broadcast_unsharded(module, self.device_mesh)
+        # A teacher set up apart, meta-initialized (and not in the init_from files), starts as a copy of its student.
+        apart = [(module, self._student_module(student))] if student is not None and (init is None or not init.covered) else []
+        report = after_materialize(module, self._mesh(), init, on_meta, needs.ema_pairs, apart)
+        if report is not None:
+            self.init_reports[call] = report
         reshard_after_no_grad_forward(module)  # whoever sharded: a unit forwarded without grad gives its memory back
-        _sync_buffers_before_forward(module, self.device_mesh)
+        _sync_buffers_before_forward(module, self._mesh())
         self.setups.append(Setup(call, type(module).__name__, weakref.ref(module), before, list(self._arriving)))
         self._shard_earlier_teachers(module, call)
         self.report_decision(self.decision)
@@ -269,35 +267,31 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         guarantees; a teacher set up apart from its student gets the student's units."""
         assert self._pending is not None, "called by ModelParallelStrategy.setup_module only"
         call, needs, student = self._pending
-        dp_mesh = data_parallel_mesh(mesh)
         if student is not None and student[0] in self.plans:
             plan = teacher_plan(self.plans[student[0]], student[1])
-            plan.apply(module, mesh)
+            plan.apply(module, self._mesh())
             self.plans[call] = plan
             self._check_pair(module, student)
             rank_zero_info(f"autoshard: EMA teacher {type(module).__name__} (fabric.setup call {call}) sharded exactly like its student")
             return module
-        if is_sharded(module) or self.user_parallelize_fn is not None:
-            if is_sharded(module):
-                rank_zero_info("autoshard: modules already sharded (your fully_shard calls); the generic plan is skipped")
-            else:
-                returned = self.user_parallelize_fn(module, mesh)  # type: ignore[misc]
-                module = returned if isinstance(returned, nn.Module) else module
-                rank_zero_info("autoshard: sharded by your parallelize_fn; the generic plan is skipped")
-            average_unsharded_gradients(module, dp_mesh)
-            for pair in needs.ema_pairs:
-                check_ema_alignment(module, pair)
-            teachers = reshard_teachers(module, needs.ema_pairs)
-            if teachers:
-                rank_zero_info(f"autoshard: EMA teacher units reshard after forward: {', '.join(teachers)}")
-            return module
-        plan = plan_fsdp2(module, self.intent, needs, self.precision_plan)
-        plan.hsdp = self.hsdp_sizes
-        if self.intent.shard_size == "node" and self.hsdp_sizes is not None:
-            check_node_groups(all_gather_object(self.node_rank), self.hsdp_sizes[1])
-        plan.apply(module, mesh)
-        self.plans[call] = plan
-        rank_zero_info(plan.describe(self.describe_mesh()))
+        sharded_by = None
+        if is_sharded(module):
+            sharded_by = "autoshard: modules already sharded (your fully_shard calls); the generic plan is skipped"
+        elif self.user_parallelize_fn is not None:
+            returned = self.user_parallelize_fn(module, mesh)
+            module = returned if isinstance(returned, nn.Module) else module
+            sharded_by = "autoshard: sharded by your parallelize_fn; the generic plan is skipped"
+        plan = shard_module(
+            module,
+            self._mesh(),
+            self.intent,
+            needs,
+            self.precision_plan,
+            sharded_by=sharded_by,
+            node_ranks=lambda: all_gather_object(self.node_rank),
+        )
+        if plan is not None:
+            self.plans[call] = plan
         return module
 
     def _plan_init_from(self, module: nn.Module, needs: MethodNeeds) -> InitPlan | None:
@@ -332,15 +326,12 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         assert owner is not None
         check_ema_alignment(*_pair(teacher, owner.get_submodule(student[1])))
 
-    @torch.no_grad()
-    def _copy_student_into(self, teacher: nn.Module, student: tuple[int, str]) -> None:
-        """A meta-initialized teacher set up apart starts as a copy of its student, as inside one module."""
+    def _student_module(self, student: tuple[int, str]) -> nn.Module:
+        """The student (setup call, path) names, as a module."""
         setup = next(s for s in self.setups if s.index == student[0])
         owner = setup.module()
         assert owner is not None
-        source = owner.get_submodule(student[1])
-        for t, s in zip((*teacher.parameters(), *teacher.buffers()), (*source.parameters(), *source.buffers())):
-            t.copy_(s)
+        return owner.get_submodule(student[1])
 
     def _shard_earlier_teachers(self, module: nn.Module, call: int) -> None:
         """A teacher set up before its student was planned alone (frozen: left whole); now that the student's plan
@@ -357,9 +348,10 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
                 )
             if not is_sharded(teacher) and call in self.plans:
                 plan = teacher_plan(self.plans[call], s_path)
-                plan.apply(teacher, self.device_mesh)
+                plan.apply(teacher, self._mesh())
                 self.plans[t_call] = plan
                 reshard_after_no_grad_forward(teacher)
+                init_sharded_units(teacher)  # as after_materialize does for every setup call: before its first forward
                 rank_zero_info(f"autoshard: EMA teacher {type(teacher).__name__} (fabric.setup call {t_call}) sharded exactly like its student")
             check_ema_alignment(*_pair(teacher, module.get_submodule(s_path)))
 
@@ -407,37 +399,34 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
 
 
 class AutoShardStrategy(FSDP2Strategy):
-    """``Fabric(strategy="auto-shard")``: the backend the selector picks; checked again against each model at setup.
+    """``Fabric(strategy="auto-shard")`` on fsdp2: the selector's backend, checked again against each model at setup.
 
-    The intent alone can require DeepSpeed (NVMe or optimizer-only offload): then construction returns autoshard's
-    Fabric DeepSpeed strategy instead, as for the Trainer.
+    The name ``"auto-shard"`` is registered to the factory ``autoshard.fabric.auto_shard``, which builds this class,
+    or autoshard's Fabric DeepSpeed strategy when the intent alone requires DeepSpeed (NVMe or optimizer-only offload),
+    as for the Trainer; built directly, this class refuses such an intent with that fix.
     """
 
     strategy_name = "auto-shard"
     prefer = "auto"
 
-    def __new__(
-        cls,
+    def __init__(
+        self,
         intent: ShardingIntent | Mapping[str, Any] | None = None,
         parallelize_fn: ParallelizeFn | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **intent_fields: Any,
-    ) -> Any:
+    ) -> None:
         wanted = as_intent(intent, **intent_fields)
-        needed = select_backend(MethodNeeds(), wanted.replace(precision=None)).backend
+        needed = backend_for_intent(wanted)
         if needed != BACKEND:
-            if parallelize_fn is not None:
-                raise IntentError(
-                    "this intent needs DeepSpeed (only it has what it asks for), and DeepSpeed takes no parallelize_fn."
-                    " Fix: drop parallelize_fn, or change the intent so that fsdp2 can run it"
-                )
-            from autoshard.fabric.deepspeed import AutoShardDeepSpeedStrategy  # the one other backend the selector runs
-
-            chosen = AutoShardDeepSpeedStrategy(wanted, process_group_backend=process_group_backend, timeout=timeout)
-            chosen.requested_as = cls.strategy_name  # its refusals must not propose the auto-shard the user is on
-            return chosen
-        return super().__new__(cls)
+            raise IntentError(
+                f"autoshard.fabric.AutoShardStrategy is auto-shard's fsdp2 strategy, but this intent needs {needed} (only"
+                f" it has what the intent asks for), so an fsdp2 strategy object cannot run it. Fix: build it with"
+                f" autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),"
+                f" which returns autoshard's Fabric DeepSpeed strategy for this intent"
+            )
+        super().__init__(wanted, parallelize_fn, process_group_backend, timeout)
 
     def _prefer_at_construction(self) -> str:
         return "fsdp2"

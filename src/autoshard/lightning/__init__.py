@@ -1,7 +1,8 @@
 """Lightning integration: strategies registered by name, and the guards, installed once on ``import autoshard``.
 
-Every change this makes to Lightning is recorded (``autoshard.lightning.guards.installed``), listed in
-docs/lightning-changes.md (generated from that record), and undone by ``uninstall()``.
+Every change this makes to Lightning is recorded in the one record of changes (``autoshard.install_record``, which
+holds Fabric's registry entries too: ``installed()`` lists them all), listed in docs/lightning-changes.md (generated
+from that record), and undone by ``uninstall()`` (the Trainer's part) or ``autoshard.uninstall()`` (everything).
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from autoshard.lightning import guards
 from autoshard.lightning.auto_shard import auto_shard
 from autoshard.lightning.compat import check_lightning
 from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy, refuse_unsupported_precision
-from autoshard.lightning.guards import Change, installed
-
-_REGISTERED = False
+from autoshard.lightning.guards import TRAINER_KINDS, Change, installed
 
 
 def _other_registration(registry: Any, name: str, ours: type) -> Any:
@@ -42,8 +41,7 @@ def replaced_message(name: str, replaced: Any) -> str:
 def register() -> None:
     """Register "fsdp2", "auto-shard" and the DeepSpeed names, and install the guards; idempotent, so re-imports are
     harmless, and again after ``uninstall()``."""
-    global _REGISTERED
-    if _REGISTERED:
+    if installed(TRAINER_KINDS):  # the record says it is done (autoshard.uninstall() empties it)
         return
     check_lightning()  # first: it warns when a member a guard below needs is gone (that guard is then skipped)
     from lightning.pytorch.strategies import StrategyRegistry
@@ -69,16 +67,13 @@ def register() -> None:
 
     register_deepspeed_strategies(StrategyRegistry)
     guards.install_guards(FSDP2Strategy, refuse_unsupported_precision)
-    _REGISTERED = True
 
 
 def uninstall() -> list[Change]:
-    """Undo everything ``import autoshard`` changed in Lightning: every registry entry and wrapped method is put back
-    as it was (by identity); returns the changes undone. ``register()`` installs them again."""
-    global _REGISTERED
-    undone = guards.uninstall()
-    _REGISTERED = False
-    return undone
+    """Undo what ``import autoshard`` changed in the Trainer's Lightning: every registry entry and wrapped method is put
+    back as it was (by identity); returns the changes undone. ``register()`` installs them again. Fabric's registry
+    entries stay: ``autoshard.uninstall()`` undoes both."""
+    return guards.uninstall()
 
 
 def write_changes(path: str | Path) -> None:

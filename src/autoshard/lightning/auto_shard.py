@@ -20,6 +20,24 @@ from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.fsdp2 import BACKEND, AutoShardStrategy, backend_for_intent
 
+DEEPSPEED_TAKES_NO_PARALLELIZE_FN = (
+    "this intent needs DeepSpeed (only it has what it asks for), and DeepSpeed takes no parallelize_fn."
+    " Fix: drop parallelize_fn, or change the intent so that fsdp2 can run it"
+)
+
+
+def needed_backend(
+    intent: ShardingIntent | Mapping[str, Any] | None, parallelize_fn: ParallelizeFn | None, **intent_fields: Any
+) -> tuple[ShardingIntent, str]:
+    """The intent, and the backend it alone needs (``backend_for_intent``): what ``"auto-shard"`` builds, for the
+    Trainer (``auto_shard``) and for Fabric (``autoshard.fabric.auto_shard``). A parallelize_fn with an intent only
+    DeepSpeed runs is refused: DeepSpeed takes none."""
+    wanted = as_intent(intent, **intent_fields)
+    needed = backend_for_intent(wanted)
+    if needed != BACKEND and parallelize_fn is not None:
+        raise IntentError(DEEPSPEED_TAKES_NO_PARALLELIZE_FN)
+    return wanted, needed
+
 
 def auto_shard(
     intent: ShardingIntent | Mapping[str, Any] | None = None,
@@ -30,18 +48,12 @@ def auto_shard(
 ) -> Any:
     """The strategy ``"auto-shard"`` means for this intent: ``AutoShardStrategy`` (fsdp2), or the Backend's strategy
     (autoshard's DeepSpeed) when only it can run the intent; that one's refusals name auto-shard as what was asked."""
-    wanted = as_intent(intent, **intent_fields)
-    needed = backend_for_intent(wanted)
+    wanted, needed = needed_backend(intent, parallelize_fn, **intent_fields)
     if needed == BACKEND:
         return AutoShardStrategy(wanted, parallelize_fn, process_group_backend, timeout)
-    if parallelize_fn is not None:
-        raise IntentError(
-            "this intent needs DeepSpeed (only it has what it asks for), and DeepSpeed takes no parallelize_fn."
-            " Fix: drop parallelize_fn, or change the intent so that fsdp2 can run it"
-        )
     chosen = get_backend(needed).strategy_class()(wanted, process_group_backend=process_group_backend, timeout=timeout)
     chosen.requested_as = AutoShardStrategy.strategy_name  # its refusals must not propose the auto-shard the user is on
     return chosen
 
 
-__all__ = ["auto_shard"]
+__all__ = ["DEEPSPEED_TAKES_NO_PARALLELIZE_FN", "auto_shard", "needed_backend"]

@@ -12,32 +12,20 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from autoshard.adapters.fsdp2 import (
-    FSDP2Plan,
-    ParallelizeFn,
-    average_unsharded_gradients,
-    broadcast_unsharded,
-    check_ema_alignment,
-    init_sharded_units,
-    is_sharded,
-    per_shard_random_init,
-    plan_fsdp2,
-    sync_buffers,
-)
+from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, is_sharded, per_shard_random_init, sync_buffers
 from autoshard.backends import fsdp2 as fsdp2_backend
 from autoshard.backends.matrix import cell
 from autoshard.batchnorm import convert_sync_batchnorm
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
-from autoshard.init_from import InitPlan, InitReport, load_init_from, plan_everywhere, sources_of
+from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.checkpoint import CheckpointMixin
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
-from autoshard.lightning.environment import check_node_groups
-from autoshard.lightning.guarantees import ExplainMixedDTensor, reshard_after_no_grad_forward, reshard_teachers, track_forwards
-from autoshard.lightning.meta_init import check_meta_init, configure_model_counted_as_overridden, copy_students_into_teachers
+from autoshard.lightning.guarantees import ExplainMixedDTensor, track_forwards
+from autoshard.lightning.meta_init import check_meta_init, configure_model_counted_as_overridden
+from autoshard.lightning.sharding import after_materialize, shard_module
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import MethodNeeds, inspect_needs, recount_optimizers
 from autoshard.precision import Precision, PrecisionPlan, normalize_precision
@@ -167,35 +155,29 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         init = self._plan_init_from(module)  # names missing, unexpected and reshaped weights before anything is sharded
         on_meta = check_meta_init(module, init.covered if init is not None else frozenset())
         already_sharded = is_sharded(module)
-        if already_sharded or self.parallelize_fn is not None:
-            if already_sharded:
-                if self.intent.shard_size is not None:
-                    raise IntentError(
-                        f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, but your configure_model"
-                        f" already sharded the modules, so it would be ignored. Fix: drop shard_size and pass"
-                        f" mesh=init_device_mesh(device, (replicas, shard_size)) to your fully_shard calls, or let"
-                        f" autoshard shard (remove fully_shard from configure_model)"
-                    )
-                rank_zero_info("autoshard: modules already sharded (your configure_model); the generic plan is skipped")
-            else:
-                self.parallelize_fn(module, self.device_mesh)  # type: ignore[misc]
-                rank_zero_info("autoshard: sharded by your parallelize_fn; the generic plan is skipped")
-            average_unsharded_gradients(module, self._mesh())
-            for pair in self.needs.ema_pairs:
-                check_ema_alignment(module, pair)
-            # The plan's guarantees, whoever sharded: teachers (and units forwarded without grad) reshard after forward.
-            teachers = reshard_teachers(module, self.needs.ema_pairs)
-            reshard_after_no_grad_forward(module)
-            if teachers:
-                rank_zero_info(f"autoshard: EMA teacher units reshard after forward: {', '.join(teachers)}")
-        else:
-            self.plan = plan_fsdp2(module, self.intent, self.needs, self.precision_plan)
-            self.plan.sync_batchnorm = self._layer_sync is not None
-            self.plan.hsdp = self.hsdp_sizes
-            if self.intent.shard_size == "node" and self.hsdp_sizes is not None:
-                check_node_groups(self._all_gather(self.node_rank), self._mesh().dims.node_group)
-            self.plan.apply(module, self._mesh())
-            rank_zero_info(self.plan.describe(self.describe_mesh()))
+        sharded_by = None
+        if already_sharded:
+            if self.intent.shard_size is not None:
+                raise IntentError(
+                    f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, but your configure_model"
+                    f" already sharded the modules, so it would be ignored. Fix: drop shard_size and pass"
+                    f" mesh=init_device_mesh(device, (replicas, shard_size)) to your fully_shard calls, or let"
+                    f" autoshard shard (remove fully_shard from configure_model)"
+                )
+            sharded_by = "autoshard: modules already sharded (your configure_model); the generic plan is skipped"
+        elif self.parallelize_fn is not None:
+            self.parallelize_fn(module, self.device_mesh)
+            sharded_by = "autoshard: sharded by your parallelize_fn; the generic plan is skipped"
+        self.plan = shard_module(
+            module,
+            self._mesh(),
+            self.intent,
+            self.needs,
+            self.precision_plan,
+            sharded_by=sharded_by,
+            node_ranks=lambda: self._all_gather(self.node_rank),
+            sync_batchnorm=self._layer_sync is not None,
+        )
         self._forwarded = track_forwards(module)
         if self._layer_sync is not None:  # Trainer(sync_batchnorm=True); ModelParallelStrategy ignores it
             convert_sync_batchnorm(module, self._mesh().dp.get_group())
@@ -203,20 +185,13 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
             if init is not None:  # modules without reset_parameters() passed check_meta_init: init_from fills them
                 warnings.filterwarnings("ignore", message="Parameter initialization incomplete")
             super().setup(trainer)  # materializes meta shards locally through reset_parameters()
-        # Lightning's setup replaced parameters (meta materialization) or swapped their contents (Module.to on a
-        # DTensor): the gradient hooks follow what the module holds now.
-        average_unsharded_gradients(module, self._mesh())
         if trainer.state.fn == TrainerFn.FITTING:  # Lightning's single configure_optimizers call has run
             self.needs = recount_optimizers(self.needs, module, self.optimizers, trainer)
             self.decision = self._decide(self.needs)
         self.report_decision(self.decision)
-        if init is not None:  # after materialization, before teachers copy students and rank 0's copy is broadcast
-            self.init_report = load_init_from(module, init)
-            rank_zero_info(self.init_report.describe())
-        if on_meta or init is not None:  # teachers the files do not hold start as copies of their (loaded) students
-            copy_students_into_teachers(module, init.copy_teachers if init is not None else self.needs.ema_pairs)
-        broadcast_unsharded(module, self._mesh())
-        init_sharded_units(module)  # before the first forward: what is frozen then (toggle_optimizer) does not count
+        # Lightning's setup replaced parameters (meta materialization) or swapped their contents (Module.to on a
+        # DTensor): the gradient hooks follow what the module holds now; then init_from, teachers, broadcasts, lazy init.
+        self.init_report = after_materialize(module, self._mesh(), init, on_meta, self.needs.ema_pairs)
 
     def _mesh(self) -> ParallelMesh:
         assert self.parallel_mesh is not None, "the mesh exists once setup_environment has run"

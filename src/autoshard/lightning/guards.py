@@ -1,7 +1,9 @@
-"""Everything ``import autoshard`` changes in Lightning, recorded as it is done, so that it can be listed and undone.
+"""What ``import autoshard`` changes in the Trainer's Lightning, done through the one record of changes
+(``autoshard.install_record``), so that it can be listed and undone.
 
-Two kinds of change, and no other (docs/lightning-changes.md is generated from ``installed()``, and
-tests/lightning/test_registration.py checks the page against it and that ``uninstall`` restores Lightning exactly):
+Two kinds of change on the Trainer's side, and no other (docs/lightning-changes.md is generated from the record,
+Fabric's registry entries included, and tests/lightning/test_registration.py checks the page against it and that
+``uninstall`` restores Lightning exactly):
 - ``StrategyRegistry`` entries: autoshard's own names, and Lightning's "deepspeed*" names pointed at autoshard's
   guarded subclass (``register_strategy``);
 - two wrapped methods of Lightning's accelerator connector, where a Trainer's run is configured (``install_guards``):
@@ -16,12 +18,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from autoshard.backends import fsdp1
 from autoshard.errors import IncompatibleBackendError
+from autoshard.install_record import (
+    CHANGES_BEGIN,
+    CHANGES_END,
+    TRAINER_KINDS,
+    Change,
+    ChangeKind,
+    changes_markdown,
+    installed,
+    record,
+    register_strategy,
+    registry_target,
+)
+from autoshard.install_record import uninstall as uninstall_changes
 
 FSDP1_REFUSAL = (
     "FSDP1 (strategy='fsdp' / FSDPStrategy) is refused by autoshard: {reason}. Backend that works: fsdp2."
@@ -34,73 +47,10 @@ def fsdp1_refusal() -> str:
     return FSDP1_REFUSAL.format(reason=fsdp1.REASON)
 
 
-class ChangeKind(str, Enum):
-    REGISTRY = "registry entry"
-    WRAPPED = "wrapped method"
-
-
-@dataclass(frozen=True)
-class Change:
-    """One change to Lightning: what (``target``), to what (``now``), why, and how to put back what was there."""
-
-    kind: ChangeKind
-    target: str
-    now: str
-    why: str
-    undo: Callable[[], None] = field(compare=False, repr=False)
-
-
-_INSTALLED: list[Change] = []
-
-
-def installed() -> tuple[Change, ...]:
-    """The changes in force, in the order they were made."""
-    return tuple(_INSTALLED)
-
-
-def _record(change: Change) -> None:
-    """Only the first change of a target is kept: its ``undo`` restores what Lightning had, not autoshard's own."""
-    if all(c.target != change.target for c in _INSTALLED):
-        _INSTALLED.append(change)
-
-
 def uninstall() -> list[Change]:
-    """Undo every recorded change, newest first; returns them. Registry entries and methods are restored by identity."""
-    undone = list(reversed(_INSTALLED))
-    for change in undone:
-        change.undo()
-    _INSTALLED.clear()
-    return undone
-
-
-CHANGES_BEGIN = "<!-- BEGIN GENERATED CHANGES: python -m autoshard.lightning docs/lightning-changes.md -->"
-CHANGES_END = "<!-- END GENERATED CHANGES -->"
-
-
-def changes_markdown() -> str:
-    """The table of ``installed()`` that docs/lightning-changes.md embeds between its markers."""
-    lines = [CHANGES_BEGIN, "| # | What | Kind | Now | Why |", "|---|---|---|---|---|"]
-    for i, c in enumerate(_INSTALLED, 1):
-        lines.append(f"| {i} | `{c.target}` | {c.kind.value} | `{c.now}` | {c.why} |")
-    return "\n".join([*lines, CHANGES_END])
-
-
-def registry_target(name: str) -> str:
-    return f"StrategyRegistry[{name!r}]"
-
-
-def register_strategy(registry: Any, name: str, strategy: type, description: str, why: str, **init_params: Any) -> None:
-    """``registry.register(name, strategy, ..., override=True)``, recorded with the entry it replaces (or none)."""
-    previous = dict.get(registry, name)  # the raw entry: registry.get() would instantiate the strategy
-    registry.register(name, strategy, description=description, override=True, **init_params)
-
-    def undo() -> None:
-        if previous is None:
-            dict.pop(registry, name, None)
-        else:
-            dict.__setitem__(registry, name, previous)
-
-    _record(Change(ChangeKind.REGISTRY, registry_target(name), f"{strategy.__module__}.{strategy.__qualname__}", why, undo))
+    """Undo the Trainer's changes (registry entries, wrapped methods), newest first; returns them. Fabric's registry
+    entries stay (``autoshard.fabric.uninstall()``; ``autoshard.uninstall()`` undoes both)."""
+    return uninstall_changes(TRAINER_KINDS)
 
 
 def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], why: str) -> bool:
@@ -121,7 +71,7 @@ def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[
         else:
             delattr(owner, name)  # it was inherited: inherit it again
 
-    _record(Change(ChangeKind.WRAPPED, f"{owner.__name__}.{name}", f"{__name__} wrapper", why, undo))
+    record(Change(ChangeKind.WRAPPED, f"{owner.__name__}.{name}", f"{__name__} wrapper", why, undo))
     return True
 
 
@@ -177,6 +127,7 @@ __all__ = [
     "Change",
     "ChangeKind",
     "FSDP1_REFUSAL",
+    "TRAINER_KINDS",
     "changes_markdown",
     "fsdp1_refusal",
     "install_guards",

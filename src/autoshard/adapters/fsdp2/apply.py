@@ -73,6 +73,9 @@ class PlanToApply(Protocol):
     @property
     def precision_plan(self) -> PrecisionPlan: ...
 
+    @property
+    def whole_in_units(self) -> list[str]: ...
+
 
 def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> ParallelMesh:
     """Shard ``module`` in place as ``plan`` says, on ``mesh`` (a ParallelMesh, or a DeviceMesh viewed with the
@@ -92,7 +95,7 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
         assert parallel.tp is not None
         plan.tp_plan.apply(module, parallel.tp)
     mp_policy, offload_policy = policies(plan.precision_plan, plan.intent)
-    scalars = {id(p) for p in module.parameters() if p.dim() == 0}
+    whole = {id(module.get_parameter(name)) for name in plan.whole_in_units}
     names = {u.name for u in plan.units}
     checkpointed = 0
     for unit in plan.units:
@@ -102,7 +105,7 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
         if unit.checkpointed:  # the intent's mode decides which of the checkpointed blocks, by their order
             apply_checkpointing(sub, plan.intent.activation_checkpointing, checkpointed)
             checkpointed += 1
-        ignored = {p for p in sub.parameters() if id(p) in scalars}
+        ignored = {p for p in sub.parameters() if id(p) in whole}  # inside the unit, left whole by the plan
         fully_shard(
             sub,
             mesh=parallel.shard,

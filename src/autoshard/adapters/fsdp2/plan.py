@@ -94,6 +94,7 @@ class Unsharded(str, Enum):
 
     FROZEN = "frozen and not an EMA teacher"
     SCALAR = "0-dim parameter (fully_shard cannot shard scalars)"
+    NORM = "BatchNorm parameter, kept in float32 (its kernels take no low-precision weight with float32 running statistics)"
     CALLBACK = "trained by a callback's optimizer"
     EXCLUDED = "excluded"
     ROOT = "parameter on the LightningModule root"
@@ -125,6 +126,12 @@ class FSDP2Plan:
     precision: PrecisionPlan | None = None  # the run's resolved precision; None: the intent's (see plan_fsdp2)
     hsdp: tuple[int, int] | None = None  # (replicas, shard_size) for a plain DeviceMesh given to apply; None: pure FSDP
     tp_plan: TPPlan | None = None  # the model's tensor-parallel layout, applied first when tensor_parallel_size > 1
+
+    @property
+    def whole_in_units(self) -> list[str]:
+        """Parameters inside a unit that fully_shard leaves whole (its ``ignored_params``): scalars, and BatchNorm's
+        under a low-precision gather."""
+        return [r.name for r in self.replicated if r.why in (Unsharded.SCALAR, Unsharded.NORM)]
 
     @property
     def precision_plan(self) -> PrecisionPlan:

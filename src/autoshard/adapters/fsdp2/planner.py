@@ -18,7 +18,7 @@ from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.needs import MethodNeeds
-from autoshard.precision import PrecisionPlan
+from autoshard.precision import PrecisionPlan, resolve_precision
 
 
 def plan_fsdp2(
@@ -85,8 +85,15 @@ def plan_fsdp2(
     covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
     unit_names = {u.name for u in units}
     replicated_names = {r.name for r in replicated}
+    kept_whole = batchnorm_parameters(module) if low_precision_gather(precision or resolve_precision(None, intent)) else set()
     for name, p in module.named_parameters():
-        if id(p) in covered or within(name, replicated_names):
+        if within(name, replicated_names):
+            continue
+        if id(p) in kept_whole and within(name, unit_names):
+            replicated.append(_replicated(name, [p], Unsharded.NORM))
+            replicated_names.add(name)
+            continue
+        if id(p) in covered:
             continue
         if p.dim() == 0 and within(name, unit_names):
             replicated.append(_replicated(name, [p], Unsharded.SCALAR))
@@ -122,6 +129,19 @@ def plan_fsdp2(
         warnings.warn(message, stacklevel=2)
     buffers = {name: b.numel() * b.element_size() for name, b in module.named_buffers()}
     return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, precision=precision, tp_plan=tp_plan)
+
+
+def low_precision_gather(precision: PrecisionPlan) -> bool:
+    """Parameters are gathered in a dtype below the weights' own (bf16-mixed): what BatchNorm cannot take."""
+    return precision.gather is not precision.master
+
+
+def batchnorm_parameters(module: nn.Module) -> set[int]:
+    """ids of the parameters of BatchNorm layers. Under a low-precision gather they stay whole in float32 (FSDP1's
+    MixedPrecision kept BatchNorm out of its casts by default for the same reason): batch_norm refuses a bf16 weight
+    next to float32 running statistics ("expected scalar type BFloat16 but found Float"), and takes a float32 weight
+    with a bf16 input. They are a few numbers per channel; autoshard averages their gradients like any whole one."""
+    return {id(p) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters(recurse=False)}
 
 
 def tensor_parallel_plan(module: nn.Module, tp: int) -> TPPlan | None:

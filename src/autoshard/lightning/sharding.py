@@ -1,0 +1,118 @@
+"""The FSDP2 setup sequence both fsdp2 strategies run, the Trainer's (``lightning.fsdp2``) and Fabric's
+(``fabric.strategies``): one copy, so a guarantee added to one is had by both.
+
+``shard_module`` runs before the parameters are materialized: autoshard's plan on the run's one mesh, or, when the
+user sharded (``configure_model``, their own ``fully_shard`` calls, a ``parallelize_fn``), the plan's guarantees
+around their layout. ``after_materialize`` runs once the meta shards hold values, before the first forward. What
+differs between the two strategies (when Lightning / Fabric materializes, the user's hook and its return value, the
+optimizers, teachers set up apart in Fabric) stays in each strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from autoshard.adapters.fsdp2 import (
+    FSDP2Plan,
+    average_unsharded_gradients,
+    broadcast_unsharded,
+    check_ema_alignment,
+    init_sharded_units,
+    plan_fsdp2,
+)
+from autoshard.init_from import InitPlan, InitReport, load_init_from
+from autoshard.intent import ShardingIntent
+from autoshard.lightning.environment import check_node_groups
+from autoshard.lightning.guarantees import reshard_after_no_grad_forward, reshard_teachers
+from autoshard.lightning.meta_init import copy_students_into_teachers
+from autoshard.mesh import ParallelMesh
+from autoshard.needs import EMAPair, MethodNeeds
+from autoshard.precision import PrecisionPlan
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: ParallelMesh,
+    intent: ShardingIntent,
+    needs: MethodNeeds,
+    precision: PrecisionPlan | None,
+    *,
+    sharded_by: str | None,
+    node_ranks: Callable[[], list[int]],
+    sync_batchnorm: bool = False,
+) -> FSDP2Plan | None:
+    """Shard ``module`` on ``mesh`` by autoshard's plan and return it (printed on rank 0), or, when ``sharded_by``
+    says who already did (the line said on rank 0), keep the plan's guarantees around their layout and return None.
+
+    Either way: unsharded trainable parameters get their gradients averaged over every data-parallel rank, EMA pairs
+    are checked to be sharded alike, and a teacher's units (and, for the user's layout, every unit forwarded without
+    grad) reshard after forward. ``node_ranks``: every rank's node rank, gathered only for ``shard_size='node'``
+    under hybrid sharding, to check that shard groups are nodes (a collective: every rank calls this).
+    """
+    if sharded_by is not None:
+        rank_zero_info(sharded_by)
+        average_unsharded_gradients(module, mesh)
+        for pair in needs.ema_pairs:
+            check_ema_alignment(module, pair)
+        # The plan's guarantees, whoever sharded: teachers (and units forwarded without grad) reshard after forward.
+        teachers = reshard_teachers(module, needs.ema_pairs)
+        reshard_after_no_grad_forward(module)
+        if teachers:
+            rank_zero_info(f"autoshard: EMA teacher units reshard after forward: {', '.join(teachers)}")
+        return None
+    plan = plan_fsdp2(module, intent, needs, precision)
+    plan.sync_batchnorm = sync_batchnorm
+    plan.hsdp = mesh.dims.hsdp
+    if intent.shard_size == "node" and mesh.dims.hybrid:
+        check_node_groups(node_ranks(), mesh.dims.node_group)
+    plan.apply(module, mesh)
+    rank_zero_info(plan.describe(mesh.dims.describe()))
+    return plan
+
+
+def after_materialize(
+    module: nn.Module,
+    mesh: ParallelMesh,
+    init: InitPlan | None,
+    on_meta: bool,
+    ema_pairs: tuple[EMAPair, ...],
+    apart: Iterable[tuple[nn.Module, nn.Module]] = (),
+) -> InitReport | None:
+    """What follows materialization, in this order, before the first forward; returns what this rank read for
+    ``init_from`` (None without it).
+
+    1. Gradient hooks again: materialization replaced parameters (meta init) or swapped their contents.
+    2. ``init_from`` loaded into the materialized shards, its report said on rank 0.
+    3. After meta init or ``init_from``, EMA teachers the files do not hold start as copies of their (loaded)
+       students: inside the module (``ema_pairs``, or the plan's ``copy_teachers``) and set up apart (``apart``:
+       (teacher, student) modules, Fabric's teachers set up in their own call).
+    4. Rank 0's copy of whatever stays whole (parameters, buffers) on every rank.
+    5. FSDP2's lazy init with every parameter counted trainable (``init_sharded_units``): what is frozen at the first
+       forward (a GAN's toggled discriminator) does not decide a unit's reduce dtype.
+    """
+    average_unsharded_gradients(module, mesh)
+    report = None
+    if init is not None:  # after materialization, before teachers copy students and rank 0's copy is broadcast
+        report = load_init_from(module, init)
+        rank_zero_info(report.describe())
+    if on_meta or init is not None:  # teachers the files do not hold start as copies of their (loaded) students
+        with torch.no_grad():
+            copy_students_into_teachers(module, init.copy_teachers if init is not None else ema_pairs)
+            for teacher, student in apart:
+                copy_module(teacher, student)
+    broadcast_unsharded(module, mesh)
+    init_sharded_units(module)  # before the first forward: what is frozen then (toggle_optimizer) does not count
+    return report
+
+
+def copy_module(teacher: nn.Module, student: nn.Module) -> None:
+    """Every parameter and buffer of ``student`` into ``teacher``'s, by position (sharded alike: shard into shard)."""
+    for t, s in zip((*teacher.parameters(), *teacher.buffers()), (*student.parameters(), *student.buffers())):
+        t.copy_(s)
+
+
+__all__ = ["after_materialize", "copy_module", "shard_module"]
