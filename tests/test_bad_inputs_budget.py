@@ -1,24 +1,30 @@
-"""The bad-input catalog, rows 120-129 (docs/bad-inputs.md): memory budgets and activation checkpointing modes.
+"""The bad-input catalog, rows 120-135 (docs/bad-inputs.md): memory budgets and activation checkpointing modes.
 
 A budget is never met by guessing: a value that is not a size, a mode that does not exist, a decision without a batch
 and a budget nothing meets are each refused with the fix, and an impossible budget names the smallest world size that
-fits (found by search) or, when none does, the micro-batch that would.
+fits (found by search) or, when none does, the micro-batch that would. At fit (rows 131-135): what a budget cannot
+decide under DeepSpeed is refused when the strategy is built, an empty train DataLoader before anything is sharded,
+and a resume says when it does not keep the checkpoint's decision. The one fit here (row 132) runs last, in-process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
 import json
+import os
 import re
 from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from autoshard import cli
 from autoshard.activations import fake_world, measure_step
 from autoshard.adapters.checkpointing import apply_checkpointing
-from autoshard.budget import BudgetRefusedError, decide
+from autoshard.budget import BudgetRefusedError, decide, resume_decision, stored_differs
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import estimate_memory, with_step
@@ -168,3 +174,93 @@ def test_129_a_budget_is_decided_before_sharding_not_after() -> None:
         "memory_budget is decided before sharding, but Small.blocks.0.0.weight is already sharded. Fix: decide on the"
         " unsharded module (the strategy does, at setup, before fully_shard)"
     )
+
+
+# -- 131-135: the budget at fit, and under DeepSpeed --------------------------------------------------------------------
+AC_UNDER_DEEPSPEED = (
+    "memory_budget under DeepSpeed cannot count activation_checkpointing=True: autoshard does not checkpoint blocks under"
+    " DeepSpeed (your blocks' own deepspeed.checkpointing.checkpoint calls do), so the simulated step cannot know which"
+    " activations they recompute, and a decision could choose an offload your run does not need, or one that does not"
+    " fit. What works: strategy='fsdp2', where memory_budget checkpoints blocks itself and chooses how many. Fix: drop"
+    " memory_budget and set offload yourself (autoshard explain --backend deepspeed --batch FILE.py:make_batch shows each"
+    " peak), or use strategy='fsdp2'"
+)
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+
+
+@needs_deepspeed
+def test_131_a_memory_budget_with_activation_checkpointing_under_deepspeed_is_refused_when_the_strategy_is_built() -> None:
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    with pytest.raises(IntentError) as built:
+        AutoShardDeepSpeedStrategy(memory_budget="70GiB", activation_checkpointing=True)
+    assert str(built.value) == AC_UNDER_DEEPSPEED
+    with pytest.raises(IntentError) as decided:
+        decide(Small, small_batch(), ShardingIntent(memory_budget="1GiB", activation_checkpointing=True), 2, backend="deepspeed")
+    assert str(decided.value) == AC_UNDER_DEEPSPEED
+    AutoShardDeepSpeedStrategy(activation_checkpointing=True)  # without a budget: the user's own checkpointing, as before
+    AutoShardDeepSpeedStrategy(memory_budget="70GiB")
+
+
+def test_133_a_memory_budget_for_a_backend_it_does_not_decide_for_is_refused() -> None:
+    with pytest.raises(IntentError) as info:
+        decide(Small, small_batch(), ShardingIntent(memory_budget="1GiB"), 2, backend="fsdp1")
+    assert str(info.value) == "memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not fsdp1. Fix: backend='fsdp2'"
+
+
+def test_134_a_resume_whose_decision_chose_a_field_you_now_set_decides_again_and_says_so() -> None:
+    stored = decide(Small, small_batch(), ShardingIntent(memory_budget="1GiB"), 2).to_dict()
+    kept, said = resume_decision(stored, ShardingIntent(memory_budget="1GiB"), 2)
+    assert kept is not None and said == "autoshard memory budget: kept the checkpoint's decision (reshard_after_forward=False)"
+    again, said = resume_decision(stored, ShardingIntent(memory_budget="1GiB", offload="params"), 2)
+    assert again is None and said == ("autoshard memory budget: decided again, the checkpoint's decision was for another run (you now set offload)")
+
+
+def test_135_a_resume_that_could_not_keep_the_checkpoints_decision_warns_with_the_fields_to_set() -> None:
+    stored = decide(Wide, wide_batch(), ShardingIntent(memory_budget="3MiB"), 2, backend="deepspeed")
+    assert stored.chosen == {"offload": "optimizer"}
+    made_here = dataclasses.replace(stored, chosen={"offload": "none"}, peak=stored.cheaper[0].peak)
+    said = stored_differs(stored.to_dict(), made_here)
+    assert said.startswith("autoshard memory budget: the checkpoint's run trained with offload='optimizer' (peak ")
+    assert "it trains with defaults (nothing changed) (peak " in said and "the values are the same, memory and speed differ" in said
+    assert said.endswith("Fix: to train as before, drop memory_budget and set ShardingIntent(offload='optimizer')")
+    assert stored_differs(stored.to_dict(), stored) == "" and stored_differs(None, stored) == ""
+    assert stored_differs(stored.to_dict(), dataclasses.replace(made_here, budget=2 * stored.budget)) == ""  # another run
+
+
+class Empty(Small):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(0, 16, 32)), batch_size=4)
+
+
+@needs_deepspeed
+def test_132_a_memory_budget_at_fit_with_an_empty_train_dataloader_is_refused_before_sharding() -> None:
+    import lightning.pytorch as pl
+
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    environ = dict(os.environ)  # an in-process fit sets MASTER_PORT & co.
+    model = Empty()
+    trainer = pl.Trainer(
+        strategy=AutoShardDeepSpeedStrategy(memory_budget="1GiB", precision="32-true"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        with pytest.raises(IntentError) as info:
+            trainer.fit(model)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    assert str(info.value) == (
+        "memory_budget is decided on the first batch of the train DataLoader (the micro-batch training_step receives),"
+        " and Empty's train DataLoader yielded none (an empty dataset, or drop_last=True with fewer samples than"
+        " batch_size); nothing was sharded. Fix: give Trainer.fit a train DataLoader with at least one batch, or drop"
+        " memory_budget and set the fields yourself (autoshard explain --budget shows each configuration's peak)"
+    )
+    assert not any(hasattr(p, "ds_id") for p in model.parameters()) and type(trainer.strategy.model).__name__ == "Empty"

@@ -19,6 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.backends import get_backend
+from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
+from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import BUDGET_FIELDS, SELECTIVE, ShardingIntent
 from autoshard.memory import MemoryEstimate, fmt_bytes
@@ -297,12 +300,22 @@ def _states_on_device(estimate: MemoryEstimate) -> int:
 #     its price is the traffic model's bytes at each link's rate, like resharding.
 # A configuration's price is the sum. The cheapest configuration whose simulated peak fits the budget is chosen;
 # ties go to fewer changes. Every cheaper configuration is listed with its peak and why it does not fit.
+#
+# Under DeepSpeed ZeRO-3 (backend='deepspeed') the one knob chosen is offload: 'none', then 'optimizer'
+# (offload_optimizer: each step the gradient partition goes to the host, the updated parameter partition comes back),
+# then 'params' (offload_param too: the parameter partition comes in for the forward's and the backward's gathers,
+# gradients go out, the step runs on the host). Each saves more device memory than the one before and copies more.
+# A peak there is DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs: 4 x the largest layer + 18, 2 or
+# 0 bytes per parameter / ranks) plus the activations of a simulated step of the same method (explain does the same).
+# Activation checkpointing is not chosen there: autoshard does not checkpoint blocks under DeepSpeed (the model's own
+# deepspeed.checkpointing calls do), so a step cannot be simulated for it, and memory_budget refuses it (row 131).
 
 
 FREE_FIELDS = BUDGET_FIELDS
 DEFAULTS: dict[str, Any] = {"reshard_after_forward": True, "activation_checkpointing": False, "offload": "none", "shard_size": None}
 MAX_DECISION_RANKS = MAX_RANKS
 DEVICES_PER_NODE = 8  # ranks per node when nothing says otherwise (one node of the world size if it is larger)
+OFFLOAD_SAVING = {"none": 0, "optimizer": 1, "params": 2}  # what each offload leaves off the device, least first
 
 
 class BudgetRefusedError(IntentError):
@@ -311,9 +324,13 @@ class BudgetRefusedError(IntentError):
     micro-batch that fits here with every saving on (None: unknown, or the batch cannot be cut along dim 0)."""
 
     def __init__(self, message: str, min_world_size: int | None = None, micro_batch: int | None = None) -> None:
-        super().__init__(message)
+        # Every value in args: a strategy's other ranks rebuild rank 0's refusal from them (lightning.checkpoint).
+        super().__init__(message, min_world_size, micro_batch)
         self.min_world_size = min_world_size
         self.micro_batch = micro_batch
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -407,6 +424,7 @@ class BudgetDecision:
     kept: tuple[str, ...] = ()
     rates: Rates = field(default_factory=Rates)
     num_nodes: int = 1
+    backend: str = FSDP2  # the backend the peaks are for: fsdp2's simulated step, or DeepSpeed's estimator + activations
 
     def intent(self, base: ShardingIntent) -> ShardingIntent:
         """``base`` with the chosen fields: what the run trains with."""
@@ -418,6 +436,7 @@ class BudgetDecision:
         head = (
             f"autoshard memory budget: {fmt_bytes(self.budget)} per rank, world size {self.world_size}"
             + (f" on {self.num_nodes} nodes" if self.num_nodes > 1 else "")
+            + (", DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if self.backend == DEEPSPEED else "")
             + (f", micro-batch {self.batch}" if self.batch else "")
         )
         lines = [head, f"  chosen: {describe_config(self.chosen)}", f"    peak {fmt_bytes(self.peak)} per rank; costs {_cost_words(self.cost)}"]
@@ -444,6 +463,7 @@ class BudgetDecision:
             "kept": list(self.kept),
             "rates": self.rates.to_dict(),
             "num_nodes": self.num_nodes,
+            "backend": self.backend,
         }
 
     @classmethod
@@ -459,6 +479,7 @@ class BudgetDecision:
             kept=tuple(data.get("kept", ())),
             rates=Rates(**data.get("rates", {})),
             num_nodes=int(data.get("num_nodes", 1)),
+            backend=str(data.get("backend", FSDP2)),
         )
 
 
@@ -584,7 +605,7 @@ def _saves_at_least(a: dict[str, Any], b: dict[str, Any]) -> bool:
             continue
         if key == "reshard_after_forward" and not (va is True and vb is False):
             return False
-        if key == "offload" and not (va == "params" and vb == "none"):
+        if key == "offload" and OFFLOAD_SAVING[va] < OFFLOAD_SAVING[vb]:
             return False
         if key == "shard_size" and not (va is None and vb == "node"):
             return False
@@ -606,7 +627,11 @@ def _key(config: dict[str, Any]) -> str:
 
 
 class _Simulator:
-    """Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached."""
+    """Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached.
+
+    ``backend``: fsdp2 (the step runs fsdp2's own plan: its peak is the run's), or DeepSpeed ZeRO-3 (its estimator's
+    states, plus the activations of one fsdp2 step of the same method per world size and micro-batch: they do not
+    depend on the offload)."""
 
     def __init__(
         self,
@@ -617,6 +642,7 @@ class _Simulator:
         devices_per_node: int | None,
         num_nodes: int,
         progress: Callable[[str], None] | None,
+        backend: str = FSDP2,
     ) -> None:
         from autoshard.memory import collect_optimizers
         from autoshard.needs import inspect_needs
@@ -624,6 +650,7 @@ class _Simulator:
 
         self.factory, self.make_batch, self.base, self.precision = factory, make_batch, base, precision
         self.devices_per_node, self.num_nodes, self.progress = devices_per_node, num_nodes, progress
+        self.backend = backend
         built = build_on_meta(factory)
         self.module, self.callbacks = built.module, built.callbacks
         self.sourced = collect_optimizers(self.module, self.callbacks)
@@ -631,6 +658,7 @@ class _Simulator:
         self.needs = inspect_needs(self.module, callbacks=self.callbacks, optimizers=configured)
         self.states_cache: dict[tuple[str, int], Any] = {}
         self.step_cache: dict[tuple[str, int, int], tuple[Any, int]] = {}
+        self.measured: dict[tuple[str, int, int], Any] = {}
         self.sims = 0
 
     def nodes(self, world_size: int) -> int:
@@ -663,7 +691,7 @@ class _Simulator:
                     self.base.replace(**config),
                     self.needs,
                     [world_size],
-                    "fsdp2",
+                    self.backend,
                     callbacks=self.callbacks,
                     sourced=self.sourced,
                     num_nodes=self.nodes(world_size),
@@ -673,21 +701,26 @@ class _Simulator:
 
     def step(self, config: dict[str, Any], world_size: int, divisor: int = 1) -> tuple[Any, int]:
         """(the estimate with the simulated step, the step's FLOPs)."""
-        from autoshard.activations import measure_step
         from autoshard.memory import with_step
 
         key = (_key(config), world_size, divisor)
         if key not in self.step_cache:
+            whole = self.backend == FSDP2  # DeepSpeed: only the step's activations are added to its estimator's states
+            step = self._measure(config if whole else {}, world_size, divisor)
+            self.step_cache[key] = (with_step(self.states(config, world_size), step, whole), step.flops)
+        return self.step_cache[key]
+
+    def _measure(self, config: dict[str, Any], world_size: int, divisor: int) -> Any:
+        from autoshard.activations import measure_step
+
+        key = (_key(config), world_size, divisor)
+        if key not in self.measured:
             if self.progress is not None:
-                self.progress(
-                    f"simulating one step on {world_size} fake ranks ({describe_config(config)}"
-                    + (f", micro-batch / {divisor}" if divisor > 1 else "")
-                    + ")"
-                )
-            intent = self.base.replace(**config)
+                what = describe_config(config) if self.backend == FSDP2 else "activations for DeepSpeed"
+                self.progress(f"simulating one step on {world_size} fake ranks ({what}" + (f", micro-batch / {divisor}" if divisor > 1 else "") + ")")
             step = measure_step(
                 self.factory,
-                intent,
+                self.base.replace(**config),
                 world_size,
                 self.precision,
                 make_batch=cut_batch(self.make_batch, divisor),
@@ -696,8 +729,8 @@ class _Simulator:
             self.sims += 1
             if step.forward_only:  # the batch did not run: the reason is the user's to fix, never a decision on half a step
                 raise IntentError(f"memory_budget cannot be decided: {step.incomplete}")
-            self.step_cache[key] = (with_step(self.states(config, world_size), step, True), step.flops)
-        return self.step_cache[key]
+            self.measured[key] = step
+        return self.measured[key]
 
 
 def _cost(sim: _Simulator, config: dict[str, Any], world_size: int, flops: dict[Any, int], rates: Rates) -> Cost:
@@ -709,7 +742,9 @@ def _cost(sim: _Simulator, config: dict[str, Any], world_size: int, flops: dict[
     gathered_inter = states.inter_node_bytes
     host = 0
     offload = config.get("offload", sim.base.offload)
-    if offload != "none":
+    if sim.backend == DEEPSPEED:  # see the cost order above: gradients out, parameters in once (optimizer) or per gather
+        host = {"none": 0, "optimizer": states.parameters + states.gradients, "params": 2 * states.parameters + states.gradients}[offload]
+    elif offload != "none":
         reshard = config.get("reshard_after_forward", sim.base.reshard_after_forward)
         host = (states.parameters + states.ema_teacher) * (2 if reshard else 1) + states.gradients
     cost = Cost(recompute, gathered_intra, gathered_inter, host)
@@ -726,15 +761,24 @@ def price(
     rates: Rates | None = None,
     precision: Any = None,
     num_nodes: int = 1,
+    backend: str = FSDP2,
 ) -> list[tuple[int, Cost]]:
     """(device peak per rank, price) of each configuration (ShardingIntent fields over ``intent``), as ``decide``
-    computes them: one simulated step each, plus one without activation checkpointing for the recomputed FLOPs."""
+    computes them on ``backend``: one simulated step each, plus one without activation checkpointing for the
+    recomputed FLOPs."""
     from autoshard.precision import resolve_precision
 
     rates = rates or Rates()
     base = intent.replace(memory_budget=None, pinned=())
     sim = _Simulator(
-        meta_factory(module), batch_function(batch), base, precision or resolve_precision(None, intent), world_size // num_nodes, num_nodes, None
+        meta_factory(module),
+        batch_function(batch),
+        base,
+        precision or resolve_precision(None, intent),
+        world_size // num_nodes,
+        num_nodes,
+        None,
+        get_backend(backend).name,
     )
     flops: dict[Any, int] = {}
     out = []
@@ -747,18 +791,21 @@ def price(
     return out
 
 
-def _free_fields(intent: ShardingIntent, num_nodes: int) -> list[str]:
-    """The fields the user left at their defaults (shard_size only when there are several nodes to group by)."""
+def _free_fields(intent: ShardingIntent, num_nodes: int, backend: str = FSDP2) -> list[str]:
+    """The fields the user left at their defaults (shard_size only when there are several nodes to group by; under
+    DeepSpeed offload only, its one knob autoshard sets)."""
     free = [f for f in FREE_FIELDS if getattr(intent, f) == DEFAULTS[f] and type(getattr(intent, f)) is type(DEFAULTS[f]) and f not in intent.pinned]
+    if backend == DEEPSPEED:
+        return [f for f in free if f == "offload"]
     return [f for f in free if f != "shard_size" or num_nodes > 1]
 
 
-def _options(field_name: str, blocks: int) -> list[Any]:
+def _options(field_name: str, blocks: int, backend: str = FSDP2) -> list[Any]:
     """Each free field's options, cheapest (least saving) first."""
     return {
         "reshard_after_forward": [False, True],
         "activation_checkpointing": _ac_options(blocks),
-        "offload": ["none", "params"],
+        "offload": ["none", "optimizer", "params"] if backend == DEEPSPEED else ["none", "params"],
         "shard_size": ["node", None],
     }[field_name]
 
@@ -773,7 +820,7 @@ def _search(
     recomputed FLOPs are its price); then the rest in price order, skipping (as lower bounds) those that save no
     more than one already over the budget.
     """
-    grid = [dict(zip(free, values)) for values in itertools.product(*(_options(f, blocks) for f in free))]
+    grid = [dict(zip(free, values)) for values in itertools.product(*(_options(f, blocks, sim.backend) for f in free))]
     most = grid[-1]
     flops: dict[Any, int] = {}
     peaks: dict[str, int] = {}
@@ -886,9 +933,13 @@ def decide(
     callbacks: Sequence[Any] = (),
     rates: Rates | None = None,
     progress: Callable[[str], None] | None = None,
+    backend: str = FSDP2,
 ) -> BudgetDecision:
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
     ``world_size`` ranks: a pure function of the module's shapes, the batch's shapes, the intent and the world.
+
+    ``backend``: fsdp2, or DeepSpeed ZeRO-3 ('deepspeed'), where offload is the one field chosen and each peak is
+    DeepSpeed's estimator plus the simulated activations (the cost order above says why).
 
     ``module``: a LightningModule (real or on meta; copied to meta for each simulated step, never changed) or a
     function building one. ``batch``: one micro-batch as ``training_step`` receives it (tensors are read for shapes
@@ -918,6 +969,7 @@ def decide(
             callbacks=callbacks,
             rates=rates,
             progress=progress,
+            backend=backend,
         )
         return _beside_live_group(lambda: decide(module, batch, intent, world_size, **args))
 
@@ -931,6 +983,7 @@ def decide(
             f"memory_budget with tensor_parallel_size={intent.tensor_parallel_size} is not decided yet: the simulated step runs"
             f" data parallel only. Fix: drop memory_budget and set the fields yourself, or set tensor_parallel_size=1"
         )
+    backend = check_budget_intent(intent.replace(memory_budget=budget_bytes), backend)
     make_batch = batch_function(batch)
     rates = rates or Rates()
     precision = precision or resolve_precision(None, intent)
@@ -943,21 +996,35 @@ def decide(
 
         num_nodes = nodes_for(world_size, devices_per_node)
     sim = _Simulator(
-        meta_factory(module, callbacks), make_batch, intent.replace(memory_budget=None, pinned=()), precision, devices_per_node, num_nodes, progress
+        meta_factory(module, callbacks),
+        make_batch,
+        intent.replace(memory_budget=None, pinned=()),
+        precision,
+        devices_per_node,
+        num_nodes,
+        progress,
+        backend,
     )
     with torch.device("meta"):
         described = describe_batch(make_batch())
-    free = _free_fields(intent, num_nodes)
-    kept = tuple(f for f in FREE_FIELDS if f not in free and (f != "shard_size" or intent.shard_size is not None))
+    free = _free_fields(intent, num_nodes, backend)
+    kept = _kept(intent, free, backend)
     blocks = sim.blocks() if "activation_checkpointing" in free else 0
     chosen, cheaper, most = _search(sim, world_size, budget_bytes, rates, free, blocks)
     if chosen is not None:
-        return BudgetDecision(budget_bytes, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, described, kept, rates, num_nodes)
+        return BudgetDecision(budget_bytes, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, described, kept, rates, num_nodes, backend)
     peak = sim.step(most, world_size)[0].device
     where = f"world size {world_size}" + (f" ({num_nodes} nodes)" if num_nodes > 1 else "")
     head = (
-        f"memory_budget {fmt_bytes(budget_bytes)} per rank cannot be met at {where}: even {describe_config(most)} peaks at"
-        f" {fmt_bytes(peak)} per rank on the micro-batch {described}"
+        f"memory_budget {fmt_bytes(budget_bytes)} per rank cannot be met at {where}"
+        + (" under DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if backend == DEEPSPEED else "")
+        + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
+        + (
+            f" (under DeepSpeed autoshard sets the offload only{'' if 'offload' in free else ', and you set it'}; strategy='fsdp2'"
+            f" can also checkpoint activations)"
+            if backend == DEEPSPEED
+            else ""
+        )
     )
     smallest = _smallest_world(sim, most, world_size, budget_bytes)
     if smallest is not None:
@@ -986,6 +1053,30 @@ def decide(
     )
 
 
+def check_budget_intent(intent: ShardingIntent, backend: str) -> str:
+    """Refuse a memory budget ``backend`` cannot decide for this intent (at a strategy's construction, and in
+    ``decide``); returns the backend's canonical name."""
+    name = get_backend(backend).name
+    if name not in (FSDP2, DEEPSPEED):
+        raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {name}. Fix: backend='fsdp2'")
+    if name == DEEPSPEED and intent.memory_budget is not None and intent.activation_checkpointing is not False:
+        raise IntentError(
+            f"memory_budget under DeepSpeed cannot count activation_checkpointing={intent.activation_checkpointing!r}: autoshard"
+            f" does not checkpoint blocks under DeepSpeed (your blocks' own deepspeed.checkpointing.checkpoint calls do), so"
+            f" the simulated step cannot know which activations they recompute, and a decision could choose an offload"
+            f" your run does not need, or one that does not fit. What works: strategy='fsdp2', where memory_budget checkpoints"
+            f" blocks itself and chooses how many. Fix: drop memory_budget and set offload yourself (autoshard explain"
+            f" --backend deepspeed --batch FILE.py:make_batch shows each peak), or use strategy='fsdp2'"
+        )
+    return name
+
+
+def _kept(intent: ShardingIntent, free: list[str], backend: str) -> tuple[str, ...]:
+    """The fields the decision leaves as the user set them (under DeepSpeed, those it has no say in are not named)."""
+    fields = ("offload",) if backend == DEEPSPEED else FREE_FIELDS
+    return tuple(f for f in fields if f not in free and (f != "shard_size" or intent.shard_size is not None))
+
+
 def decide_at_fit(module: Any, batch: Any, intent: ShardingIntent, world_size: int, *, num_nodes: int = 1, **kwargs: Any) -> BudgetDecision:
     """``decide`` as a strategy calls it at setup, on rank 0, before anything is sharded (then it broadcasts
     ``to_dict()`` to the other ranks). The same function: named for the call site."""
@@ -1007,20 +1098,51 @@ def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:
     return BudgetDecision.from_dict(answer["result"])
 
 
-def resume_decision(stored: dict[str, Any] | None, intent: ShardingIntent, world_size: int) -> tuple[BudgetDecision | None, str]:
+def resume_decision(
+    stored: dict[str, Any] | None, intent: ShardingIntent, world_size: int, backend: str = FSDP2
+) -> tuple[BudgetDecision | None, str]:
     """At resume: the stored decision when the budget and the world are the same (so the run trains as before), else
-    None and the sentence to log saying why it is decided again ("" when nothing was stored)."""
+    None and the sentence to log saying why it is decided again ("" when nothing was stored). A decision for another
+    backend, or whose chosen fields you have set by hand since, is decided again too (it would override them)."""
     if not stored:
         return None, ""
     decision = BudgetDecision.from_dict(stored)
+    backend = get_backend(backend).name
     changed = []
     if decision.budget != intent.memory_budget:
         changed.append(f"memory_budget {fmt_bytes(decision.budget)} -> {fmt_bytes(intent.memory_budget) if intent.memory_budget else 'none'}")
     if decision.world_size != world_size:
         changed.append(f"world size {decision.world_size} -> {world_size}")
+    if decision.backend != backend:
+        changed.append(f"backend {decision.backend} -> {backend}")
+    else:  # the decision chose exactly the fields left free then: the same ones must be free now
+        free = set(_free_fields(intent, decision.num_nodes, backend))
+        if set(decision.chosen) - free:
+            changed.append(f"you now set {', '.join(sorted(set(decision.chosen) - free))}")
+        if free - set(decision.chosen):
+            changed.append(f"you no longer set {', '.join(sorted(free - set(decision.chosen)))}")
     if changed:
         return None, f"autoshard memory budget: decided again, the checkpoint's decision was for another run ({'; '.join(changed)})"
     return decision, f"autoshard memory budget: kept the checkpoint's decision ({describe_config(decision.chosen)})"
+
+
+def stored_differs(stored: dict[str, Any] | None, current: BudgetDecision | None) -> str:
+    """When a checkpoint loads: the warning to give when it holds a decision for this same budget, world and backend
+    that differs from the one this run trains with ("" otherwise). It happens only when the stored decision could not
+    be read before sharding (``resume_decision``) and the fresh one came out otherwise (another batch shape, another
+    autoshard): the values train the same (these fields change memory and speed, not the maths), the peak does not."""
+    if not stored or current is None:
+        return ""
+    before = BudgetDecision.from_dict(stored)
+    same_run = (before.budget, before.world_size, before.backend) == (current.budget, current.world_size, current.backend)
+    if not same_run or before.chosen == current.chosen:
+        return ""
+    return (
+        f"autoshard memory budget: the checkpoint's run trained with {describe_config(before.chosen)} (peak {fmt_bytes(before.peak)})"
+        f" for this budget and world, and this run was decided again before the checkpoint could be read: it trains with"
+        f" {describe_config(current.chosen)} (peak {fmt_bytes(current.peak)}); the values are the same, memory and speed differ."
+        f" Fix: to train as before, drop memory_budget and set ShardingIntent({', '.join(f'{k}={v!r}' for k, v in before.chosen.items())})"
+    )
 
 
 def auto_entries(factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, **kwargs: Any) -> list[dict[str, Any]]:
@@ -1043,6 +1165,7 @@ __all__ = [
     "Change",
     "Option",
     "check_budget",
+    "check_budget_intent",
     "BudgetRefusedError",
     "Cost",
     "Rates",
@@ -1057,4 +1180,5 @@ __all__ = [
     "meta_factory",
     "price",
     "resume_decision",
+    "stored_differs",
 ]

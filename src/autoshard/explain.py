@@ -467,7 +467,7 @@ def explain(
             lacks=_lacks,
         )
         if auto:
-            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, whole_step, devices_per_node, progress)
+            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
     return report
 
 
@@ -478,16 +478,15 @@ def _auto(
     sizes: Sequence[int],
     budget: int,
     simulate: bool,
-    whole_step: bool,
+    backend: str,
     devices_per_node: int,
     progress: Callable[[str], None] | None,
 ) -> list[dict[str, Any]]:
-    """What ``ShardingIntent(memory_budget=budget)`` would choose at each world size (``budget.auto_entries``); an
-    entry says why there is no decision when the step cannot be simulated (no --batch, --no-step, DeepSpeed)."""
+    """What ``ShardingIntent(memory_budget=budget)`` would choose at each world size on ``backend`` (``budget.auto_entries``:
+    fsdp2's fields, or DeepSpeed's offload); an entry says why there is no decision when the step cannot be simulated
+    (no --batch, --no-step)."""
     why = ""
-    if not whole_step:
-        why = "memory_budget decides fsdp2's settings, from its simulated step. Fix: --backend fsdp2"
-    elif not simulate:
+    if not simulate:
         why = "memory_budget is decided on simulated steps, and --no-step skips them. Fix: drop --no-step"
     elif make_batch is None:
         why = (
@@ -496,7 +495,7 @@ def _auto(
         )
     if why:
         return [{"world_size": n, "budget": budget, "error": {"type": "IncompleteEstimate", "message": why, "min_world_size": None}} for n in sizes]
-    return auto_entries(factory, make_batch, intent, sizes, budget, devices_per_node=devices_per_node, progress=progress)
+    return auto_entries(factory, make_batch, intent, sizes, budget, devices_per_node=devices_per_node, progress=progress, backend=backend)
 
 
 def _lacks(estimate: MemoryEstimate) -> str:

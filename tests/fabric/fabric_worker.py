@@ -44,12 +44,12 @@ class Block(nn.Module):
 class Net(nn.Module):
     """An embedding, two repeated blocks (autoshard's block units) and a head."""
 
-    def __init__(self, d: int = 16, dropout: float = 0.0) -> None:
+    def __init__(self, d: int = 16, dropout: float = 0.0, out: int = 3) -> None:
         super().__init__()
         self.embed = nn.Linear(6, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(2))
         self.drop = nn.Dropout(dropout)
-        self.head = nn.Linear(d, 3)
+        self.head = nn.Linear(d, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
@@ -436,6 +436,80 @@ def second_setup() -> dict[str, Any]:
     }
 
 
+def gan_steps(
+    gen: nn.Module, disc: nn.Module, opts: tuple[Any, Any], backward: Callable[[torch.Tensor], None], x_of: Callable[[int], torch.Tensor]
+) -> None:
+    """A GAN's alternating steps, with Lightning's ``toggle_optimizer`` done by hand: the discriminator frozen
+    (requires_grad=False) while the generator steps, the generator frozen while the discriminator steps."""
+    opt_g, opt_d = opts
+    for step in range(STEPS):
+        z, real = x_of(step), x_of(STEPS + step)  # noise, and the "real" samples
+        disc.requires_grad_(False)
+        g_loss = (disc(gen(z)).float() - 1).pow(2).mean()
+        backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad(set_to_none=True)
+        disc.requires_grad_(True)
+        gen.requires_grad_(False)
+        d_loss = (disc(real).float() - 1).pow(2).mean() + disc(gen(z)).float().pow(2).mean()
+        backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad(set_to_none=True)
+        gen.requires_grad_(True)
+
+
+def pair_weights(gen: nn.Module, disc: nn.Module) -> dict[str, torch.Tensor]:
+    return {**{f"gen.{k}": v for k, v in full(gen).items()}, **{f"disc.{k}": v for k, v in full(disc).items()}}
+
+
+def gan_toggle_bf16() -> dict[str, Any]:
+    """A generator and a discriminator set up apart, each with its SGD, under bf16-mixed, each frozen while the other
+    steps: the discriminator's first forward runs frozen. FSDP2 fixes a unit's reduce dtype at its first forward from
+    the parameters that require grad then, so without autoshard's early lazy init (``init_sharded_units``) its later
+    backward fails ("a gradient with dtype BFloat16 to a tensor with grad_dtype Float")."""
+    import contextlib
+
+    f = fabric(precision="bf16-mixed")
+    gen, disc = net(1, out=6), net(2, out=1)
+    gen, opt_g = f.setup(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    disc, opt_d = f.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    start = pair_weights(unwrap(gen), unwrap(disc))
+    error = None
+    try:
+        with count_collectives() as counts:
+            gan_steps(gen, disc, (opt_g, opt_d), f.backward, lambda s: mine(batch(s)))
+    except RuntimeError as exc:  # the failure this guards against, reported rather than raised: the test names it
+        error, counts = str(exc).splitlines()[0], {}
+    got = pair_weights(unwrap(gen), unwrap(disc))
+
+    def one_process(precision: str) -> dict[str, torch.Tensor]:
+        ref_g, ref_d = net(1, out=6), net(2, out=1)
+        ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16-mixed" else contextlib.nullcontext
+
+        class Autocast(nn.Module):
+            def __init__(self, inner: nn.Module) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                with ctx():
+                    return self.inner(x)
+
+        opts = (torch.optim.SGD(ref_g.parameters(), lr=0.1), torch.optim.SGD(ref_d.parameters(), lr=0.1))
+        gan_steps(Autocast(ref_g), Autocast(ref_d), opts, lambda loss: loss.backward(), batch)
+        return pair_weights(ref_g, ref_d)
+
+    want, fp32 = one_process("bf16-mixed"), one_process("32-true")
+    return {
+        "error": error,
+        "collectives": counts,
+        "vs_reference": max_diff(got, want),
+        "reference_vs_fp32": max_diff(want, fp32),
+        "moved": moved(got, start),
+        "checksum": checksum(got),
+    }
+
+
 def deepspeed_refusals() -> dict[str, Any]:
     """autoshard-deepspeed refuses two optimizers (naming both) and a second setup call (naming both), before any engine."""
     out: dict[str, Any] = {}
@@ -527,6 +601,30 @@ def meta_init_from() -> dict[str, Any]:
     return {"vs_file": max_diff(got, {n: t.float() for n, t in weights.items()}), "read_share": report.bytes_read / report.bytes_total}
 
 
+def meta_ema_apart() -> dict[str, Any]:
+    """A student and its EMA teacher built on the meta device (``teacher = copy.deepcopy(student)``), set up apart, in
+    either order: materialized, the teacher starts as an exact copy of its student, shard for shard."""
+    out = {}
+    for order in ("student_first", "teacher_first"):
+        f = fabric()
+        with f.init_module(empty_init=True):
+            student = Net()
+        teacher = copy.deepcopy(student).requires_grad_(False)
+        on_meta = all(p.is_meta for p in (*student.parameters(), *teacher.parameters()))
+        if order == "teacher_first":
+            teacher = f.setup_module(teacher)
+        student = f.setup_module(student)
+        if order == "student_first":
+            teacher = f.setup_module(teacher)
+        s, t = full(unwrap(student)), full(unwrap(teacher))
+        out[order] = {
+            "on_meta": on_meta,
+            "teacher_vs_student": max_diff(t, s),
+            "sharded_alike": fractions(unwrap(teacher)) == fractions(unwrap(student)),
+        }
+    return out
+
+
 def unsharded_root() -> dict[str, Any]:
     """A parameter on the root and a buffer, each rank with its own values: rank 0's broadcast at setup, the root
     parameter's gradients averaged, training as one process (started from rank 0's values)."""
@@ -607,9 +705,11 @@ SCENARIOS = {
     "second_setup": second_setup,
     "meta_init": meta_init,
     "meta_init_from": meta_init_from,
+    "meta_ema_apart": meta_ema_apart,
     "unsharded_root": unsharded_root,
     "save_and_continue": save_and_continue,
     "load_and_continue": load_and_continue,
+    "gan_toggle_bf16": gan_toggle_bf16,
     "deepspeed_refusals": deepspeed_refusals,
     "deepspeed_trains": deepspeed_trains,
 }

@@ -33,13 +33,22 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 out = {"names": [n for n in ("fsdp2", "auto-shard", "autoshard-deepspeed") if n in STRATEGY_REGISTRY],
        "strategies": "autoshard.fabric.strategies" in sys.modules}
-from autoshard.fabric import AutoShardStrategy
+from autoshard.fabric import AutoShardStrategy, FSDP2Strategy, auto_shard
 for name in ("fsdp2", "auto-shard"):
     f = Fabric(accelerator="cpu", devices=2, strategy=name)
     out[name] = [type(f.strategy).__name__, f.strategy._data_parallel_size, f.strategy._tensor_parallel_size]
+f = Fabric(accelerator="cpu", devices=4, strategy=FSDP2Strategy(tensor_parallel_size=2, shard_size=1))
+s = f.strategy
+out["tp"] = [s._data_parallel_size, s._tensor_parallel_size, [s.dims.dp_replicate, s.dims.dp_shard, s.dims.tp], s.describe_mesh()]
+out["entry"] = STRATEGY_REGISTRY["auto-shard"]["strategy"].__module__ + "." + STRATEGY_REGISTRY["auto-shard"]["strategy"].__name__
+out["new"] = "__new__" in vars(AutoShardStrategy)
 if DEEPSPEED:
-    chosen = AutoShardStrategy(offload="optimizer")  # only DeepSpeed offloads optimizer state alone
+    chosen = auto_shard(offload="optimizer")  # only DeepSpeed offloads optimizer state alone
     out["auto_offload_optimizer"] = [type(chosen).__name__, chosen.requested_as]
+    try:
+        AutoShardStrategy(offload="optimizer")
+    except Exception as exc:
+        out["class_refuses"] = type(exc).__name__ + ": " + str(exc)
 print("RESULT " + json.dumps(out))
 """
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -53,8 +62,19 @@ def test_import_autoshard_first_registers_and_the_names_build_pure_fsdp() -> Non
     assert result["names"] == NAMES and not result["strategies"]
     assert result["fsdp2"] == ["FSDP2Strategy", 2, 1]
     assert result["auto-shard"] == ["AutoShardStrategy", 2, 1]
+    # The sizes Fabric builds its mesh with are the run's dims, resolved once (hybrid sharding and tensor parallel).
+    hsdp_tp = {"data_parallel_size": 2, "tensor_parallel_size": 2, "world_size": 4, "hsdp": [2, 1]}
+    assert result["tp"] == [2, 2, [2, 1, 2], hsdp_tp]
+    # "auto-shard" is a registered factory, as for the Trainer: no constructor returning another class.
+    assert result["entry"] == "autoshard.fabric.factory.auto_shard" and not result["new"]
     if HAS_DEEPSPEED:
         assert result["auto_offload_optimizer"] == ["AutoShardDeepSpeedStrategy", "auto-shard"]
+        assert result["class_refuses"] == (
+            "IntentError: autoshard.fabric.AutoShardStrategy is auto-shard's fsdp2 strategy, but this intent needs"
+            " deepspeed_zero3 (only it has what the intent asks for), so an fsdp2 strategy object cannot run it. Fix:"
+            " build it with autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard')"
+            " calls), which returns autoshard's Fabric DeepSpeed strategy for this intent"
+        )
 
 
 UNINSTALL = r"""
@@ -71,11 +91,11 @@ import autoshard.fabric as af
 targets = [c.target for c in af.installed()]
 af.register()  # idempotent
 ours = STRATEGY_REGISTRY["fsdp2"]["strategy"].__name__
-undone = [c.name for c in af.uninstall()]
+undone = [c.target for c in af.uninstall()]
 restored = {name: id(entry) for name, entry in dict.items(STRATEGY_REGISTRY)}
 af.register()
 print("RESULT " + json.dumps({"same": stock == restored, "targets": targets, "undone": undone, "ours": ours,
-                              "again": [c.name for c in af.installed()]}))
+                              "again": [c.target for c in af.installed()]}))
 """
 
 
@@ -87,7 +107,7 @@ def test_fabric_imported_first_another_fsdp2_replaced_and_uninstall_restores_the
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT ")).removeprefix("RESULT "))
     assert result["same"] and result["ours"] == "FSDP2Strategy"
     assert result["targets"] == [f"lightning.fabric STRATEGY_REGISTRY[{n!r}]" for n in NAMES]
-    assert result["undone"] == NAMES[::-1] and result["again"] == NAMES
+    assert result["undone"] == result["targets"][::-1] and result["again"] == result["targets"]
     said = "autoshard: Fabric(strategy='fsdp2') was registered by __main__.OtherFSDP2; import autoshard replaced it with autoshard.fabric.strategies.FSDP2Strategy"
     assert (out.stdout + out.stderr).count(said) == 2  # once per registration that replaced it: not on the idempotent call
 

@@ -53,8 +53,15 @@ def _deepspeed() -> Any:
     return DeepSpeedStrategy()
 
 
+def _fit_loop() -> Any:
+    import lightning.pytorch as pl
+
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit_loop
+
+
 # An instance of each owner of instance attributes: what its __init__ sets only an instance shows.
 INSTANCES: dict[str, Callable[[], Any]] = {
+    "lightning.pytorch.loops.fit_loop._FitLoop": _fit_loop,
     "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector": _connector,
     "lightning.pytorch.core.optimizer.LightningOptimizer": _lightning_optimizer,
     "lightning.pytorch.LightningModule": _module,

@@ -64,7 +64,8 @@ def outcome(**kwargs):
 stock = snapshot()
 import autoshard
 import autoshard.lightning as al
-targets = [c.target for c in al.installed()]
+from autoshard.lightning.guards import TRAINER_KINDS  # the Trainer's part of the one record (Fabric's stays)
+targets = [c.target for c in al.installed(TRAINER_KINDS)]
 installed = snapshot()
 FSDPStrategy()  # constructible with autoshard installed (other libraries' tests build it)
 with_autoshard = {"fsdp": outcome(strategy="fsdp"), "fsdp_object": outcome(strategy=FSDPStrategy())}
@@ -73,7 +74,7 @@ restored = snapshot()
 stock_behaviour = {"fsdp": outcome(strategy="fsdp"), "fsdp_object": outcome(strategy=FSDPStrategy()),
                    "fsdp2": outcome(strategy="fsdp2"), "deepspeed": outcome(strategy="deepspeed")}
 al.register()
-again = {"targets": [c.target for c in al.installed()], "fsdp": outcome(strategy="fsdp"), "fsdp2": outcome(strategy="fsdp2")}
+again = {"targets": [c.target for c in al.installed(TRAINER_KINDS)], "fsdp": outcome(strategy="fsdp"), "fsdp2": outcome(strategy="fsdp2")}
 print("RESULT " + json.dumps(dict(stock=stock, installed=installed, restored=restored, targets=targets, undone=undone,
                       with_autoshard=with_autoshard, stock_behaviour=stock_behaviour, again=again)), flush=True)
 """
@@ -111,15 +112,72 @@ def test_after_uninstall_lightning_behaves_as_stock_and_register_installs_again(
 
 
 def test_the_docs_list_every_change_the_import_makes() -> None:
-    """docs/lightning-changes.md is generated from the record the changes leave: the page and the code agree."""
+    """docs/lightning-changes.md is generated from the one record the changes leave, the Trainer's and Fabric's: the
+    page and the code agree."""
     from pathlib import Path
 
-    import autoshard  # noqa: F401
+    import autoshard
     import autoshard.lightning
-    from autoshard.lightning.guards import CHANGES_BEGIN, CHANGES_END, changes_markdown, installed
+    from autoshard.lightning.guards import CHANGES_BEGIN, CHANGES_END, ChangeKind, changes_markdown, installed
 
-    autoshard.lightning.register()
+    autoshard.register()
     page = (Path(__file__).resolve().parents[2] / "docs" / "lightning-changes.md").read_text()
     block = CHANGES_BEGIN + page.split(CHANGES_BEGIN, 1)[1].split(CHANGES_END, 1)[0] + CHANGES_END
     assert block == changes_markdown(), "regenerate: python -m autoshard.lightning docs/lightning-changes.md"
-    assert len(installed()) == block.count("\n| ") - 1 >= 12  # one row per change (the header aside)
+    assert len(installed()) == block.count("\n| ") - 1 >= 15  # one row per change (the header aside)
+    fabric = [c.target for c in installed() if c.kind is ChangeKind.FABRIC_REGISTRY]
+    assert fabric == [f"lightning.fabric STRATEGY_REGISTRY[{n!r}]" for n in ("fsdp2", "auto-shard", "autoshard-deepspeed")]
+    assert all(f"| `{target}` | Fabric registry entry |" in block for target in fabric)
+
+
+# -- one record, one undo: autoshard.uninstall() puts back the Trainer's and Fabric's Lightning alike --------------
+ONE_RECORD = r"""
+import json
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector as Connector
+
+def snapshot():
+    return {"trainer": {name: id(entry) for name, entry in dict.items(StrategyRegistry)},
+            "fabric": {name: id(entry) for name, entry in dict.items(STRATEGY_REGISTRY)},
+            "connector": {name: id(value) for name, value in vars(Connector).items()}}
+
+stock = snapshot()
+import autoshard
+import autoshard.fabric as af
+import autoshard.lightning as al
+from autoshard.install_record import installed
+kinds = sorted({c.kind.value for c in installed()})
+targets = [c.target for c in installed()]
+installed_now = snapshot()
+undone = [c.target for c in autoshard.uninstall()]
+restored = snapshot()
+left = [c.target for c in installed()]
+autoshard.register()
+again = sorted(c.target for c in installed())
+trainer_only = [c.target for c in al.uninstall()]  # each side undoes its own part only
+after_trainer = {"fabric_left": [c.target for c in af.installed()], "snapshot": snapshot()}
+fabric_only = [c.target for c in af.uninstall()]
+print("RESULT " + json.dumps(dict(stock=stock, installed=installed_now, restored=restored, kinds=kinds, targets=targets,
+                                  undone=undone, left=left, again=again, trainer_only=trainer_only,
+                                  after_trainer=after_trainer, fabric_only=fabric_only, final=snapshot())), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_one_record_and_autoshard_uninstall_undoes_the_trainer_and_fabric_alike() -> None:
+    import json
+
+    result = json.loads(next(line for line in run(ONE_RECORD).splitlines() if line.startswith("RESULT ")).removeprefix("RESULT "))
+    stock, installed = result["stock"], result["installed"]
+    assert result["kinds"] == ["Fabric registry entry", "registry entry", "wrapped method"]
+    for side in ("trainer", "fabric", "connector"):
+        assert installed[side] != stock[side], side  # the import changed each: the comparisons below can fail
+    assert result["restored"] == stock  # both registries and the connector: every entry the very object it was
+    assert result["undone"] == result["targets"][::-1] and result["left"] == []
+    assert result["again"] == sorted(result["targets"])
+    # autoshard.lightning.uninstall() undoes the Trainer's part, autoshard.fabric.uninstall() Fabric's.
+    assert {t for t in result["trainer_only"] if "STRATEGY_REGISTRY" in t} == set()
+    assert result["after_trainer"]["snapshot"]["trainer"] == stock["trainer"]
+    assert result["after_trainer"]["snapshot"]["fabric"] != stock["fabric"] and len(result["after_trainer"]["fabric_left"]) == 3
+    assert len(result["fabric_only"]) == 3 and result["final"] == stock

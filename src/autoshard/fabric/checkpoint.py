@@ -85,7 +85,7 @@ class FabricCheckpoint(CheckpointMixin):
     shards of every rank, ``meta.pt`` with the manifest, rank 0's rename under the lock."""
 
     intent: Any
-    device_mesh: Any
+    parallel_mesh: Any  # the strategy's one mesh (autoshard.mesh.ParallelMesh), made in setup_environment
 
     # -- save ----------------------------------------------------------------------------------------------------
     def save_checkpoint(  # type: ignore[override]
@@ -117,7 +117,7 @@ class FabricCheckpoint(CheckpointMixin):
                 " the model set up with this Fabric in it: fabric.save(path, {'model': model, 'optimizer': optimizer, 'step': step})"
             )
         for module in modules.values():  # the checkpoint holds rank 0's buffers, and so does every rank after it
-            sync_buffers(module, self.device_mesh)
+            sync_buffers(module, self.parallel_mesh)
         options = StateDictOptions(full_state_dict=full, cpu_offload=True)
         tensors: dict[str, Any] = {}
         metadata: dict[str, Any] = {}

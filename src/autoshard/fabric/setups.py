@@ -47,6 +47,9 @@ class Setup:
     module: weakref.ref[nn.Module]
     before: ParameterNames
     optimizers: list[str] = field(default_factory=list)  # "AdamW over 'generator'"
+    # Its values are materialized from the meta device, not read from init_from: as an EMA teacher set up before its
+    # student, it must start as a copy of the student once that one is set up.
+    from_meta: bool = False
 
     def describe(self) -> str:
         with_optimizers = f" with {', '.join(self.optimizers)}" if self.optimizers else " without an optimizer"

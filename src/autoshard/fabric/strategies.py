@@ -1,13 +1,14 @@
 """``Fabric(strategy="fsdp2")`` and ``Fabric(strategy="auto-shard")``: Fabric's ModelParallelStrategy sharding any
 ``nn.Module`` itself, with what the Trainer path guarantees, from the same code.
 
-The same pieces as ``autoshard.lightning.fsdp2.FSDP2Strategy``, called where Fabric shows the method: the plan
-(``adapters.fsdp2.plan_fsdp2`` / ``FSDP2Plan.apply``: blocks, teachers like students, unsharded gradients averaged),
-the precision plan (``BackendMixin``: bf16-mixed gathers in bf16 and reduces in fp32), meta-device init with
-``init_from``, rank 0's unsharded parameters and buffers broadcast, no-grad forwards resharded
-(``lightning.guarantees``), and the selector's refusals. What Fabric adds: an optimizer built before setup is moved onto
-the sharded parameters (``fabric.optimizers``), several setup calls count (``fabric.setups``), and ``fabric.save`` /
-``fabric.load`` go through the crash-safe writer (``fabric.checkpoint``).
+The same code as ``autoshard.lightning.fsdp2.FSDP2Strategy``, called where Fabric shows the method: the setup
+sequence (``lightning.sharding``: the plan on the one mesh, or the guarantees around the user's sharding; after
+materialization ``init_from``, teachers copied from students, rank 0's unsharded parameters and buffers broadcast,
+FSDP2's lazy init), the precision plan (``BackendMixin``: bf16-mixed gathers in bf16 and reduces in fp32), tensor
+parallel from the model's own plan, no-grad forwards resharded (``lightning.guarantees``), and the selector's refusals.
+What Fabric adds: an optimizer built before setup is moved onto the sharded parameters (``fabric.optimizers``), several
+setup calls count (``fabric.setups``), and ``fabric.save`` / ``fabric.load`` go through the crash-safe writer
+(``fabric.checkpoint``).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.checkpoint import all_gather_object
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.fsdp2 import backend_for_intent, refuse_unsupported_precision
+from autoshard.lightning.fsdp2 import backend_for_intent, refuse_shard_size_with_parallelize_fn, refuse_unsupported_precision
 from autoshard.lightning.guarantees import reshard_after_no_grad_forward
-from autoshard.lightning.meta_init import check_meta_init
+from autoshard.lightning.meta_init import check_meta_init, copy_students_into_teachers
 from autoshard.lightning.sharding import after_materialize, shard_module
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
@@ -102,7 +103,8 @@ def teacher_plan(student: FSDP2Plan, path: str) -> FSDP2Plan:
 
 
 def _pair(teacher: nn.Module, student: nn.Module) -> tuple[nn.Module, EMAPair]:
-    """A throwaway container holding both, so the checks written for one module (positional EMA alignment) apply."""
+    """A throwaway container holding both, so what is written for one module (positional EMA alignment, teachers
+    copied from students) applies."""
     both = nn.Module()
     both.add_module("teacher", teacher)
     both.add_module("student", student)
@@ -184,12 +186,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         # Set before Fabric's setup_environment, which keeps sizes that are not "auto" (Fabric's "auto" means tensor
         # parallel = processes per node) and builds the one mesh with them.
         self._data_parallel_size, self._tensor_parallel_size = self.dims.dp, self.dims.tp
-        if self.intent.shard_size is not None and self.user_parallelize_fn is not None:
-            raise IntentError(
-                f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
-                f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
-                f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
-            )
+        refuse_shard_size_with_parallelize_fn(self.intent, self.user_parallelize_fn)
 
     def _prefer_at_construction(self) -> str:
         return self.prefer
@@ -251,13 +248,14 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         finally:
             self._pending = None
         # A teacher set up apart, meta-initialized (and not in the init_from files), starts as a copy of its student.
-        apart = [(module, self._student_module(student))] if student is not None and (init is None or not init.covered) else []
+        from_meta = on_meta and (init is None or not init.covered)
+        apart = [_pair(module, self._student_module(student))] if student is not None and from_meta else []
         report = after_materialize(module, self._mesh(), init, on_meta, needs.ema_pairs, apart)
         if report is not None:
             self.init_reports[call] = report
         reshard_after_no_grad_forward(module)  # whoever sharded: a unit forwarded without grad gives its memory back
         _sync_buffers_before_forward(module, self._mesh())
-        self.setups.append(Setup(call, type(module).__name__, weakref.ref(module), before, list(self._arriving)))
+        self.setups.append(Setup(call, type(module).__name__, weakref.ref(module), before, list(self._arriving), from_meta))
         self._shard_earlier_teachers(module, call)
         self.report_decision(self.decision)
         return module
@@ -271,7 +269,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
             plan = teacher_plan(self.plans[student[0]], student[1])
             plan.apply(module, self._mesh())
             self.plans[call] = plan
-            self._check_pair(module, student)
+            check_ema_alignment(*_pair(module, self._student_module(student)))
             rank_zero_info(f"autoshard: EMA teacher {type(module).__name__} (fabric.setup call {call}) sharded exactly like its student")
             return module
         sharded_by = None
@@ -320,12 +318,6 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
             return s_call, s_path
         return None
 
-    def _check_pair(self, teacher: nn.Module, student: tuple[int, str]) -> None:
-        setup = next(s for s in self.setups if s.index == student[0])
-        owner = setup.module()
-        assert owner is not None
-        check_ema_alignment(*_pair(teacher, owner.get_submodule(student[1])))
-
     def _student_module(self, student: tuple[int, str]) -> nn.Module:
         """The student (setup call, path) names, as a module."""
         setup = next(s for s in self.setups if s.index == student[0])
@@ -335,11 +327,13 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
 
     def _shard_earlier_teachers(self, module: nn.Module, call: int) -> None:
         """A teacher set up before its student was planned alone (frozen: left whole); now that the student's plan
-        exists, shard the teacher like it (its parameters are whole and equal on every rank: each keeps its shard)."""
+        exists, shard the teacher like it (its parameters are whole and equal on every rank: each keeps its shard).
+        A meta-initialized one then starts as a copy of its student, as when it is set up after it."""
         for t_call, t_path, s_call, s_path in cross_setup_pairs(self._live()):
             if s_call != call or t_call == call:
                 continue
             teacher = next(m for i, m in self._live() if i == t_call)
+            from_meta = next(s.from_meta for s in self.setups if s.index == t_call)
             if t_path:
                 raise AutoShardError(
                     f"'{t_path}' of {type(teacher).__name__} (fabric.setup call {t_call}) is a frozen copy of"
@@ -350,6 +344,10 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
                 plan = teacher_plan(self.plans[call], s_path)
                 plan.apply(teacher, self._mesh())
                 self.plans[t_call] = plan
+                if from_meta:  # shard for shard: the two are sharded alike now
+                    both, pair = _pair(teacher, module.get_submodule(s_path))
+                    with torch.no_grad():
+                        copy_students_into_teachers(both, (pair,))
                 reshard_after_no_grad_forward(teacher)
                 init_sharded_units(teacher)  # as after_materialize does for every setup call: before its first forward
                 rank_zero_info(f"autoshard: EMA teacher {type(teacher).__name__} (fabric.setup call {t_call}) sharded exactly like its student")

@@ -7,18 +7,23 @@ from __future__ import annotations
 import random
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from autoshard import deepspeed_files
+from autoshard.budget import BudgetDecision, stored_differs
+from autoshard.capability import Format
 from autoshard.checkpoint import (
     LIGHTNING_META,
     check_replaceable,
     corrupted,
+    detect_format,
     load_failure,
+    load_torch_file,
     prepare_staging,
     resolve_for_load,
 )
@@ -42,6 +47,7 @@ from autoshard.needs import held_optimizers, returned_optimizers
 STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
 FORMAT_VERSION = 1
 KIND_SAVE = "autoshard save"  # the manifest's kind for a training checkpoint (fsdp2 DCP or full, autoshard-deepspeed)
+BUDGET_KEY = "budget_decision"  # in our entry: ShardingIntent(memory_budget=...)'s decision (BudgetDecision.to_dict())
 T = TypeVar("T")
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -186,6 +192,29 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def stored_budget_decision(path: Any, trust_pickle: bool = False) -> dict[str, Any] | None:
+    """The memory-budget decision a checkpoint holds (``BudgetDecision.to_dict()``), None when it holds none, read
+    before anything is sharded and cheaply: a DCP directory's meta.pt (the trainer state, no tensor of the model), a
+    full file memory-mapped, a DeepSpeed tag's rank-0 model states (``client_state``, where Lightning's DeepSpeed
+    saves put the checkpoint dict). A path that is none of these is left to the load, which refuses it in words.
+    ``trust_pickle``: the fit's ``weights_only=False`` (the user trusts the file)."""
+    info = detect_format(path, verify=False)
+    if info.format is Format.DCP:
+        file = info.path / LIGHTNING_META
+    elif info.format is Format.FULL:
+        file = info.path
+    elif info.format is Format.DEEPSPEED and info.tag is not None:
+        file = info.path / info.tag / deepspeed_files.model_states_name(0)
+        if not file.is_file():
+            return None
+    else:
+        return None
+    loaded = load_torch_file(file, action="resume", trust_pickle=trust_pickle)
+    extra = loaded.get(STATE_KEY) if isinstance(loaded, Mapping) else None
+    stored = extra.get(BUDGET_KEY) if isinstance(extra, Mapping) else None
+    return dict(stored) if isinstance(stored, Mapping) else None
+
+
 def _recording_writer(path: Path) -> Any:
     """DCP's FileSystemWriter that remembers (``.written``) the files this rank wrote, so this rank hashes exactly
     those. Built on first use: importing torch.distributed.checkpoint costs every ``import autoshard`` otherwise."""
@@ -216,6 +245,7 @@ class CheckpointMixin:
     _save_distributed_checkpoint: bool
     global_rank: int
     world_size: int
+    budget_decision: BudgetDecision | None = None  # ShardingIntent(memory_budget=...)'s, made at setup: saved with every checkpoint
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _on_rank0(self, fn: Callable[[], T]) -> T | None:
@@ -274,6 +304,8 @@ class CheckpointMixin:
             "rng_states": self._all_gather(rng_state()),
             "callback_optimizers": [{"callback": key, "index": index, "key": f"callback_optimizer_{n}"} for n, (key, index, _) in enumerate(entries)],
         }
+        if self.budget_decision is not None:
+            extra[BUDGET_KEY] = self.budget_decision.to_dict()
         callback_states = {f"callback_optimizer_{n}": self._optimizer_state(opt, full) for n, (_, _, opt) in enumerate(entries)}
         # The publish protocol (checkpoint_io): rank 0 holds the lock from here to the rename; every rank writes
         # under rank 0's staging name, unique to this save.
@@ -400,6 +432,9 @@ class CheckpointMixin:
                 load(holder, storage_reader=FileSystemReader(str(path)))
                 options, state = StateDictOptions(cpu_offload=True), holder[key]
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)  # type: ignore[attr-defined]
+        said = stored_differs(extra.get(BUDGET_KEY), self.budget_decision)
+        if said:
+            rank_zero_warn(said)
         rng = extra.get("rng_states") or []
         if extra.get("world_size") == self.world_size and len(rng) == self.world_size:
             set_rng_state(rng[self.global_rank])

@@ -161,6 +161,22 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         "compared by name: Lightning's stand-in when configure_optimizers returns None is no optimizer",
     ),
     Private(
+        "lightning.pytorch.Trainer",
+        "_run",
+        "lightning/budget.py",
+        "read: the ckpt_path and weights_only arguments of the fit in progress, from that call's frame: Lightning restores"
+        " a checkpoint after the strategy's setup, and a memory budget's stored decision must be read before sharding",
+        without="a resume with memory_budget decides again instead of keeping the checkpoint's decision (said when they differ)",
+    ),
+    Private(
+        "lightning.pytorch.loops.fit_loop._FitLoop",
+        "_data_source",
+        "lightning/budget.py",
+        "read: where the train DataLoader comes from; memory_budget is decided on its first batch, at setup, before"
+        " Lightning sets up the data",
+        on_instance=True,
+    ),
+    Private(
         "lightning.pytorch.LightningModule",
         "_trainer",
         "needs.py, memory.py, lightning/checkpoint.py",

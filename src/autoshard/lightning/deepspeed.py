@@ -23,18 +23,21 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard import deepspeed_files
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
+from autoshard.budget import BudgetDecision, check_budget_intent, stored_differs
 from autoshard.capability import Feature
 from autoshard.checkpoint import WEIGHTS_ONLY_REFUSAL, check_replaceable, resolve_for_load, untrusted, weights_only_loads
 from autoshard.checkpoint_io import MANIFEST, Publisher, fsync_dir, staging_path, unverified_warning, write_manifest, writer_token
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
-from autoshard.lightning.checkpoint import KIND_SAVE, begin_save, hash_on_every_rank, on_rank0, verify_on_every_rank
+from autoshard.lightning.budget import decide_for_fit
+from autoshard.lightning.checkpoint import BUDGET_KEY, KIND_SAVE, STATE_KEY, begin_save, hash_on_every_rank, on_rank0, verify_on_every_rank
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
 from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
@@ -451,6 +454,7 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
 
     strategy_name = "autoshard-deepspeed"
     writes_manifest = True
+    budget_decision: BudgetDecision | None = None  # ShardingIntent(memory_budget=...)'s, made when the config is first needed
 
     def __init__(
         self,
@@ -465,6 +469,7 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         self.intent = base.replace(**fields) if fields else base
         self.micro_batch_size = micro_batch_size
         self.zero_overrides = dict(zero_overrides or {})
+        check_budget_intent(self.intent, BACKEND)  # what a memory budget cannot decide under DeepSpeed, refused now
         # Intent-only refusals (tensor parallel) at construction, precision once the Trainer's is known, the method at
         # setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
         provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
@@ -483,6 +488,8 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         rank 0 holds the destination's lock; the engine writes into a staging of this save's own; each rank fsyncs
         and hashes the files it wrote; rank 0 writes the manifest fsdp2 saves write too, and renames the staging in.
         A crash leaves the previous checkpoint whole, and a resume checks every file before DeepSpeed reads one."""
+        if self.budget_decision is not None:  # in DeepSpeed's client state: a resume reads it before the config exists
+            checkpoint[STATE_KEY] = {BUDGET_KEY: self.budget_decision.to_dict()}
         if storage_options is not None or self.deepspeed_engine.use_node_local_storage():
             super().save_checkpoint(checkpoint, filepath, storage_options)  # Lightning's refusal; per-node directories
             return
@@ -494,10 +501,23 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
             self.broadcast,
         )
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        extra = checkpoint.pop(STATE_KEY, None)
+        said = stored_differs(extra.get(BUDGET_KEY) if isinstance(extra, Mapping) else None, self.budget_decision)
+        if said:
+            rank_zero_warn(said)
+        return checkpoint
+
     def _autoshard_format_config(self) -> bool:
         trainer = _attached_trainer(self.lightning_module)
         if trainer is None:
             return True  # no Trainer yet: keep the provisional config (Lightning leaves its own unformatted too)
+        if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
+            # The config is first needed here (setup, or zero.Init around configure_model): before anything is
+            # partitioned. The offload chosen replaces the intent's; the fields you set are kept.
+            self.budget_decision = decide_for_fit(self, trainer, self.intent, BACKEND)
+            self.intent = self.budget_decision.intent(self.intent)
         self.config = deepspeed_config(
             self.intent,
             self.needs,

@@ -67,6 +67,17 @@ def refuse_unsupported_precision(trainer_precision: object, strategy: FSDP2Strat
     )
 
 
+def refuse_shard_size_with_parallelize_fn(intent: ShardingIntent, parallelize_fn: ParallelizeFn | None) -> None:
+    """A shard size is a setting of autoshard's own plan, which a parallelize_fn replaces: refused rather than ignored
+    (both strategies, when the Trainer / Fabric is built)."""
+    if intent.shard_size is not None and parallelize_fn is not None:
+        raise IntentError(
+            f"shard_size={intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
+            f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
+            f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
+        )
+
+
 class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelParallelStrategy):
     """``strategy="fsdp2"``: pure FSDP by default (dp = world size, tp = 1), sharding at setup, no module change.
 
@@ -115,12 +126,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         dims = self._resolve_dims()
         # Set before Lightning's setup_environment, which keeps sizes that are not "auto" and builds the one mesh.
         self._data_parallel_size, self._tensor_parallel_size = dims.dp, dims.tp
-        if self.intent.shard_size is not None and self.parallelize_fn is not None:
-            raise IntentError(
-                f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
-                f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
-                f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
-            )
+        refuse_shard_size_with_parallelize_fn(self.intent, self.parallelize_fn)
 
     def _prefer_at_construction(self) -> str:
         return self.prefer

@@ -80,7 +80,7 @@ def after_materialize(
     init: InitPlan | None,
     on_meta: bool,
     ema_pairs: tuple[EMAPair, ...],
-    apart: Iterable[tuple[nn.Module, nn.Module]] = (),
+    apart: Iterable[tuple[nn.Module, EMAPair]] = (),
 ) -> InitReport | None:
     """What follows materialization, in this order, before the first forward; returns what this rank read for
     ``init_from`` (None without it).
@@ -89,7 +89,7 @@ def after_materialize(
     2. ``init_from`` loaded into the materialized shards, its report said on rank 0.
     3. After meta init or ``init_from``, EMA teachers the files do not hold start as copies of their (loaded)
        students: inside the module (``ema_pairs``, or the plan's ``copy_teachers``) and set up apart (``apart``:
-       (teacher, student) modules, Fabric's teachers set up in their own call).
+       Fabric's teachers set up in their own call, each with its student in a container and the pair naming them).
     4. Rank 0's copy of whatever stays whole (parameters, buffers) on every rank.
     5. FSDP2's lazy init with every parameter counted trainable (``init_sharded_units``): what is frozen at the first
        forward (a GAN's toggled discriminator) does not decide a unit's reduce dtype.
@@ -102,17 +102,11 @@ def after_materialize(
     if on_meta or init is not None:  # teachers the files do not hold start as copies of their (loaded) students
         with torch.no_grad():
             copy_students_into_teachers(module, init.copy_teachers if init is not None else ema_pairs)
-            for teacher, student in apart:
-                copy_module(teacher, student)
+            for both, pair in apart:
+                copy_students_into_teachers(both, (pair,))
     broadcast_unsharded(module, mesh)
     init_sharded_units(module)  # before the first forward: what is frozen then (toggle_optimizer) does not count
     return report
 
 
-def copy_module(teacher: nn.Module, student: nn.Module) -> None:
-    """Every parameter and buffer of ``student`` into ``teacher``'s, by position (sharded alike: shard into shard)."""
-    for t, s in zip((*teacher.parameters(), *teacher.buffers()), (*student.parameters(), *student.buffers())):
-        t.copy_(s)
-
-
-__all__ = ["after_materialize", "copy_module", "shard_module"]
+__all__ = ["after_materialize", "shard_module"]

@@ -1,0 +1,106 @@
+"""``ShardingIntent(memory_budget=...)`` under DeepSpeed ZeRO-3: offload is the knob (none, then optimizer, then
+params), each peak is DeepSpeed's own estimator plus the simulated activations (the figure ``autoshard explain
+--backend deepspeed`` gives), ``explain --budget --json`` decides for DeepSpeed where the backend is DeepSpeed, and a
+decision travels between ranks and checkpoints whole. In one process; the fit itself is tests/distributed/test_budget_fit.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from autoshard import cli
+from autoshard.backends.deepspeed import zero3_model_states
+from autoshard.budget import BudgetDecision, BudgetRefusedError, decide, price, resume_decision, stored_differs
+from autoshard.explain import explain
+from autoshard.intent import ShardingIntent
+from autoshard.lightning.checkpoint import error_payload, rebuild_error
+from tests.test_bad_inputs_budget import Wide, wide_batch
+
+FP32 = ShardingIntent(precision="32-true")
+OFFLOADS = ("none", "optimizer", "params")
+
+
+@functools.cache
+def priced() -> dict[str, tuple[int, Any]]:
+    """Each offload's (peak, price) on 2 ranks, as decide computes them."""
+    return dict(zip(OFFLOADS, price(Wide, wide_batch(), FP32, 2, [{"offload": o} for o in OFFLOADS], backend="deepspeed")))
+
+
+def test_each_offload_saves_more_device_memory_and_copies_more_bytes_than_the_one_before() -> None:
+    peaks = [priced()[o][0] for o in OFFLOADS]
+    seconds = [priced()[o][1].seconds for o in OFFLOADS]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 3, peaks
+    assert seconds == sorted(seconds) and seconds[0] == 0 < seconds[1], seconds
+    assert all(priced()[o][1].recompute_flops == 0 for o in OFFLOADS)  # nothing recomputed: checkpointing is not a knob here
+
+
+def test_a_peak_is_deepspeeds_estimator_plus_the_simulated_activations_as_explain_gives_it() -> None:
+    with torch.device("meta"):
+        module = Wide()
+    total = sum(p.numel() for p in module.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())  # a layer: weight + bias
+    for offload in OFFLOADS:
+        (estimate,) = explain(Wide, backend="deepspeed", intent=FP32.replace(offload=offload), world_sizes=(2,), batch=wide_batch, auto=False).memory
+        assert priced()[offload][0] == estimate.device, offload
+        # DeepSpeed's own formula (estimate_zero3_model_states_mem_needs) for the states, the simulated step for the rest
+        _, gpu, _ = zero3_model_states(total, largest, 2, 1, offload != "none", offload == "params")
+        assert estimate.device == gpu + estimate.activations and estimate.activations > 0, offload
+
+
+def test_the_cheapest_offload_that_fits_is_chosen_and_every_cheaper_one_shown() -> None:
+    none, optimizer, params = (priced()[o][0] for o in OFFLOADS)
+    decision = decide(Wide, wide_batch(), FP32.replace(memory_budget=(none + optimizer) // 2), 2, backend="deepspeed")
+    assert decision.chosen == {"offload": "optimizer"} and decision.peak == optimizer and decision.backend == "deepspeed_zero3"
+    assert [(t.config, t.peak, t.fits) for t in decision.cheaper] == [({"offload": "none"}, none, False)]
+    table = decision.table()
+    assert "DeepSpeed ZeRO-3 (its estimator + the simulated activations)" in table and "chosen: offload='optimizer'" in table
+    assert decision.intent(FP32).offload == "optimizer"
+    tight = decide(Wide, wide_batch(), FP32.replace(memory_budget=(optimizer + params) // 2), 2, backend="deepspeed")
+    assert tight.chosen == {"offload": "params"} and [t.config["offload"] for t in tight.cheaper] == ["none", "optimizer"]
+    roomy = decide(Wide, wide_batch(), FP32.replace(memory_budget=none), 2, backend="deepspeed")
+    assert roomy.chosen == {"offload": "none"} and roomy.cheaper == []
+
+
+def test_with_the_offload_pinned_only_more_ranks_help_and_the_refusal_names_them() -> None:
+    none = priced()["none"][0]
+    with pytest.raises(BudgetRefusedError) as info:
+        decide(Wide, wide_batch(), FP32.replace(memory_budget=none - 1, pinned=("offload",)), 2, backend="deepspeed")
+    assert info.value.min_world_size == 3, str(info.value)  # 18 bytes per parameter over 3 ranks instead of 2
+    assert "under DeepSpeed autoshard sets the offload only, and you set it; strategy='fsdp2' can also checkpoint" in str(info.value)
+    assert "Fix: run on 3 ranks (Trainer(devices=..., num_nodes=...)), or raise memory_budget to " in str(info.value)
+
+
+def test_explain_json_auto_decides_for_deepspeed_where_the_backend_is_deepspeed(capsys: pytest.CaptureFixture[str]) -> None:
+    none, optimizer, _ = (priced()[o][0] for o in OFFLOADS)
+    args = ["explain", "tests.test_bad_inputs_budget:Wide", "--backend", "deepspeed", "--batch", "tests.test_bad_inputs_budget:wide_batch"]
+    code = cli.main([*args, "--intent", "precision=32-true", "--world-sizes", "2", "--budget", str((none + optimizer) // 2), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0, out
+    (entry,) = out["auto"]
+    assert entry["backend"] == "deepspeed_zero3" and entry["chosen"] == {"offload": "optimizer"} and entry["peak"] == optimizer
+    assert [c["config"] for c in entry["cheaper"]] == [{"offload": "none"}]
+    assert ShardingIntent(**entry["chosen"]).offload == "optimizer"  # pasteable
+
+
+def test_a_refusal_keeps_its_smallest_world_size_when_another_rank_rebuilds_it() -> None:
+    refused = BudgetRefusedError("memory_budget 1.00 KiB per rank cannot be met ... Fix: run on 4 ranks", 4, None)
+    again = rebuild_error(error_payload(refused), rank=1)
+    assert type(again) is BudgetRefusedError and str(again) == str(refused) and again.min_world_size == 4
+
+
+def test_a_deepspeed_decision_resumes_as_deepspeed_only_and_with_the_same_fields_free() -> None:
+    decision = decide(Wide, wide_batch(), FP32.replace(memory_budget=priced()["none"][0]), 2, backend="deepspeed")
+    stored = json.loads(json.dumps(decision.to_dict()))
+    assert BudgetDecision.from_dict(stored) == decision
+    intent = FP32.replace(memory_budget=decision.budget)
+    assert resume_decision(stored, intent, 2, "deepspeed")[0] == decision
+    again, said = resume_decision(stored, intent, 2, "fsdp2")
+    assert again is None and "backend deepspeed_zero3 -> fsdp2" in said
+    again, said = resume_decision(stored, intent.replace(offload="params"), 2, "deepspeed")
+    assert again is None and "you now set offload" in said
+    assert stored_differs(stored, decision) == ""
