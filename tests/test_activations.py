@@ -326,3 +326,15 @@ def test_the_private_lightning_member_the_manual_step_uses() -> None:
     p.grad = torch.ones(2)
     wrapped.step()
     assert isinstance(wrapped, LightningOptimizer) and torch.equal(p.detach(), torch.zeros(2))
+
+
+def test_tensor_parallel_is_refused_by_the_simulated_step_with_the_reason() -> None:
+    from autoshard.activations import measure_step
+
+    with pytest.raises(AutoShardError) as caught:
+        intent = ShardingIntent(tensor_parallel_size=2)
+        measure_step(Stack, intent, 4, resolve_precision("32-true", intent), make_batch=lambda: rows(8))
+    assert "does not lay the model out by its tensor-parallel plan" in str(caught.value)
+    assert str(caught.value).endswith(
+        "Fix: measure with tensor_parallel_size=1 (the activations of a data-parallel rank), or measure on real devices"
+    )

@@ -1,10 +1,11 @@
-"""The bad-input catalog, rows 120-135 (docs/bad-inputs.md): memory budgets and activation checkpointing modes.
+"""The bad-input catalog, rows 120-136 (docs/bad-inputs.md): memory budgets and activation checkpointing modes.
 
 A budget is never met by guessing: a value that is not a size, a mode that does not exist, a decision without a batch
 and a budget nothing meets are each refused with the fix, and an impossible budget names the smallest world size that
-fits (found by search) or, when none does, the micro-batch that would. At fit (rows 131-135): what a budget cannot
-decide under DeepSpeed is refused when the strategy is built, an empty train DataLoader before anything is sharded,
-and a resume says when it does not keep the checkpoint's decision. The one fit here (row 132) runs last, in-process.
+fits (found by search) or, when none does, the micro-batch that would. At fit (rows 131-136): what a budget cannot
+decide under DeepSpeed is refused when the strategy is built, an empty train DataLoader or a sharding of your own
+before anything is sharded, and a resume says when it does not keep the checkpoint's decision. The fits here (rows
+132, 136) run last, in-process on one CPU device.
 """
 
 from __future__ import annotations
@@ -233,16 +234,14 @@ class Empty(Small):
         return DataLoader(TensorDataset(torch.randn(0, 16, 32)), batch_size=4)
 
 
-@needs_deepspeed
-def test_132_a_memory_budget_at_fit_with_an_empty_train_dataloader_is_refused_before_sharding() -> None:
+def one_device_fit(strategy: Any, model: Any, data: Any = None) -> Any:
+    """One in-process fit on this machine's CPU (the 1-rank process group stays for the module: tests/conftest.py);
+    the environment variables it sets are put back. Returns the Trainer."""
     import lightning.pytorch as pl
 
-    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
-
-    environ = dict(os.environ)  # an in-process fit sets MASTER_PORT & co.
-    model = Empty()
+    environ = dict(os.environ)
     trainer = pl.Trainer(
-        strategy=AutoShardDeepSpeedStrategy(memory_budget="1GiB", precision="32-true"),
+        strategy=strategy,
         accelerator="cpu",
         devices=1,
         max_steps=1,
@@ -252,15 +251,49 @@ def test_132_a_memory_budget_at_fit_with_an_empty_train_dataloader_is_refused_be
         enable_model_summary=False,
     )
     try:
-        with pytest.raises(IntentError) as info:
-            trainer.fit(model)
+        trainer.fit(model, data)
     finally:
         os.environ.clear()
         os.environ.update(environ)
+    return trainer
+
+
+def budget_strategy(name: str, **fields: Any) -> Any:
+    if name == "fsdp2":
+        from autoshard.lightning import FSDP2Strategy
+
+        return FSDP2Strategy(**fields)
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    return AutoShardDeepSpeedStrategy(**fields)
+
+
+@pytest.mark.parametrize("name", ["fsdp2", pytest.param("autoshard-deepspeed", marks=needs_deepspeed)])
+def test_132_a_memory_budget_at_fit_with_an_empty_train_dataloader_is_refused_before_sharding(name: str) -> None:
+    model = Empty()
+    with pytest.raises(IntentError) as info:
+        one_device_fit(budget_strategy(name, memory_budget="1GiB", precision="32-true"), model)
     assert str(info.value) == (
         "memory_budget is decided on the first batch of the train DataLoader (the micro-batch training_step receives),"
         " and Empty's train DataLoader yielded none (an empty dataset, or drop_last=True with fewer samples than"
         " batch_size); nothing was sharded. Fix: give Trainer.fit a train DataLoader with at least one batch, or drop"
         " memory_budget and set the fields yourself (autoshard explain --budget shows each configuration's peak)"
     )
-    assert not any(hasattr(p, "ds_id") for p in model.parameters()) and type(trainer.strategy.model).__name__ == "Empty"
+    assert not any(hasattr(p, "ds_id") or hasattr(p, "placements") for p in model.parameters())
+
+
+def test_136_a_memory_budget_with_a_parallelize_fn_is_refused_before_anything_is_sharded() -> None:
+    from autoshard.lightning import FSDP2Strategy
+
+    called: list[str] = []
+    model = Small()
+    strategy = FSDP2Strategy(memory_budget="1GiB", parallelize_fn=lambda module, mesh: called.append(type(module).__name__))
+    with pytest.raises(IntentError) as info:
+        one_device_fit(strategy, model, DataLoader(TensorDataset(torch.randn(8, 16, 32)), batch_size=4))
+    assert str(info.value) == (
+        "memory_budget chooses the settings of autoshard's own sharding plan (activation checkpointing, resharding,"
+        " offload), and your parallelize_fn replaces it, so the decision would be ignored; nothing was sharded. Fix: drop"
+        " memory_budget and set what your own sharding needs yourself (autoshard explain --budget shows each"
+        " configuration's peak), or let autoshard shard (no parallelize_fn, no fully_shard in configure_model)"
+    )
+    assert called == [] and not any(hasattr(p, "placements") for p in model.parameters())

@@ -24,7 +24,8 @@ from torch import nn
 
 import autoshard  # noqa: F401  registers Fabric's strategy names
 from autoshard.checkpoint import CheckpointFormatError
-from autoshard.errors import AutoShardError, IncompatibleBackendError
+from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
+from autoshard.fabric import FSDP2Strategy, auto_shard
 from tests.test_bad_inputs import refused
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
@@ -247,3 +248,15 @@ def test_119_load_the_checkpoint_of_another_model(tmp_path: Path) -> None:
         "body.0.weight (checkpoint (8, 4), model (6, 4))",
         "Fix: load a checkpoint of this model, or a model whose shapes match (strict=False skips missing and unexpected names",
     )
+
+
+def test_137_memory_budget_under_fabric_is_refused_not_ignored() -> None:
+    """The Trainer's strategies decide a memory budget at fit; Fabric's do not yet, and say so when Fabric is built."""
+    for strategy in ("fsdp2", "auto-shard"):
+        refused(
+            IntentError,
+            lambda: fabric(auto_shard(memory_budget="1GiB") if strategy == "auto-shard" else FSDP2Strategy(memory_budget="1GiB")),
+            "memory_budget=1.00 GiB is decided at fit only under a Lightning Trainer",
+            "Fabric's strategies do not decide it yet, so it would be ignored",
+            "Fix: decide it once with autoshard.budget.decide(model, batch, intent, world_size)",
+        )

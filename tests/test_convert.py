@@ -19,7 +19,7 @@ from autoshard.convert import ConvertError, OptimizerState, TrainingState, conve
 from autoshard.errors import IntentError
 from autoshard.init_from import InitFromError, load_init_from, plan_init_from
 from autoshard.intent import ShardingIntent
-from autoshard.lightning.fsdp2 import copy_students_into_teachers
+from autoshard.lightning.meta_init import copy_students_into_teachers
 from autoshard.needs import EMAPair
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -322,7 +322,7 @@ def test_init_from_names_missing_unexpected_and_reshaped(tmp_path: Path) -> None
 
 def test_meta_init_accepts_modules_init_from_fills(tmp_path: Path) -> None:
     from autoshard.errors import AutoShardError
-    from autoshard.lightning.fsdp2 import check_meta_init
+    from autoshard.lightning.meta_init import check_meta_init
 
     class NoReset(nn.Module):
         def __init__(self) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 import autoshard  # noqa: F401  registers the strategies
 from autoshard import AutoShardError, EMAPair, MethodNeeds, ShardingIntent, select_backend
 from autoshard.adapters.deepspeed import deepspeed_config
+from autoshard.adapters.fsdp2 import plan_fsdp2
 from autoshard.backends import Availability, get_backend
 from autoshard.explain import build_intent
 from autoshard.intent import as_intent, normalize_precision
@@ -48,7 +49,7 @@ REFUSALS: dict[str, Callable[[], Any]] = {
     "bad shard_size": lambda: ShardingIntent(shard_size="rack"),
     "shard_size does not divide": lambda: ShardingIntent(shard_size=3).mesh_sizes(8),
     "shard_size exceeds the world": lambda: ShardingIntent(shard_size=16).mesh_sizes(8),
-    "hsdp with tensor parallel": lambda: ShardingIntent(shard_size=2, tensor_parallel_size=2),
+    "tensor parallel on a model without a plan": lambda: plan_fsdp2(nn.Sequential(nn.Linear(4, 4)), ShardingIntent(tensor_parallel_size=2)),
     "hsdp on deepspeed": lambda: select_backend(MethodNeeds(), ShardingIntent(shard_size=2), prefer="deepspeed_zero3"),
     "hsdp in the deepspeed config": lambda: deepspeed_config(ShardingIntent(shard_size="node"), world_size=4, micro_batch_size=1),
     "hsdp in the deepspeed memory model": lambda: estimate_memory(nn.Linear(4, 4), ShardingIntent(shard_size=2), MethodNeeds(), 4, "deepspeed_zero3"),

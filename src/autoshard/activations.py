@@ -455,7 +455,8 @@ def _mesh(intent: ShardingIntent, world_size: int) -> Any:
     dp, tp = intent.mesh_sizes(world_size)
     if tp > 1:
         raise AutoShardError(
-            f"tensor_parallel_size={tp} runs through your parallelize_fn, which measure_step does not run. Fix: measure"
+            f"tensor_parallel_size={tp}: the simulated step shards over data-parallel ranks only and does not lay the"
+            f" model out by its tensor-parallel plan, so its peak would not be a tensor-parallel rank's. Fix: measure"
             f" with tensor_parallel_size=1 (the activations of a data-parallel rank), or measure on real devices"
         )
     return init_device_mesh("cpu", (dp,), mesh_dim_names=("data_parallel",))

@@ -21,6 +21,7 @@ import pytest
 
 from autoshard.budget import BudgetDecision, BudgetRefusedError, decide, price
 from autoshard.intent import ShardingIntent
+from autoshard.memory import fmt_bytes
 from tests.distributed.budget_fit_worker import STEPS, Net, batch
 from tests.distributed.harness import run_workers
 
@@ -113,10 +114,11 @@ def test_a_resume_keeps_the_stored_decision_and_another_budget_decides_again_and
     kept = ranks[0][f"{backend}_resumed"]
     assert kept["error"] is None and kept["decision"] == first and kept["global_step"] == 2 * STEPS, kept["error"]
     assert any(line.startswith("autoshard memory budget: kept the checkpoint's decision") for line in kept["logs"]), kept["logs"]
+    assert ranks[1][f"{backend}_resumed"]["decision"] == first  # rank 1 got rank 0's reading by broadcast
     again = ranks[0][f"{backend}_changed"]
     assert again["error"] is None and again["global_step"] == 2 * STEPS, again["error"]
     (said,) = [line for line in again["logs"] if "decided again" in line]
-    assert f"memory_budget {BudgetDecision.from_dict(first).table().split()[3]}" in said and "-> 1.00 GiB" in said, said
+    assert f"(memory_budget {fmt_bytes(first['budget'])} -> 1.00 GiB)" in said, said
     decision = BudgetDecision.from_dict(again["decision"])
     assert decision.budget == 2**30 and decision.cheaper == [] and decision == in_process(backend, 2**30)
     assert ranks[1][f"{backend}_changed"]["decision"] == again["decision"]

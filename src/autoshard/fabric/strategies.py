@@ -56,6 +56,7 @@ from autoshard.lightning.sharding import after_materialize, shard_module
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
 from autoshard.precision import PrecisionPlan
+from autoshard.units import fmt_bytes
 from autoshard.select import Decision
 
 BACKEND = fsdp2_backend.BACKEND.name  # "fsdp2"
@@ -81,6 +82,18 @@ class FabricBackend(BackendMixin):
             super()._configure_launcher()
         except AutoShardError as exc:
             raise type(exc)(in_fabric_terms(str(exc))) from None
+
+    def _check_construction(self) -> None:
+        budget = self._intent_to_check().memory_budget
+        if budget is not None:  # never ignored in silence: the Trainer's strategies decide it at fit, these do not yet
+            raise IntentError(
+                f"memory_budget={fmt_bytes(budget)} is decided at fit only under a Lightning Trainer (autoshard.lightning.budget,"
+                f" which sees the first training batch); Fabric's strategies do not decide it yet, so it would be ignored."
+                f" Fix: decide it"
+                f" once with autoshard.budget.decide(model, batch, intent, world_size) and pass its .chosen fields to the"
+                f" intent instead of memory_budget"
+            )
+        super()._check_construction()
 
 
 def teacher_plan(student: FSDP2Plan, path: str) -> FSDP2Plan:

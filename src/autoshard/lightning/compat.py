@@ -172,8 +172,7 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         "lightning.pytorch.loops.fit_loop._FitLoop",
         "_data_source",
         "lightning/budget.py",
-        "read: where the train DataLoader comes from; memory_budget is decided on its first batch, at setup, before"
-        " Lightning sets up the data",
+        "read: where the train DataLoader comes from; memory_budget is decided on its first batch, before Lightning's data setup",
         on_instance=True,
     ),
     Private(

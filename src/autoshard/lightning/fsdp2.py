@@ -21,6 +21,7 @@ from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, 
 from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
+from autoshard.lightning.budget import decide_for_fit
 from autoshard.lightning.checkpoint import CheckpointMixin
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
 from autoshard.lightning.guarantees import ExplainMixedDTensor, track_forwards
@@ -158,6 +159,8 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         # are counted from Lightning's own call below, for the printed decision.
         self.needs = inspect_needs(module, trainer, call_hooks=False)
         self.decision = self._decide(self.needs)
+        if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
+            self._decide_budget(module, trainer)  # before anything is sharded: the plan below takes the chosen fields
         init = self._plan_init_from(module)  # names missing, unexpected and reshaped weights before anything is sharded
         on_meta = check_meta_init(module, init.covered if init is not None else frozenset())
         already_sharded = is_sharded(module)
@@ -198,6 +201,22 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         # Lightning's setup replaced parameters (meta materialization) or swapped their contents (Module.to on a
         # DTensor): the gradient hooks follow what the module holds now; then init_from, teachers, broadcasts, lazy init.
         self.init_report = after_materialize(module, self._mesh(), init, on_meta, self.needs.ema_pairs)
+
+    def _decide_budget(self, module: torch.nn.Module, trainer: pl.Trainer) -> None:
+        """ShardingIntent(memory_budget=...) decided on rank 0 and broadcast (``autoshard.lightning.budget``); the intent
+        takes the chosen fields. shard_size stays as set: the mesh was built with it, when the Trainer was."""
+        other = "your parallelize_fn replaces it" if self.parallelize_fn is not None else ""
+        other = other or ("your configure_model already sharded the modules" if is_sharded(module) else "")
+        if other:
+            raise IntentError(
+                f"memory_budget chooses the settings of autoshard's own sharding plan (activation checkpointing,"
+                f" resharding, offload), and {other}, so the decision would be ignored; nothing was sharded. Fix: drop"
+                f" memory_budget and set what your own sharding needs yourself (autoshard explain --budget shows each"
+                f" configuration's peak), or let autoshard shard (no parallelize_fn, no fully_shard in configure_model)"
+            )
+        asked = self.intent.replace(pinned=tuple(dict.fromkeys((*self.intent.pinned, "shard_size"))))
+        self.budget_decision = decide_for_fit(self, trainer, asked, BACKEND)
+        self.intent = self.budget_decision.intent(self.intent)
 
     def _mesh(self) -> ParallelMesh:
         assert self.parallel_mesh is not None, "the mesh exists once setup_environment has run"
