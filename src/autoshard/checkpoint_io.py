@@ -44,6 +44,7 @@ try:
 except ImportError:  # not POSIX: writers still stage and rename, without the lock
     fcntl = None  # type: ignore[assignment]
 
+
 class CheckpointWriteError(AutoShardError, OSError):
     """A checkpoint or output that cannot be written, refused before anything is: the file named, with the Fix."""
 

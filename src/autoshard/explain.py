@@ -669,7 +669,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="device memory per rank, e.g. 80GiB: says whether the largest world size fits, and if not, the fewest changes that would;"
-        " and what ShardingIntent(memory_budget=...) would choose at each world size (JSON: \"auto\")",
+        ' and what ShardingIntent(memory_budget=...) would choose at each world size (JSON: "auto")',
     )
     parser.add_argument(
         "--devices-per-node",

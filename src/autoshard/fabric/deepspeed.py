@@ -35,7 +35,7 @@ from autoshard.fabric.strategies import FabricBackend
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.checkpoint import verify_on_every_rank
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.deepspeed import publish_deepspeed_save, require_deepspeed, zero_dim_parameters
+from autoshard.lightning.deepspeed import publish_deepspeed_save, require_deepspeed, restore_functional_linear, zero_dim_parameters
 from autoshard.precision import PrecisionPlan, resolve_precision
 
 BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
@@ -69,6 +69,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
                 f" (Fabric(strategy='fsdp2')). Fix: {PIN}"
             )
         require_deepspeed()
+        self.functional_linear = torch.nn.functional.linear  # what teardown puts back (restore_functional_linear)
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
         for key in kwargs:
             if key not in PASS_THROUGH:
@@ -180,6 +181,10 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
         self.setups.append(Setup(1, type(module).__name__, _no_ref, ParameterNames(type(module).__name__, {}), arriving))
 
     # -- fabric.save / fabric.load: the crash-safe writer, the checks before DeepSpeed reads a file -------------------
+    def teardown(self) -> None:
+        super().teardown()
+        restore_functional_linear(self.functional_linear)
+
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
         """DeepSpeed's engine writes every rank's files into a staging of this save's own; each rank hashes its own; rank 0
         writes the manifest and renames the staging in, holding the destination's lock (checkpoint_io's protocol)."""

@@ -56,8 +56,8 @@ from autoshard.lightning.sharding import after_materialize, shard_module
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
 from autoshard.precision import PrecisionPlan
-from autoshard.units import fmt_bytes
 from autoshard.select import Decision
+from autoshard.units import fmt_bytes
 
 BACKEND = fsdp2_backend.BACKEND.name  # "fsdp2"
 _BUFFER_HOOK = "_autoshard_buffer_sync"
