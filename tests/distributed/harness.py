@@ -35,3 +35,9 @@ def run_scenarios(scenarios: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     write_result(args.out, dist.get_rank(), {name: scenarios[name]() for name in args.scenarios.split(",")})
+    # Every rank here, then the group torn down before the interpreter exits: a gloo group left to the exit handlers
+    # aborted now and then ("terminate called without an active exception", exit code -6) after a scenario that
+    # raised on one rank.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
