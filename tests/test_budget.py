@@ -130,9 +130,9 @@ def test_world_sizes_the_shard_size_does_not_divide_are_left_out_with_a_note() -
 
 
 def test_more_ranks_are_proposed_in_whole_nodes() -> None:
-    from autoshard.budget import _whole_nodes
+    from autoshard.budget import whole_nodes
 
-    assert [_whole_nodes(n, 8) for n in (4, 8, 12, 16, 20)] == [4, 8, 16, 16, 24]
+    assert [whole_nodes(n, 8) for n in (4, 8, 12, 16, 20)] == [4, 8, 16, 16, 24]
 
 
 def test_under_hybrid_sharding_a_bigger_shard_group_is_proposed(table: Report) -> None:

@@ -144,14 +144,14 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_lightning_optimizers",
-        "activations.py",
+        "activations/stand_in.py",
         "provided: LightningModule.optimizers() reads it from trainer.strategy; the simulated step's stand-in has it",
         on_instance=True,
     ),
     Private(
         "lightning.pytorch.core.optimizer.LightningOptimizer",
         "_to_lightning_optimizer",
-        "activations.py",
+        "activations/stand_in.py",
         "called: the simulated step hands a manual-optimization training_step the LightningOptimizer it would get",
     ),
     Private(

@@ -236,7 +236,7 @@ def _average(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group
 
     size = dist.get_world_size(group)
 
-    # A fake process group (activations.py's simulated step) has no other ranks and its fake tensors no values to read:
+    # A fake process group (activations/step.py's simulated step) has no other ranks and its fake tensors no values to read:
     # every rank is this one there.
     fake = dist.get_backend(group) == "fake"
     pending: tuple[list[nn.Parameter], list[torch.Tensor], torch.Tensor, Any] | None = None

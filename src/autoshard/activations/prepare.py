@@ -1,0 +1,166 @@
+"""One simulated step's run, prepared: the module built on meta, its tensors made fake, sharded with autoshard's FSDP2
+plan on the fake world, its optimizers and schedulers, and the batch."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.activations.batch import call_batch
+from autoshard.activations.failures import describe_failure
+from autoshard.activations.stand_in import StandInTrainer, returned_schedulers
+from autoshard.activations.world import data_parallel_mesh
+from autoshard.errors import AutoShardError
+from autoshard.intent import ShardingIntent
+from autoshard.needs import held_optimizers, inspect_needs, returned_optimizers
+from autoshard.precision import Dtype, PrecisionPlan
+
+
+@dataclass
+class Run:
+    module: nn.Module
+    callbacks: list[Any]
+    optimizers: list[torch.optim.Optimizer]
+    batch: Any
+    notes: list[str] = field(default_factory=list)
+    manual: bool = False  # automatic_optimization = False: the step is the user's (self.optimizers(), manual_backward)
+
+
+def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torch.dtype | None) -> None:
+    """Replace every parameter and buffer by a fake CPU tensor of its shape (tied weights stay tied); ``dtype``
+    converts floating ones as Lightning's "-true" precisions do. Callback optimizers are pointed at the new
+    parameters. Must run inside the FakeTensorMode."""
+    new: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=cast, device="cpu")
+
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                m._parameters[name] = new[id(p)]  # type: ignore[assignment]
+        for name, b in m._buffers.items():
+            if b is not None:
+                if id(b) not in new:
+                    new[id(b)] = fake(b)
+                m._buffers[name] = new[id(b)]
+    for callback in callbacks:
+        for optimizer in held_optimizers(callback):
+            for group in optimizer.param_groups:
+                group["params"] = [new.get(id(p), p) for p in group["params"]]
+
+
+def _convert_input(batch: Any, dtype: torch.dtype | None) -> Any:
+    """Lightning's "-true" precisions cast floating inputs to the module's dtype (HalfPrecision.convert_input)."""
+    if dtype is None:
+        return batch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+
+
+def prepare_run(
+    factory: Any,
+    intent: ShardingIntent,
+    world_size: int,
+    precision: PrecisionPlan,
+    make_batch: Callable[[], Any] | None,
+    mode: Any,
+    num_nodes: int = 1,
+    rank: int = 0,
+) -> Run:
+    """Build on meta, make every tensor fake, shard as FSDP2Strategy.setup does with autoshard's plan, build the
+    optimizers and the batch.
+
+    The plan makes EMA teacher units reshard after forward itself; the strategy adds the guarantees of
+    ``autoshard.lightning.guarantees`` only to modules the user sharded, which measure_step refuses (below).
+    """
+    from autoshard.adapters.fsdp2 import is_sharded, plan_fsdp2
+    from autoshard.target import build_on_meta
+
+    built = build_on_meta(factory)
+    module, callbacks, notes = built.module, list(built.callbacks), list(built.notes)
+    notes += _configure_model(module)
+    if is_sharded(module):
+        raise AutoShardError(
+            f"{type(module).__name__} is already sharded when built (fully_shard in the factory or in"
+            f" configure_model): measure_step measures autoshard's own plan, applied to the unsharded module."
+            f" Fix: return the module unsharded and let strategy='auto-shard' shard it"
+        )
+    convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
+    with mode:
+        _fake_parameters(module, callbacks, convert)
+    needs = inspect_needs(module, callbacks=callbacks, call_hooks=False)
+    mesh = data_parallel_mesh(intent, world_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_fsdp2(module, intent, needs, precision)
+        plan.hsdp = intent.hsdp_sizes(world_size, num_nodes)
+        plan.apply(module, mesh)  # outside the fake mode: it reads the mesh's real rank tensor
+    if intent.offload != "none":
+        notes.append(
+            f"offload={intent.offload!r}: everything here is CPU memory, so the offloaded states are inside this peak;"
+            f" on an accelerator they live in host memory (memory.py says which)"
+        )
+    notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    module.train()
+    optimizers: list[torch.optim.Optimizer] = []
+    schedulers: list[Any] = []
+    with mode:
+        configure = getattr(module, "configure_optimizers", None)
+        if callable(configure):
+            try:
+                configured = configure()
+                optimizers += returned_optimizers(configured)
+                schedulers += returned_schedulers(configured)
+            except Exception as exc:
+                notes.append(
+                    f"configure_optimizers() raised ({describe_failure(exc)}): no optimizer step, so optimizer states and the"
+                    f" step's temporaries are not in the peak (memory.py counts the states)"
+                )
+        own = list(optimizers)  # the module's own: what self.optimizers() returns in fit
+        for callback in callbacks:
+            optimizers += [o for o in held_optimizers(callback) if o not in optimizers]
+        batch = None
+        if make_batch is not None:
+            batch = _convert_input(call_batch(make_batch), convert)
+    manual = getattr(module, "automatic_optimization", True) is False
+    if manual:  # attach the optimizers as Lightning does, on this copy only: the user's step calls them itself
+        module.trainer = StandInTrainer(module, own, schedulers, world_size, rank)
+    return Run(module, callbacks, optimizers, batch, notes, manual)
+
+
+def _configure_model(module: nn.Module) -> list[str]:
+    """Lightning calls an overridden ``configure_model`` before the strategy shards; so does this, on meta."""
+    import lightning.pytorch as pl
+
+    if not isinstance(module, pl.LightningModule) or type(module).configure_model is pl.LightningModule.configure_model:
+        return []
+    try:
+        with torch.device("meta"):
+            module.configure_model()
+    except Exception as exc:
+        return [
+            f"{type(module).__name__}.configure_model() could not run without a Trainer ({describe_failure(exc)}): what it builds is not measured"
+        ]
+    return []
+
+
+def fake_example(example: Any, dtype: torch.dtype | None) -> Any:
+    """``example_input_array`` as fake CPU tensors (built in ``__init__`` under the meta device, it is meta);
+    inside the FakeTensorMode."""
+    from torch.utils._pytree import tree_map_only
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return torch.zeros(t.shape, dtype=cast, device="cpu") if t.is_meta else t.to(cast)
+
+    return tree_map_only(torch.Tensor, fake, example)

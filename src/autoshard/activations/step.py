@@ -1,0 +1,214 @@
+"""``measure_step``: one training step run on fake tensors in Lightning's order (a warm-up step, then the measured one
+under the tracker), or ``forward(example_input_array)`` alone when the step cannot run (a lower bound)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from autoshard.activations.batch import describe_batch, where_defined
+from autoshard.activations.failures import describe_failure, reads_values
+from autoshard.activations.prepare import Run, fake_example, prepare_run
+from autoshard.activations.step_memory import StepMemory
+from autoshard.activations.tracker import step_tracker, tracker_base
+from autoshard.activations.world import fake_world
+from autoshard.errors import AutoShardError
+from autoshard.intent import ShardingIntent
+from autoshard.precision import Dtype, PrecisionPlan
+
+
+def _train_step(run: Run, precision: PrecisionPlan) -> None:
+    """One step in the order of Lightning's automatic optimization (its Closure): training_step, then zero_grad
+    (so the previous step's gradients are still alive during the forward), backward, optimizer step; then the
+    batch-end hooks (callbacks', then the module's: EMA updates, probes). Under manual optimization training_step
+    is the whole step (its zero_grad, manual_backward and step), as in Lightning's manual loop."""
+    module, batch = run.module, run.batch
+    with _autocast(precision):
+        out = module.training_step(batch, 0)
+    if not run.manual:
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(f"training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'")
+        for optimizer in run.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+        for optimizer in run.optimizers:
+            optimizer.step()
+    for owner, args in [*((c, (None, module, out, batch, 0)) for c in run.callbacks), (module, (out, batch, 0))]:
+        hook = getattr(owner, "on_train_batch_end", None)
+        if callable(hook):
+            try:
+                hook(*args)
+            except Exception as exc:  # a probe that logs float(loss): what ran before the failure is measured
+                run.notes.append(
+                    f"{type(owner).__name__}.on_train_batch_end stopped on fake tensors: {describe_failure(exc)}; what it does after that is not measured"
+                )
+    del out
+
+
+def _autocast(precision: PrecisionPlan) -> Any:
+    """Lightning's MixedPrecision.forward_context: autocast on the device, without its weight-cast cache."""
+    if not precision.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=precision.compute.torch, cache_enabled=False)
+
+
+def _forward(run: Run, precision: PrecisionPlan) -> None:
+    example = run.batch
+    with _autocast(precision):
+        if isinstance(example, Mapping):
+            out = run.module(**example)
+        elif isinstance(example, tuple):
+            out = run.module(*example)
+        else:
+            out = run.module(example)
+    del out
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning's "self.log without a Trainer" warnings and torch's fake-mode chatter are not the user's: FakeTensorMode
+    logs the full traceback of every op that fails (a wrong-shaped batch: 20 lines per op, each prefixed with the
+    rank), and the error reported afterwards says it in one line. Only for the simulation: restored after."""
+    import logging
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    was = fake_log.disabled
+    fake_log.disabled = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        fake_log.disabled = was
+
+
+def measure_step(
+    factory: Any,
+    intent: ShardingIntent,
+    world_size: int,
+    precision: PrecisionPlan,
+    *,
+    make_batch: Callable[[], Any] | None = None,
+    rank: int = 0,
+    num_nodes: int = 1,
+) -> StepMemory:
+    """Peak bytes of live tensors on ``rank`` during one training step on ``world_size`` ranks, by kind.
+
+    ``factory`` is what ``autoshard.target.build_on_meta`` takes; it is called afresh (``fully_shard`` mutates the
+    module), twice if ``training_step`` cannot run without a Trainer and the step falls back to
+    ``forward(example_input_array)``. ``make_batch()`` returns one micro-batch as ``training_step`` receives it; it
+    runs under FakeTensorMode, so a batch of any size costs no memory. Without it, only the forward of
+    ``example_input_array`` runs (``forward_only``: no backward, no optimizer step, so the peak is a lower bound).
+
+    ``num_nodes``: the nodes the ranks fill, for ``shard_size='node'``.
+
+    CPU tensors only: CUDA allocator rounding and fragmentation, and CUDA/NCCL workspaces, are not modelled.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise AutoShardError(f"world size must be a positive integer, got {world_size!r}. Fix: e.g. world_size=8")
+    if not 0 <= rank < world_size:
+        raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
+    tracker_base()
+    extra: dict[str, Any] = {"precision": precision.precision.value, "activation_checkpointing": intent.activation_checkpointing}
+    convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
+    notes: list[str] = []
+    failed = ""  # why the training step could not run on make_batch's batch, with its Fix
+    with fake_world(world_size, rank), _quiet():
+        if make_batch is not None:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            run = prepare_run(factory, intent, world_size, precision, make_batch, mode, num_nodes, rank)
+            try:
+                with mode:
+                    with _flop_counter() as counter:  # the warm-up runs the same ops: counted there, not in the peak's step
+                        _train_step(run, precision)  # warm-up: optimizer states and lazy FSDP state exist after it
+                    extra["flops"] = int(counter.get_total_flops()) if counter is not None else 0
+                    gc.collect()
+                    tracker = step_tracker(run.module, run.optimizers)
+                    tracker.track_inputs((run.batch,))
+                    with tracker:
+                        _train_step(run, precision)
+                return tracker.step_memory(world_size, rank, False, run.notes, **extra)
+            except AutoShardError:
+                raise
+            except Exception as exc:
+                failed = _step_failed(exc, make_batch, run.batch)  # said once, in ``incomplete`` (or refused below)
+            del run
+            gc.collect()
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        run = prepare_run(factory, intent, world_size, precision, None, mode, num_nodes, rank)
+        notes = run.notes + notes
+        if getattr(run.module, "example_input_array", None) is None:
+            if failed:  # the user gave a batch: say why it did not run, never "pass a batch function"
+                raise AutoShardError(failed)
+            raise AutoShardError(
+                f"no batch to measure activations with: {'; '.join(notes) + '; ' if notes else ''}"
+                f"{type(run.module).__name__} has no example_input_array. Fix: pass a batch function"
+                f" (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...)), or set"
+                f" self.example_input_array in __init__"
+            )
+        incomplete = failed
+        if make_batch is None:
+            notes.append("no batch function given: forward(example_input_array) only, no backward or optimizer step (a lower bound)")
+            incomplete = (
+                "no batch function given, so only forward(example_input_array) ran (no backward, no optimizer step)."
+                " Fix: pass a batch function (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...))"
+            )
+        try:
+            with mode:
+                run.batch = fake_example(run.module.example_input_array, convert)
+                tracker = step_tracker(run.module, run.optimizers)
+                tracker.track_inputs((run.batch,))
+                with tracker:
+                    _forward(run, precision)
+        except Exception as exc:
+            if reads_values(exc):
+                fix = "avoid reading tensor values in forward (compute on tensors instead), or estimate on a real device"
+            else:
+                fix = f"make example_input_array, {describe_batch(run.batch)}, what forward takes, or estimate on a real device"
+            raise AutoShardError(
+                f"activation memory could not be measured: forward(example_input_array) failed on fake tensors: {describe_failure(exc)}. Fix: {fix}"
+            ) from exc
+        return tracker.step_memory(world_size, rank, True, notes, incomplete=incomplete, **extra)
+
+
+@contextlib.contextmanager
+def _flop_counter() -> Iterator[Any]:
+    """torch's FlopCounterMode (matmuls, convolutions, attention: the ops that cost time) around one step; None
+    where this torch lacks it. Activation checkpointing's price is the FLOPs its recomputation adds to the step."""
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+    except ImportError:
+        yield None
+        return
+    counter = FlopCounterMode(display=False)
+    with counter:
+        yield counter
+
+
+def _step_failed(exc: BaseException, make_batch: Callable[[], Any], batch: Any) -> str:
+    """Why training_step did not run on the user's batch, in one sentence with the batch's shapes and a Fix that
+    is not "pass a batch" (they did)."""
+    head = f"training_step could not run on the batch from {where_defined(make_batch)}, {describe_batch(batch)}: {describe_failure(exc)}."
+    if reads_values(exc):
+        fix = (
+            "keep training_step's values on tensors (no .item(), no `if tensor:`), or measure a real run with"
+            " autoshard.activations.measuring_callback()"
+        )
+    else:
+        name = getattr(make_batch, "__name__", "<lambda>").replace("<lambda>", "the batch function")
+        fix = (
+            f"make {name} return one micro-batch exactly as your DataLoader yields it to training_step (compare the shapes"
+            f" above with the line that failed); if it already does, that line fails under the same FSDP2 plan in"
+            f" training too, or needs what the simulated step lacks: a few real steps with"
+            f" autoshard.activations.measuring_callback() tell which"
+        )
+    return f"{head} Fix: {fix}"

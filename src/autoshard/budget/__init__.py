@@ -1,0 +1,57 @@
+"""Memory budgets: ``autoshard explain --budget 80GiB`` (does the run fit, and if not, the fewest changes that would),
+and ``ShardingIntent(memory_budget=...)`` (``decide``: the cheapest configuration whose simulated peak fits).
+
+Each candidate is estimated again in full (a simulated step where one can run), never scaled from the first
+estimate: activation checkpointing, offload and a smaller micro-batch change activations and states in ways a ratio
+would get wrong. Changes are listed cheapest first, by what they cost the run, not by memory saved. The decision's
+cost order is documented at the head of ``autoshard.budget.search`` and in docs/guide.md ("Memory budget").
+
+One module per concern, bottom to top (the import-linter contract in pyproject.toml keeps this order):
+
+- ``ranks``: the world sizes a run can have, and the part of an estimate that shrinks with them;
+- ``decision``: the values (``BudgetDecision``, ``Tried``, ``Cost``, ``Rates``, ``BudgetRefusedError``) and the fields
+  a decision chooses;
+- ``batch`` and ``meta``: what a decision is made on (one micro-batch, the module copied to meta);
+- ``simulator``: model states and simulated steps for one module and batch, cached;
+- ``search``: the price of a configuration and the search for the cheapest that fits (``price``);
+- ``advice`` (``check_budget``: ``explain --budget``), ``decide`` (``decide``, ``decide_at_fit``, ``auto_entries``)
+  and ``resume`` (``resume_decision``, ``stored_differs``).
+"""
+
+from __future__ import annotations
+
+from autoshard.budget.advice import BudgetReport, Change, Evaluate, Option, check_budget
+from autoshard.budget.batch import batch_function, batch_rows, cut_batch
+from autoshard.budget.decide import auto_entries, check_budget_intent, decide, decide_at_fit
+from autoshard.budget.decision import BudgetDecision, BudgetRefusedError, Cost, Rates, Tried, describe_config
+from autoshard.budget.meta import meta_factory
+from autoshard.budget.ranks import MAX_RANKS, whole_nodes
+from autoshard.budget.resume import resume_decision, stored_differs
+from autoshard.budget.search import price
+
+__all__ = [
+    "BudgetDecision",
+    "BudgetReport",
+    "Change",
+    "Evaluate",
+    "MAX_RANKS",
+    "Option",
+    "check_budget",
+    "check_budget_intent",
+    "BudgetRefusedError",
+    "Cost",
+    "Rates",
+    "Tried",
+    "auto_entries",
+    "batch_function",
+    "batch_rows",
+    "cut_batch",
+    "decide",
+    "decide_at_fit",
+    "describe_config",
+    "meta_factory",
+    "price",
+    "resume_decision",
+    "stored_differs",
+    "whole_nodes",
+]

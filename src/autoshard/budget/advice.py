@@ -1,0 +1,258 @@
+"""``autoshard explain --budget 80GiB``: does the run fit, and if not, the fewest changes that would.
+
+Each candidate is estimated again in full (a simulated step where one can run), never scaled from the first
+estimate: activation checkpointing, offload and a smaller micro-batch change activations and states in ways a ratio
+would get wrong. Changes are listed cheapest first, by what they cost the run, not by memory saved.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autoshard.budget.ranks import MAX_RANKS, states_on_device, world_sizes_after
+from autoshard.intent import ShardingIntent
+from autoshard.memory import MemoryEstimate, fmt_bytes
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run: the intent, the world size and the micro-batch (a fraction of the given one).
+
+    ``simulate=False`` asks for the model states only (no simulated step): fast, used to search before one
+    simulation confirms.
+    """
+
+    intent: ShardingIntent
+    world_size: int
+    batch_divisor: int = 1
+    simulate: bool = True
+
+
+Evaluate = Callable[[Option], MemoryEstimate]
+"""Estimate one option (explain builds it: the memory table's maths plus a simulated step)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change to the run that was estimated: what to set, what it costs, the new device peak per rank."""
+
+    change: str  # what to set, as the user writes it
+    cost: str  # what the run pays for it
+    peak: int  # device bytes per rank with the change
+    fits: bool  # never True when ``missing``: a lower bound under the budget proves nothing
+    missing: str = ""  # the part of the step its estimate lacks (its simulated step could not run), "" when whole
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """The verdict. ``missing`` names the part of the step the peak lacks ("" when the whole step was simulated):
+    then the peak is a lower bound, so ``fits`` is None ("cannot tell") unless even that bound is over the budget,
+    and no change is estimated (each would lack the same part)."""
+
+    budget: int
+    world_size: int
+    peak: int
+    fits: bool | None
+    changes: tuple[Change, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    missing: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        if self.missing:
+            verdict = "cannot tell whether it fits" if self.fits is None else "does NOT fit, even without them"
+            head = (
+                f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak at least {fmt_bytes(self.peak)}"
+                f" ({self.peak / self.budget:.0%} of the budget) with {self.missing} not counted: {verdict}"
+            )
+        else:
+            head = (
+                f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak {fmt_bytes(self.peak)}"
+                f" ({self.peak / self.budget:.0%} of the budget): {'fits' if self.fits else 'does NOT fit'}"
+            )
+        lines = [head]
+        if self.fits is False and not self.missing:
+            fitting = [c for c in self.changes if c.fits]
+            short = [c for c in self.changes if not c.fits and not c.missing]
+            unknown = [c for c in self.changes if c.missing]
+            if fitting:
+                lines.append("changes that fit, cheapest first:")
+                lines += [f"  {c.change:<52} peak {fmt_bytes(c.peak):>11}; costs {c.cost}" for c in fitting]
+            else:
+                lines.append("nothing autoshard tried fits: a smaller model, or devices with more memory")
+            if short:
+                lines.append("estimated, not enough on its own:")
+                lines += [f"  {c.change:<52} peak {fmt_bytes(c.peak):>11}" for c in short]
+            if unknown:
+                lines.append("not estimated in full (its simulated step could not run), so no verdict:")
+                lines += [f"  {c.change:<52} peak at least {fmt_bytes(c.peak)}, {c.missing} not counted" for c in unknown]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def check_budget(
+    evaluate: Evaluate,
+    intent: ShardingIntent,
+    world_size: int,
+    budget: int,
+    *,
+    devices_per_node: int,
+    batch_rows: int | None,
+    lacks: Callable[[MemoryEstimate], str] = lambda estimate: "",
+) -> BudgetReport:
+    """The verdict for ``world_size`` and, when it does not fit, the fewest changes that do.
+
+    Never more ranks or more changes than needed: each single change first (the smallest world size that fits,
+    found by search over world sizes from model states, then confirmed by a simulated step; activation
+    checkpointing; the largest micro-batch that fits; offload); only when none fits alone, pairs of them on these
+    ranks, then all three; only when nothing fits on these ranks, the smallest world size for each combination,
+    fewest changes first. Every combination tried is listed, the ones that fit and the smaller ones that did not.
+
+    ``batch_rows``: the micro-batch's size when it can be cut along dim 0 (None: it cannot, or no batch given).
+    ``lacks``: the part of the step an estimate's simulated step could not cover ("activations"; "" when whole).
+    A partial estimate is never "fits": for the run itself the verdict is then "cannot tell" (unless the lower
+    bound is already over the budget) and no change is tried; a change estimated in part is listed as such.
+    """
+    current = evaluate(Option(intent, world_size))
+    missing = lacks(current)
+    if missing:
+        fits = None if current.device <= budget else False
+        why = f"no change is estimated: each estimate would lack {missing} too"
+        return BudgetReport(budget, world_size, current.device, fits, (), (why,), missing)
+    if current.device <= budget:
+        return BudgetReport(budget, world_size, current.device, True)
+    changes: list[Change] = []
+    notes: list[str] = []
+
+    def add(change: str, cost: str, option: Option) -> Change:
+        estimate = evaluate(option)
+        peak, gap = estimate.device, lacks(estimate)
+        made = Change(change, cost, peak, peak <= budget and not gap, gap)
+        changes.append(made)
+        return made
+
+    def smallest_world(asked: ShardingIntent, divisor: int = 1) -> int | None:
+        """The smallest world size above this one at which ``asked`` fits: predicted from model states by bisection
+        (states shrink with ranks, the rest does not), then confirmed by a simulated step, or the next sizes."""
+        here = evaluate(Option(asked, world_size, divisor))
+        if lacks(here):
+            return None
+        rest = here.device - states_on_device(here)
+        sizes = world_sizes_after(world_size, devices_per_node, asked)
+        predict = lambda n: rest + states_on_device(evaluate(Option(asked, n, divisor, simulate=False)))  # noqa: E731
+        if not sizes or predict(sizes[-1]) > budget:
+            return None
+        lo, hi = 0, len(sizes) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if predict(sizes[mid]) <= budget else (mid + 1, hi)
+        for n in sizes[lo : lo + 3]:
+            estimate = evaluate(Option(asked, n, divisor))
+            if estimate.device <= budget and not lacks(estimate):
+                return n
+        return None
+
+    def micro_batch(asked: ShardingIntent, ranks: int) -> int:
+        """The divisor of the largest micro-batch (rows / 2, / 4, ...) that fits with ``asked``: predicted from the
+        activations (about linear in the rows), confirmed by a simulated step. When none fits, where the search
+        stopped: one row, or the first micro-batch whose step could not be simulated (listed as such)."""
+        base = evaluate(Option(asked, ranks))
+        divisor = 2
+        while True:
+            while batch_rows // divisor > 1 and base.device - base.activations * (1 - 1 / divisor) > budget:
+                divisor *= 2
+            estimate = evaluate(Option(asked, ranks, divisor))
+            if lacks(estimate) or estimate.device <= budget or batch_rows // divisor <= 1:
+                return divisor
+            divisor *= 2
+
+    # 1. More ranks: the same method and batch, more hardware. Under hybrid sharding states divide by the shard
+    #    group, not the world, so the group grows instead.
+    if intent.shard_size is None:
+        ranks = smallest_world(intent)
+        if ranks is not None:
+            add(f"{ranks} ranks (Trainer num_nodes x devices)", f"{ranks / world_size:g}x the devices", Option(intent, ranks))
+        else:
+            notes.append(f"no world size up to {MAX_RANKS} fits: activations and what stays whole do not shrink with ranks")
+    else:  # a bigger shard group, up to every rank: states shrink, and more of the gathers cross nodes
+        group = devices_per_node if intent.shard_size == "node" else int(intent.shard_size)
+        size = group * 2
+        while size < world_size:
+            if world_size % size == 0:
+                made = add(
+                    f"shard_size={size} (was {intent.shard_size!r})",
+                    f"gathers span {size} ranks",
+                    Option(intent.replace(shard_size=size), world_size),
+                )
+                if made.fits:
+                    break
+                changes.pop()
+            size *= 2
+        else:
+            if group < world_size:  # a group of every rank is already pure FSDP
+                add(
+                    "shard_size=None (shard over every rank)",
+                    "gathers and reduce-scatters cross nodes",
+                    Option(intent.replace(shard_size=None), world_size),
+                )
+    # 2.-4. The changes on these ranks, each alone, cheapest first: activation checkpointing (about a third more
+    #    compute, same results), a smaller micro-batch (gradient accumulation keeps the global batch), offload.
+    singles: dict[str, tuple[dict[str, Any], str]] = {}
+    if not intent.activation_checkpointing:
+        singles["ac"] = ({"activation_checkpointing": True}, "~1/3 more compute (forward recomputed in backward)")
+    if intent.offload == "none":
+        singles["offload"] = ({"offload": "params"}, "host-device copies every step (often 2-5x slower)")
+    words = {"ac": "activation_checkpointing=True", "offload": "offload='params' (CPU memory)"}
+
+    def try_combo(keys: tuple[str, ...], ranks: int, ranks_cost: str = "") -> Change | None:
+        fields: dict[str, Any] = {k: v for key in keys if key != "mb" for k, v in singles[key][0].items()}
+        asked = intent.replace(**fields)
+        parts = [words[key] for key in keys if key != "mb"]
+        costs = [singles[key][1] for key in keys if key != "mb"]
+        divisor = 1
+        if "mb" in keys:
+            divisor = micro_batch(asked, ranks)
+            parts.append(f"micro-batch {batch_rows // divisor} (was {batch_rows})")
+            costs.append(f"{divisor}x Trainer(accumulate_grad_batches=...) keeps the global batch; {divisor}x the steps")
+        if ranks != world_size:
+            parts.insert(0, f"{ranks} ranks")
+            costs.insert(0, ranks_cost)
+        if len(parts) == 1 and ranks == world_size and "mb" not in keys:
+            return add(parts[0], costs[0], Option(asked, ranks, divisor))
+        return add(" + ".join(parts), "; ".join(costs), Option(asked, ranks, divisor))
+
+    if "ac" in singles:
+        try_combo(("ac",), world_size)
+    if batch_rows is not None and batch_rows > 1:
+        try_combo(("mb",), world_size)
+    elif batch_rows is None:
+        notes.append("a smaller micro-batch is not estimated: pass --batch with tensors that share dim 0")
+    if "offload" in singles:
+        try_combo(("offload",), world_size)
+    if any(c.fits or c.missing for c in changes):
+        return BudgetReport(budget, world_size, current.device, False, tuple(changes), tuple(notes))
+    # 5. Nothing fits alone: the fewest changes together, first on these ranks, then with the fewest ranks.
+    available = [k for k in ("ac", "mb", "offload") if k in singles or (k == "mb" and batch_rows and batch_rows > 1)]
+    for size in range(2, len(available) + 1):
+        found = [try_combo(keys, world_size) for keys in itertools.combinations(available, size)]
+        if any(c is not None and c.fits for c in found):
+            return BudgetReport(budget, world_size, current.device, False, tuple(changes), tuple(notes))
+    if intent.shard_size is None:
+        for size in range(1, len(available) + 1):
+            fitted = False
+            for keys in itertools.combinations(available, size):
+                fields = {k: v for key in keys if key != "mb" for k, v in singles[key][0].items()}
+                asked = intent.replace(**fields)
+                divisor = micro_batch(asked, world_size) if "mb" in keys else 1
+                ranks = smallest_world(asked, divisor)
+                if ranks is not None:
+                    made = try_combo(keys, ranks, f"{ranks / world_size:g}x the devices")
+                    fitted = fitted or bool(made and made.fits)
+            if fitted:
+                break
+    return BudgetReport(budget, world_size, current.device, False, tuple(changes), tuple(notes))

@@ -1,0 +1,221 @@
+"""``ShardingIntent(memory_budget=...)``: ``decide``, the cheapest configuration whose simulated peak fits (the cost
+order is in ``autoshard.budget.search``), or a refusal naming what would fit; ``decide_at_fit`` as a strategy calls
+it; ``auto_entries`` for ``explain --budget --json``."""
+
+# The decision is made on one micro-batch, as ``training_step`` receives it: a function returning it, or the batch
+# itself (at fit: the first batch of the train dataloader). Never on ``example_input_array``: it is forward's input,
+# and a forward alone is a lower bound of a step's peak (no backward, no optimizer step), so a decision on it could
+# choose a configuration that runs out of memory. Never on model states alone either: activations are most of a
+# step's peak on the models we know.
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from autoshard.backends import get_backend
+from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
+from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.budget.batch import batch_function, batch_rows
+from autoshard.budget.decision import FREE_FIELDS, BudgetDecision, BudgetRefusedError, Rates, describe_config, free_fields
+from autoshard.budget.meta import meta_factory
+from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_DECISION_RANKS
+from autoshard.budget.search import largest_micro_batch, search_configs, smallest_world_size
+from autoshard.budget.simulator import Simulator
+from autoshard.errors import AutoShardError, IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.memory import fmt_bytes
+
+
+def decide(
+    module: Any,
+    batch: Any,
+    intent: ShardingIntent,
+    world_size: int,
+    *,
+    num_nodes: int = 1,
+    devices_per_node: int | None = None,
+    budget: str | int | None = None,
+    precision: Any = None,
+    callbacks: Sequence[Any] = (),
+    rates: Rates | None = None,
+    progress: Callable[[str], None] | None = None,
+    backend: str = FSDP2,
+) -> BudgetDecision:
+    """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
+    ``world_size`` ranks: a pure function of the module's shapes, the batch's shapes, the intent and the world.
+
+    ``backend``: fsdp2, or DeepSpeed ZeRO-3 ('deepspeed'), where offload is the one field chosen and each peak is
+    DeepSpeed's estimator plus the simulated activations (the cost order in ``autoshard.budget.search`` says why).
+
+    ``module``: a LightningModule (real or on meta; copied to meta for each simulated step, never changed) or a
+    function building one. ``batch``: one micro-batch as ``training_step`` receives it (tensors are read for shapes
+    only), or a function returning one. Fields the user set (not at their defaults) are kept; the free ones among
+    reshard_after_forward, activation_checkpointing, offload and (with several nodes) shard_size are chosen, in the
+    cost order of ``autoshard.budget.search``'s header. ``devices_per_node`` places larger world sizes on whole nodes.
+
+    Refuses (``BudgetRefusedError``, before anything is sharded) when nothing fits, naming the smallest world size at
+    which something does (a search: states shrink with ranks, activations do not), or, when none does, the largest
+    micro-batch that fits here.
+
+    In a process whose process group is already live, the simulated steps run in a forked child (their fake group
+    cannot coexist with a live one); the answer is the same.
+    """
+    import torch.distributed as dist
+
+    from autoshard.activations import describe_batch
+    from autoshard.precision import resolve_precision
+    from autoshard.units import parse_size
+
+    if dist.is_available() and dist.is_initialized():
+        args = dict(
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            budget=budget,
+            precision=precision,
+            callbacks=callbacks,
+            rates=rates,
+            progress=progress,
+            backend=backend,
+        )
+        return _beside_live_group(lambda: decide(module, batch, intent, world_size, **args))
+
+    budget_bytes = parse_size(budget, option="memory_budget", example="70GiB", error=IntentError) if budget is not None else intent.memory_budget
+    if budget_bytes is None:
+        raise IntentError("decide needs a memory budget. Fix: ShardingIntent(memory_budget='70GiB'), or decide(..., budget='70GiB')")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise IntentError(f"world size must be a positive integer, got {world_size!r}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+    if intent.tensor_parallel_size > 1:
+        raise IntentError(
+            f"memory_budget with tensor_parallel_size={intent.tensor_parallel_size} is not decided yet: the simulated step runs"
+            f" data parallel only. Fix: drop memory_budget and set the fields yourself, or set tensor_parallel_size=1"
+        )
+    backend = check_budget_intent(intent.replace(memory_budget=budget_bytes), backend)
+    make_batch = batch_function(batch)
+    rates = rates or Rates()
+    precision = precision or resolve_precision(None, intent)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
+        raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+    if devices_per_node is None:  # larger world sizes come in whole nodes: of these ranks, or of a usual 8-GPU node
+        devices_per_node = world_size // num_nodes if num_nodes > 1 else max(world_size, DEVICES_PER_NODE)
+    if num_nodes == 1:
+        from autoshard.memory import nodes_for
+
+        num_nodes = nodes_for(world_size, devices_per_node)
+    sim = Simulator(
+        meta_factory(module, callbacks),
+        make_batch,
+        intent.replace(memory_budget=None, pinned=()),
+        precision,
+        devices_per_node,
+        num_nodes,
+        progress,
+        backend,
+    )
+    with torch.device("meta"):
+        described = describe_batch(make_batch())
+    free = free_fields(intent, num_nodes, backend)
+    kept = _kept(intent, free, backend)
+    blocks = sim.blocks() if "activation_checkpointing" in free else 0
+    chosen, cheaper, most = search_configs(sim, world_size, budget_bytes, rates, free, blocks)
+    if chosen is not None:
+        return BudgetDecision(budget_bytes, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, described, kept, rates, num_nodes, backend)
+    peak = sim.step(most, world_size)[0].device
+    where = f"world size {world_size}" + (f" ({num_nodes} nodes)" if num_nodes > 1 else "")
+    head = (
+        f"memory_budget {fmt_bytes(budget_bytes)} per rank cannot be met at {where}"
+        + (" under DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if backend == DEEPSPEED else "")
+        + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
+        + (
+            f" (under DeepSpeed autoshard sets the offload only{'' if 'offload' in free else ', and you set it'}; strategy='fsdp2'"
+            f" can also checkpoint activations)"
+            if backend == DEEPSPEED
+            else ""
+        )
+    )
+    smallest = smallest_world_size(sim, most, world_size, budget_bytes)
+    if smallest is not None:
+        raise BudgetRefusedError(
+            f"{head}. The smallest world size at which a configuration fits is {smallest} (found by search: model states"
+            f" shrink with ranks, activations do not). Fix: run on {smallest} ranks (Trainer(devices=..., num_nodes=...)),"
+            f" or raise memory_budget to {fmt_bytes(peak)}",
+            smallest,
+        )
+    rows = batch_rows(make_batch)
+    smaller = largest_micro_batch(sim, most, world_size, budget_bytes, rows)
+    tail = f"no world size up to {MAX_DECISION_RANKS} fits: activations and what stays whole do not shrink with ranks"
+    if smaller is not None:
+        n, fits_at = smaller
+        raise BudgetRefusedError(
+            f"{head}; {tail}. A micro-batch of {n} (was {rows}) fits here with {describe_config(most)} (peak {fmt_bytes(fits_at)})."
+            f" Fix: DataLoader(batch_size={n}) with Trainer(accumulate_grad_batches={rows // n}) keeps the global batch",
+            None,
+            n,
+        )
+    raise BudgetRefusedError(
+        f"{head}; {tail}, and no smaller micro-batch fits either"
+        + ("" if rows else " (the batch's tensors do not share dim 0, so none was tried)")
+        + ". Fix: a smaller model or sequence, or devices with more memory",
+        None,
+    )
+
+
+def check_budget_intent(intent: ShardingIntent, backend: str) -> str:
+    """Refuse a memory budget ``backend`` cannot decide for this intent (at a strategy's construction, and in
+    ``decide``); returns the backend's canonical name."""
+    name = get_backend(backend).name
+    if name not in (FSDP2, DEEPSPEED):
+        raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {name}. Fix: backend='fsdp2'")
+    if name == DEEPSPEED and intent.memory_budget is not None and intent.activation_checkpointing is not False:
+        raise IntentError(
+            f"memory_budget under DeepSpeed cannot count activation_checkpointing={intent.activation_checkpointing!r}: autoshard"
+            f" does not checkpoint blocks under DeepSpeed (your blocks' own deepspeed.checkpointing.checkpoint calls do), so"
+            f" the simulated step cannot know which activations they recompute, and a decision could choose an offload"
+            f" your run does not need, or one that does not fit. What works: strategy='fsdp2', where memory_budget checkpoints"
+            f" blocks itself and chooses how many. Fix: drop memory_budget and set offload yourself (autoshard explain"
+            f" --backend deepspeed --batch FILE.py:make_batch shows each peak), or use strategy='fsdp2'"
+        )
+    return name
+
+
+def _kept(intent: ShardingIntent, free: list[str], backend: str) -> tuple[str, ...]:
+    """The fields the decision leaves as the user set them (under DeepSpeed, those it has no say in are not named)."""
+    fields = ("offload",) if backend == DEEPSPEED else FREE_FIELDS
+    return tuple(f for f in fields if f not in free and (f != "shard_size" or intent.shard_size is not None))
+
+
+def decide_at_fit(module: Any, batch: Any, intent: ShardingIntent, world_size: int, *, num_nodes: int = 1, **kwargs: Any) -> BudgetDecision:
+    """``decide`` as a strategy calls it at setup, on rank 0, before anything is sharded (then it broadcasts
+    ``to_dict()`` to the other ranks). The same function: named for the call site."""
+    return decide(module, batch, intent, world_size, num_nodes=num_nodes, **kwargs)
+
+
+def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:
+    """``run()`` in a forked child (``activations.in_detached_world``): a live process group (a strategy's setup, a
+    Trainer that ran before) and the simulated steps' fake one cannot coexist in one process. Errors come back as
+    the same types."""
+    from autoshard.activations import in_detached_world
+
+    answer = in_detached_world(lambda: run().to_dict())
+    if "error" in answer:
+        error = answer["error"]
+        if error["type"] == BudgetRefusedError.__name__:
+            raise BudgetRefusedError(error["message"], error.get("min_world_size"), error.get("micro_batch"))
+        raise (IntentError if error["type"] == IntentError.__name__ else AutoShardError)(error["message"])
+    return BudgetDecision.from_dict(answer["result"])
+
+
+def auto_entries(factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """``explain --budget B --json``'s "auto": per world size, ``BudgetDecision.to_dict()`` (``chosen``, ``peak``,
+    ``cheaper``: each with its ``config`` and ``peak``), or ``{"world_size", "budget", "error": {"type", "message",
+    "min_world_size"}}`` when there is no decision (``min_world_size``: None when no world size fits)."""
+    out: list[dict[str, Any]] = []
+    for n in world_sizes:
+        try:
+            out.append(decide(factory, batch, intent, n, budget=budget, **kwargs).to_dict())
+        except AutoShardError as exc:
+            error = {"type": type(exc).__name__, "message": str(exc), "min_world_size": getattr(exc, "min_world_size", None)}
+            out.append({"world_size": n, "budget": budget, "error": error})
+    return out

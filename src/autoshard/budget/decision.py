@@ -1,0 +1,210 @@
+"""What ``memory_budget`` decides, as values: the fields it chooses and their defaults, the price of a configuration
+(``Rates``, ``Cost``), each configuration tried (``Tried``), the decision (``BudgetDecision``: stored in checkpoints,
+printed by explain), and the refusal when nothing fits (``BudgetRefusedError``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
+from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.errors import IntentError
+from autoshard.intent import BUDGET_FIELDS, ShardingIntent
+from autoshard.memory import fmt_bytes
+
+FREE_FIELDS = BUDGET_FIELDS
+DEFAULTS: dict[str, Any] = {"reshard_after_forward": True, "activation_checkpointing": False, "offload": "none", "shard_size": None}
+OFFLOAD_SAVING = {"none": 0, "optimizer": 1, "params": 2}  # what each offload leaves off the device, least first
+
+
+class BudgetRefusedError(IntentError):
+    """No configuration fits ``memory_budget`` at this world size; ``min_world_size`` is the smallest world size at
+    which one does (None: none up to MAX_RANKS, activations do not shrink with ranks), ``micro_batch`` the largest
+    micro-batch that fits here with every saving on (None: unknown, or the batch cannot be cut along dim 0)."""
+
+    def __init__(self, message: str, min_world_size: int | None = None, micro_batch: int | None = None) -> None:
+        # Every value in args: a strategy's other ranks rebuild rank 0's refusal from them (lightning.checkpoint).
+        super().__init__(message, min_world_size, micro_batch)
+        self.min_world_size = min_world_size
+        self.micro_batch = micro_batch
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one step's extra work costs, per second, on the hardware the run is for: turns FLOPs and bytes into
+    seconds so that recomputation, collectives and host copies are compared in one unit. The defaults are a nominal
+    H100-class node (dense bf16 at a realistic 40% of peak, NVLink, 200 Gb/s InfiniBand per GPU, PCIe 5 x16);
+    benchmarks/budget_cost_order.py measures them on the machine at hand."""
+
+    flops_per_s: float = 400e12
+    intra_node_bytes_per_s: float = 150e9
+    inter_node_bytes_per_s: float = 25e9
+    host_bytes_per_s: float = 25e9
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The estimated price of one configuration, per step: seconds by cause, and the quantities behind them."""
+
+    recompute_flops: int = 0
+    gather_bytes_intra: int = 0
+    gather_bytes_inter: int = 0
+    host_bytes: int = 0
+    seconds: float = 0.0
+
+    def at(self, rates: Rates) -> float:
+        """The same quantities priced at other rates (the cost-order benchmark measures this machine's)."""
+        return (
+            self.recompute_flops / rates.flops_per_s
+            + self.gather_bytes_intra / rates.intra_node_bytes_per_s
+            + self.gather_bytes_inter / rates.inter_node_bytes_per_s
+            + self.host_bytes / rates.host_bytes_per_s
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One configuration the decision looked at: its free fields, its peak per rank, its price, and why it does not
+    fit (``why`` is "" for the chosen one). ``simulated=False``: its peak is a lower bound, inferred from a
+    configuration that saves at least as much in every field and already does not fit (no step simulated)."""
+
+    config: dict[str, Any]
+    peak: int
+    cost: Cost
+    fits: bool
+    why: str = ""
+    simulated: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": dict(self.config),
+            "peak": self.peak,
+            "fits": self.fits,
+            "why": self.why,
+            "simulated": self.simulated,
+            "cost": self.cost.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Tried:
+        return cls(
+            dict(data["config"]),
+            int(data["peak"]),
+            Cost(**data.get("cost", {})),
+            bool(data["fits"]),
+            data.get("why", ""),
+            bool(data.get("simulated", True)),
+        )
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """What ``memory_budget`` chose at one world size: ``chosen`` holds ShardingIntent field names and values (paste
+    them: ``ShardingIntent(**chosen)``), ``peak`` its simulated device bytes per rank, ``cheaper`` every cheaper
+    configuration with its peak and why it does not fit, cheapest first. ``kept`` names the fields the user set,
+    which the decision did not touch."""
+
+    budget: int
+    world_size: int
+    chosen: dict[str, Any]
+    peak: int
+    cost: Cost
+    cheaper: list[Tried]
+    batch: str = ""
+    kept: tuple[str, ...] = ()
+    rates: Rates = field(default_factory=Rates)
+    num_nodes: int = 1
+    backend: str = FSDP2  # the backend the peaks are for: fsdp2's simulated step, or DeepSpeed's estimator + activations
+
+    def intent(self, base: ShardingIntent) -> ShardingIntent:
+        """``base`` with the chosen fields: what the run trains with."""
+        return base.replace(**self.chosen)
+
+    def table(self) -> str:
+        """The decision table a strategy logs on rank 0 at fit: the choice with its peak, then every cheaper
+        configuration with its peak and why it does not fit."""
+        head = (
+            f"autoshard memory budget: {fmt_bytes(self.budget)} per rank, world size {self.world_size}"
+            + (f" on {self.num_nodes} nodes" if self.num_nodes > 1 else "")
+            + (", DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if self.backend == DEEPSPEED else "")
+            + (f", micro-batch {self.batch}" if self.batch else "")
+        )
+        lines = [head, f"  chosen: {describe_config(self.chosen)}", f"    peak {fmt_bytes(self.peak)} per rank; costs {_cost_words(self.cost)}"]
+        if self.cheaper:
+            lines.append("  cheaper, and why each does not fit (cheapest first):")
+            for t in self.cheaper:
+                lines.append(f"    {describe_config(t.config):<72} peak {'>= ' if not t.simulated else ''}{fmt_bytes(t.peak):>11}  {t.why}")
+        else:
+            lines.append("  nothing cheaper: this is the cheapest configuration")
+        if self.kept:
+            lines.append(f"  kept as you set them: {', '.join(self.kept)}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types: stored in the checkpoint, printed by ``autoshard explain --budget --json``."""
+        return {
+            "world_size": self.world_size,
+            "budget": self.budget,
+            "chosen": dict(self.chosen),
+            "peak": self.peak,
+            "cost": self.cost.to_dict(),
+            "cheaper": [t.to_dict() for t in self.cheaper],
+            "batch": self.batch,
+            "kept": list(self.kept),
+            "rates": self.rates.to_dict(),
+            "num_nodes": self.num_nodes,
+            "backend": self.backend,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BudgetDecision:
+        return cls(
+            budget=int(data["budget"]),
+            world_size=int(data["world_size"]),
+            chosen=dict(data["chosen"]),
+            peak=int(data["peak"]),
+            cost=Cost(**data.get("cost", {})),
+            cheaper=[Tried.from_dict(t) for t in data.get("cheaper", [])],
+            batch=data.get("batch", ""),
+            kept=tuple(data.get("kept", ())),
+            rates=Rates(**data.get("rates", {})),
+            num_nodes=int(data.get("num_nodes", 1)),
+            backend=str(data.get("backend", FSDP2)),
+        )
+
+
+def describe_config(config: dict[str, Any]) -> str:
+    """``activation_checkpointing=2, offload='params'``: the fields that differ from ShardingIntent's defaults, as
+    a user writes them ("defaults" when none does)."""
+    changed = [f"{k}={v!r}" for k, v in config.items() if DEFAULTS.get(k, object()) != v or type(DEFAULTS.get(k)) is not type(v)]
+    return ", ".join(changed) or "defaults (nothing changed)"
+
+
+def _cost_words(cost: Cost) -> str:
+    parts = []
+    if cost.recompute_flops:
+        parts.append(f"{cost.recompute_flops / 1e9:.3g} GFLOP recomputed")
+    if cost.gather_bytes_intra or cost.gather_bytes_inter:
+        parts.append(f"{fmt_bytes(cost.gather_bytes_intra + cost.gather_bytes_inter)} all-gathered/reduced")
+    if cost.host_bytes:
+        parts.append(f"{fmt_bytes(cost.host_bytes)} host<->device")
+    return f"~{cost.seconds * 1e3:.3g} ms/step estimated ({'; '.join(parts) or 'nothing extra'})"
+
+
+def free_fields(intent: ShardingIntent, num_nodes: int, backend: str = FSDP2) -> list[str]:
+    """The fields the user left at their defaults (shard_size only when there are several nodes to group by; under
+    DeepSpeed offload only, its one knob autoshard sets)."""
+    free = [f for f in FREE_FIELDS if getattr(intent, f) == DEFAULTS[f] and type(getattr(intent, f)) is type(DEFAULTS[f]) and f not in intent.pinned]
+    if backend == DEEPSPEED:
+        return [f for f in free if f == "offload"]
+    return [f for f in free if f != "shard_size" or num_nodes > 1]

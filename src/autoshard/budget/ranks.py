@@ -1,0 +1,39 @@
+"""More ranks: which world sizes a run can have (any up to one node, whole nodes beyond), and the part of an
+estimate that shrinks with them (the model states left on the device). Shared by the ``--budget`` advice and the
+decision's search."""
+
+from __future__ import annotations
+
+from autoshard.errors import IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.memory import MemoryEstimate
+
+MAX_RANKS = 4096  # the search for "more ranks" stops here
+MAX_DECISION_RANKS = MAX_RANKS
+DEVICES_PER_NODE = 8  # ranks per node when nothing says otherwise (one node of the world size if it is larger)
+
+
+def whole_nodes(ranks: int, devices_per_node: int) -> int:
+    """``ranks`` rounded up to whole nodes once it exceeds one node (6 x 2 = 12 ranks on 8-device nodes: 16)."""
+    return ranks if ranks <= devices_per_node else -(-ranks // devices_per_node) * devices_per_node
+
+
+def states_on_device(estimate: MemoryEstimate) -> int:
+    return estimate.model_states - sum(getattr(estimate, c) for c in estimate.offloaded)
+
+
+def world_sizes_after(world_size: int, devices_per_node: int | None, intent: ShardingIntent) -> list[int]:
+    """World sizes above ``world_size`` a run can have: any up to one node, whole nodes beyond, and only those the
+    intent's fixed shard_size divides."""
+    per_node = devices_per_node or world_size
+    sizes = [n for n in range(world_size + 1, per_node + 1)] + list(
+        range(max(per_node, world_size) // per_node * per_node + per_node, MAX_DECISION_RANKS + 1, per_node)
+    )
+    out = []
+    for n in sorted(set(sizes)):
+        try:
+            intent.hsdp_sizes(n, max(1, n // per_node) if devices_per_node else 1)
+        except IntentError:
+            continue
+        out.append(n)
+    return out

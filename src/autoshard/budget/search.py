@@ -1,0 +1,235 @@
+"""The decision's search: the price of each configuration (the cost order below), and the cheapest configuration
+whose simulated peak fits; when none does, the smallest world size or the largest micro-batch at which one does."""
+
+# The cost order. Every free field's option has a price, in estimated seconds per step on nominal hardware (Rates):
+#   - activation checkpointing: the FLOPs its recomputation adds to the simulated step (forward, backward and
+#     recomputation counted by torch's FlopCounterMode), at Rates.flops_per_s;
+#   - reshard_after_forward=True: the all-gather bytes of the traffic model (memory.py: a unit is gathered again in
+#     backward), at the link's rate (inter-node bytes at Rates.inter_node_bytes_per_s, the rest intra-node);
+#   - offload='params': host-device bytes per step (each rank's shard of the parameters copied in for every
+#     all-gather, its gradient shard copied out), at Rates.host_bytes_per_s;
+#   - a smaller shard group (shard_size='node'): more memory (states divide by fewer ranks), less cross-node traffic:
+#     its price is the traffic model's bytes at each link's rate, like resharding.
+# A configuration's price is the sum. The cheapest configuration whose simulated peak fits the budget is chosen;
+# ties go to fewer changes. Every cheaper configuration is listed with its peak and why it does not fit.
+#
+# Under DeepSpeed ZeRO-3 (backend='deepspeed') the one knob chosen is offload: 'none', then 'optimizer'
+# (offload_optimizer: each step the gradient partition goes to the host, the updated parameter partition comes back),
+# then 'params' (offload_param too: the parameter partition comes in for the forward's and the backward's gathers,
+# gradients go out, the step runs on the host). Each saves more device memory than the one before and copies more.
+# A peak there is DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs: 4 x the largest layer + 18, 2 or
+# 0 bytes per parameter / ranks) plus the activations of a simulated step of the same method (explain does the same).
+# Activation checkpointing is not chosen there: autoshard does not checkpoint blocks under DeepSpeed (the model's own
+# deepspeed.checkpointing calls do), so a step cannot be simulated for it, and memory_budget refuses it (row 131).
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from autoshard.backends import get_backend
+from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
+from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.budget.batch import batch_function
+from autoshard.budget.decision import OFFLOAD_SAVING, Cost, Rates, Tried, describe_config
+from autoshard.budget.meta import meta_factory
+from autoshard.budget.ranks import states_on_device, world_sizes_after
+from autoshard.budget.simulator import Simulator, config_key
+from autoshard.errors import AutoShardError
+from autoshard.intent import SELECTIVE, ShardingIntent
+from autoshard.memory import fmt_bytes
+
+
+def _ac_options(blocks: int) -> list[bool | int | str]:
+    """False, every k-th block (k = 2, and 4 from 8 blocks), selective, every block: steps between nothing and all."""
+    if blocks == 0:
+        return [False]
+    every = [k for k in (2, 4) if k < blocks and (k == 2 or blocks >= 8)]
+    return [False, *every, SELECTIVE, True]
+
+
+def _saves_at_least(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether configuration ``a`` saves at least as much memory as ``b`` in every field (so peak(a) <= peak(b))."""
+    for key, va in a.items():
+        vb = b[key]
+        if va == vb and type(va) is type(vb):
+            continue
+        if key == "reshard_after_forward" and not (va is True and vb is False):
+            return False
+        if key == "offload" and OFFLOAD_SAVING[va] < OFFLOAD_SAVING[vb]:
+            return False
+        if key == "shard_size" and not (va is None and vb == "node"):
+            return False
+        if key == "activation_checkpointing" and not _ac_saves_at_least(va, vb):
+            return False
+    return True
+
+
+def _ac_saves_at_least(a: bool | int | str, b: bool | int | str) -> bool:
+    if b is False or a is True:
+        return True
+    if isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and not isinstance(b, bool):
+        return a <= b  # every 2nd block saves more than every 4th
+    return False
+
+
+def config_cost(sim: Simulator, config: dict[str, Any], world_size: int, flops: dict[Any, int], rates: Rates) -> Cost:
+    states = sim.states(config, world_size)
+    ac = config.get("activation_checkpointing", sim.base.activation_checkpointing)
+    base_ac = False if "activation_checkpointing" in config else sim.base.activation_checkpointing
+    recompute = max(0, flops.get(ac, 0) - flops.get(base_ac, 0)) if ac in flops and base_ac in flops else 0
+    gathered_intra = states.intra_node_bytes
+    gathered_inter = states.inter_node_bytes
+    host = 0
+    offload = config.get("offload", sim.base.offload)
+    if sim.backend == DEEPSPEED:  # see the cost order above: gradients out, parameters in once (optimizer) or per gather
+        host = {"none": 0, "optimizer": states.parameters + states.gradients, "params": 2 * states.parameters + states.gradients}[offload]
+    elif offload != "none":
+        reshard = config.get("reshard_after_forward", sim.base.reshard_after_forward)
+        host = (states.parameters + states.ema_teacher) * (2 if reshard else 1) + states.gradients
+    cost = Cost(recompute, gathered_intra, gathered_inter, host)
+    return Cost(recompute, gathered_intra, gathered_inter, host, cost.at(rates))
+
+
+def price(
+    module: Any,
+    batch: Any,
+    intent: ShardingIntent,
+    world_size: int,
+    configs: Sequence[dict[str, Any]],
+    *,
+    rates: Rates | None = None,
+    precision: Any = None,
+    num_nodes: int = 1,
+    backend: str = FSDP2,
+) -> list[tuple[int, Cost]]:
+    """(device peak per rank, price) of each configuration (ShardingIntent fields over ``intent``), as ``decide``
+    computes them on ``backend``: one simulated step each, plus one without activation checkpointing for the
+    recomputed FLOPs."""
+    from autoshard.precision import resolve_precision
+
+    rates = rates or Rates()
+    base = intent.replace(memory_budget=None, pinned=())
+    sim = Simulator(
+        meta_factory(module),
+        batch_function(batch),
+        base,
+        precision or resolve_precision(None, intent),
+        world_size // num_nodes,
+        num_nodes,
+        None,
+        get_backend(backend).name,
+    )
+    flops: dict[Any, int] = {}
+    out = []
+    for config in [{**c, "activation_checkpointing": False} for c in configs] + list(configs):
+        estimate, step_flops = sim.step(dict(config), world_size)
+        flops.setdefault(config.get("activation_checkpointing", base.activation_checkpointing), step_flops)
+    for config in configs:
+        estimate, _ = sim.step(dict(config), world_size)
+        out.append((estimate.device, config_cost(sim, dict(config), world_size, flops, rates)))
+    return out
+
+
+def _options(field_name: str, blocks: int, backend: str = FSDP2) -> list[Any]:
+    """Each free field's options, cheapest (least saving) first."""
+    return {
+        "reshard_after_forward": [False, True],
+        "activation_checkpointing": _ac_options(blocks),
+        "offload": ["none", "optimizer", "params"] if backend == DEEPSPEED else ["none", "params"],
+        "shard_size": ["node", None],
+    }[field_name]
+
+
+def search_configs(
+    sim: Simulator, world_size: int, budget: int, rates: Rates, free: list[str], blocks: int
+) -> tuple[Tried | None, list[Tried], dict[str, Any]]:
+    """(the cheapest configuration that fits or None, every cheaper one tried, the most saving configuration).
+
+    Order of work, to simulate few steps: the cheapest configuration first (it fits: done); then the most saving
+    one (it does not: nothing fits at this world size); then one step per activation-checkpointing option (its
+    recomputed FLOPs are its price); then the rest in price order, skipping (as lower bounds) those that save no
+    more than one already over the budget.
+    """
+    grid = [dict(zip(free, values)) for values in itertools.product(*(_options(f, blocks, sim.backend) for f in free))]
+    most = grid[-1]
+    flops: dict[Any, int] = {}
+    peaks: dict[str, int] = {}
+    changes = lambda c: sum(c[f] != getattr(sim.base, f) for f in free)  # noqa: E731  ties: fewer changes
+    # The cheapest: nothing recomputed, nothing offloaded, the cheapest resharding and shard group by the traffic
+    # model (no step needed to price those; at one rank resharding is free, so the default stays).
+    plain = [c for c in grid if not c.get("activation_checkpointing") and c.get("offload", "none") == "none"]
+    cheapest = min(plain, key=lambda c: (config_cost(sim, c, world_size, flops, rates).seconds, changes(c)))
+
+    def simulate(config: dict[str, Any]) -> int:
+        estimate, step_flops = sim.step(config, world_size)
+        flops.setdefault(config.get("activation_checkpointing", sim.base.activation_checkpointing), step_flops)
+        peaks[config_key(config)] = estimate.device
+        return estimate.device
+
+    if simulate(cheapest) <= budget:
+        return Tried(cheapest, peaks[config_key(cheapest)], config_cost(sim, cheapest, world_size, flops, rates), True), [], most
+    if simulate(most) > budget:
+        return None, [], most
+    if "activation_checkpointing" in free:
+        for option in _ac_options(blocks):
+            simulate({**cheapest, "activation_checkpointing": option})
+    priced = sorted(grid, key=lambda c: (config_cost(sim, c, world_size, flops, rates).seconds, changes(c)))
+    tried: list[Tried] = []
+    over: list[dict[str, Any]] = []
+    for config in priced:
+        cost = config_cost(sim, config, world_size, flops, rates)
+        dominant = next((o for o in over if _saves_at_least(o, config)), None)
+        if config_key(config) not in peaks and dominant is not None:
+            bound = peaks[config_key(dominant)]
+            why = f"saves no more than {describe_config(dominant)}, which peaks at {fmt_bytes(bound)} (over the budget): not simulated"
+            tried.append(Tried(config, bound, cost, False, why, simulated=False))
+            continue
+        peak = peaks[config_key(config)] if config_key(config) in peaks else simulate(config)
+        if peak <= budget:
+            return Tried(config, peak, cost, True), tried, most
+        over.append(config)
+        tried.append(Tried(config, peak, cost, False, f"{fmt_bytes(peak - budget)} over the budget"))
+    return None, tried, most  # unreachable: the most saving configuration fits
+
+
+def smallest_world_size(sim: Simulator, config: dict[str, Any], world_size: int, budget: int) -> int | None:
+    """The smallest world size above ``world_size`` at which ``config`` fits: predicted from model states (they shrink
+    with ranks, activations do not) by bisection, then confirmed by a simulated step (the next sizes when not)."""
+    here, _ = sim.step(config, world_size)
+    rest = here.device - states_on_device(sim.states(config, world_size))
+    sizes = world_sizes_after(world_size, sim.devices_per_node, sim.base.replace(**config))
+    predict = lambda n: rest + states_on_device(sim.states(config, n))  # noqa: E731
+    if not sizes or predict(sizes[-1]) > budget:
+        return None
+    lo, hi = 0, len(sizes) - 1
+    while lo < hi:  # the first size predicted to fit (states shrink monotonically with ranks)
+        mid = (lo + hi) // 2
+        if predict(sizes[mid]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    for n in sizes[lo : lo + 3]:
+        if sim.step(config, n)[0].device <= budget:
+            return n
+    return None
+
+
+def largest_micro_batch(sim: Simulator, config: dict[str, Any], world_size: int, budget: int, rows: int | None) -> tuple[int, int] | None:
+    """(rows, peak) of the largest micro-batch (rows / 2, / 4, ...) that fits with ``config``; None when none does or
+    the batch cannot be cut."""
+    if not rows or rows < 2:
+        return None
+    divisor = 2
+    while rows // divisor >= 1:
+        try:
+            estimate, _ = sim.step(config, world_size, divisor)
+        except AutoShardError:
+            return None
+        if estimate.device <= budget:
+            return rows // divisor, estimate.device
+        if rows // divisor == 1:
+            return None
+        divisor *= 2
+    return None
