@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from autoshard import cli
@@ -178,29 +179,60 @@ def test_129_a_budget_is_decided_before_sharding_not_after() -> None:
 
 
 # -- 131-135: the budget at fit, and under DeepSpeed --------------------------------------------------------------------
-AC_UNDER_DEEPSPEED = (
-    "memory_budget under DeepSpeed cannot count activation_checkpointing=True: autoshard does not checkpoint blocks under"
-    " DeepSpeed (your blocks' own deepspeed.checkpointing.checkpoint calls do), so the simulated step cannot know which"
-    " activations they recompute, and a decision could choose an offload your run does not need, or one that does not"
-    " fit. What works: strategy='fsdp2', where memory_budget checkpoints blocks itself and chooses how many. Fix: drop"
-    " memory_budget and set offload yourself (autoshard explain --backend deepspeed --batch FILE.py:make_batch shows each"
-    " peak), or use strategy='fsdp2'"
+SELECTIVE_UNDER_DEEPSPEED = (
+    "activation_checkpointing='selective' cannot run under DeepSpeed ZeRO-3: ZeRO-3 gathers each submodule's parameters"
+    " in hooks inside the block, and a recomputation in backward gathers them again where the forward found them"
+    " prefetched, so torch's selective cache meets ops it never saw and stops the backward. What works: every block"
+    " (True) or every k-th block (k) under DeepSpeed, or 'selective' under strategy='fsdp2'. Fix:"
+    " activation_checkpointing=True (or 2 for every 2nd block)"
 )
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
 
 @needs_deepspeed
-def test_131_a_memory_budget_with_activation_checkpointing_under_deepspeed_is_refused_when_the_strategy_is_built() -> None:
+def test_131_selective_activation_checkpointing_under_deepspeed_is_refused_when_the_strategy_is_built() -> None:
+    from autoshard.fabric.deepspeed import AutoShardDeepSpeedStrategy as FabricDeepSpeed
     from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
-    with pytest.raises(IntentError) as built:
-        AutoShardDeepSpeedStrategy(memory_budget="70GiB", activation_checkpointing=True)
-    assert str(built.value) == AC_UNDER_DEEPSPEED
+    for build in (AutoShardDeepSpeedStrategy, FabricDeepSpeed):
+        with pytest.raises(IntentError) as built:
+            build(activation_checkpointing="selective")
+        assert str(built.value) == SELECTIVE_UNDER_DEEPSPEED
     with pytest.raises(IntentError) as decided:
-        decide(Small, small_batch(), ShardingIntent(memory_budget="1GiB", activation_checkpointing=True), 2, backend="deepspeed")
-    assert str(decided.value) == AC_UNDER_DEEPSPEED
-    AutoShardDeepSpeedStrategy(activation_checkpointing=True)  # without a budget: the user's own checkpointing, as before
-    AutoShardDeepSpeedStrategy(memory_budget="70GiB")
+        decide(Small, small_batch(), ShardingIntent(memory_budget="1GiB", activation_checkpointing="selective"), 2, backend="deepspeed")
+    assert str(decided.value) == SELECTIVE_UNDER_DEEPSPEED
+    AutoShardDeepSpeedStrategy(activation_checkpointing=2)  # every k-th block and every block run there
+    AutoShardDeepSpeedStrategy(memory_budget="70GiB", activation_checkpointing=True)
+
+
+class Flat(Small):
+    """No repeated block: a single wide layer between the input and the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 32)])
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_138_activation_checkpointing_on_a_model_without_a_block_to_checkpoint_is_refused_not_ignored(backend: str) -> None:
+    from autoshard.adapters.checkpointing import checkpoint_blocks
+    from autoshard.adapters.fsdp2 import plan_fsdp2
+
+    intent = ShardingIntent(activation_checkpointing=True)
+    with pytest.raises(IntentError) as info:
+        plan_fsdp2(Flat(), intent) if backend == "fsdp2" else checkpoint_blocks(Flat(), intent)
+    assert str(info.value) == (
+        "activation_checkpointing=True checkpoints repeated blocks (transformer layers, residual stages), and Flat has none"
+        " that trains (none found by structure), so nothing would be recomputed and no memory saved. Fix: name the blocks,"
+        " ShardingIntent(blocks=['MyBlock']) (class names or module paths as print(model) shows them), or drop"
+        " activation_checkpointing"
+    )
+    frozen = Small().requires_grad_(False)
+    frozen.head.requires_grad_(True)
+    with pytest.raises(IntentError, match="Small has none that trains"):
+        plan_fsdp2(frozen, intent) if backend == "fsdp2" else checkpoint_blocks(frozen, intent)
+    named = intent.replace(blocks=("head",))
+    assert (plan_fsdp2(Small(), named).units if backend == "fsdp2" else checkpoint_blocks(Small(), named)) is not None
 
 
 def test_133_a_memory_budget_for_a_backend_it_does_not_decide_for_is_refused() -> None:
@@ -218,7 +250,7 @@ def test_134_a_resume_whose_decision_chose_a_field_you_now_set_decides_again_and
 
 
 def test_135_a_resume_that_could_not_keep_the_checkpoints_decision_warns_with_the_fields_to_set() -> None:
-    stored = decide(Wide, wide_batch(), ShardingIntent(memory_budget="3MiB"), 2, backend="deepspeed")
+    stored = decide(Wide, wide_batch(), ShardingIntent(memory_budget="3MiB", pinned=("activation_checkpointing",)), 2, backend="deepspeed")
     assert stored.chosen == {"offload": "optimizer"}
     made_here = dataclasses.replace(stored, chosen={"offload": "none"}, peak=stored.cheaper[0].peak)
     said = stored_differs(stored.to_dict(), made_here)

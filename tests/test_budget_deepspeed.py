@@ -19,9 +19,16 @@ from autoshard.budget import BudgetDecision, BudgetRefusedError, decide, price, 
 from autoshard.explain import explain
 from autoshard.intent import ShardingIntent
 from autoshard.lightning.checkpoint import error_payload, rebuild_error
-from tests.test_bad_inputs_budget import Wide, wide_batch
+from tests.test_bad_inputs_budget import Small, Wide, small_batch, wide_batch
 
 FP32 = ShardingIntent(precision="32-true")
+
+
+def offload_only(budget: int) -> ShardingIntent:
+    """A budget that chooses the offload only (checkpointing pinned off), for the tests of offload's order."""
+    return FP32.replace(memory_budget=budget, pinned=("activation_checkpointing",))
+
+
 OFFLOADS = ("none", "optimizer", "params")
 
 
@@ -54,37 +61,58 @@ def test_a_peak_is_deepspeeds_estimator_plus_the_simulated_activations_as_explai
 
 def test_the_cheapest_offload_that_fits_is_chosen_and_every_cheaper_one_shown() -> None:
     none, optimizer, params = (priced()[o][0] for o in OFFLOADS)
-    decision = decide(Wide, wide_batch(), FP32.replace(memory_budget=(none + optimizer) // 2), 2, backend="deepspeed")
+    decision = decide(Wide, wide_batch(), offload_only((none + optimizer) // 2), 2, backend="deepspeed")
     assert decision.chosen == {"offload": "optimizer"} and decision.peak == optimizer and decision.backend == "deepspeed_zero3"
     assert [(t.config, t.peak, t.fits) for t in decision.cheaper] == [({"offload": "none"}, none, False)]
     table = decision.table()
     assert "DeepSpeed ZeRO-3 (its estimator + the simulated activations)" in table and "chosen: offload='optimizer'" in table
     assert decision.intent(FP32).offload == "optimizer"
-    tight = decide(Wide, wide_batch(), FP32.replace(memory_budget=(optimizer + params) // 2), 2, backend="deepspeed")
+    tight = decide(Wide, wide_batch(), offload_only((optimizer + params) // 2), 2, backend="deepspeed")
     assert tight.chosen == {"offload": "params"} and [t.config["offload"] for t in tight.cheaper] == ["none", "optimizer"]
-    roomy = decide(Wide, wide_batch(), FP32.replace(memory_budget=none), 2, backend="deepspeed")
+    roomy = decide(Wide, wide_batch(), offload_only(none), 2, backend="deepspeed")
     assert roomy.chosen == {"offload": "none"} and roomy.cheaper == []
 
 
 def test_with_the_offload_pinned_only_more_ranks_help_and_the_refusal_names_them() -> None:
     none = priced()["none"][0]
     with pytest.raises(BudgetRefusedError) as info:
-        decide(Wide, wide_batch(), FP32.replace(memory_budget=none - 1, pinned=("offload",)), 2, backend="deepspeed")
+        decide(Wide, wide_batch(), FP32.replace(memory_budget=none - 1, pinned=("offload", "activation_checkpointing")), 2, backend="deepspeed")
     assert info.value.min_world_size == 3, str(info.value)  # 18 bytes per parameter over 3 ranks instead of 2
-    assert "under DeepSpeed autoshard sets the offload only, and you set it; strategy='fsdp2' can also checkpoint" in str(info.value)
+    assert "under DeepSpeed autoshard sets the offload and activation checkpointing only; strategy='fsdp2' can also reshard" in str(info.value)
     assert "Fix: run on 3 ranks (Trainer(devices=..., num_nodes=...)), or raise memory_budget to " in str(info.value)
 
 
 def test_explain_json_auto_decides_for_deepspeed_where_the_backend_is_deepspeed(capsys: pytest.CaptureFixture[str]) -> None:
     none, optimizer, _ = (priced()[o][0] for o in OFFLOADS)
     args = ["explain", "tests.test_bad_inputs_budget:Wide", "--backend", "deepspeed", "--batch", "tests.test_bad_inputs_budget:wide_batch"]
-    code = cli.main([*args, "--intent", "precision=32-true", "--world-sizes", "2", "--budget", str((none + optimizer) // 2), "--json"])
+    budget = (none + optimizer) // 2
+    code = cli.main([*args, "--intent", "precision=32-true", "--world-sizes", "2", "--budget", str(budget), "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0, out
     (entry,) = out["auto"]
-    assert entry["backend"] == "deepspeed_zero3" and entry["chosen"] == {"offload": "optimizer"} and entry["peak"] == optimizer
-    assert [c["config"] for c in entry["cheaper"]] == [{"offload": "none"}]
+    here = decide(Wide, wide_batch(), FP32.replace(memory_budget=budget), 2, backend="deepspeed")
+    assert entry == json.loads(json.dumps(here.to_dict())), (entry["chosen"], here.chosen)  # the decision, as decide makes it
+    assert entry["backend"] == "deepspeed_zero3" and set(entry["chosen"]) == {"activation_checkpointing", "offload"}
+    # Wide's states dominate: checkpointing at no offload is cheaper yet saves too little; the optimizer's offload fits
+    assert entry["chosen"]["offload"] == "optimizer" and entry["peak"] <= budget
+    assert [c["config"]["offload"] for c in entry["cheaper"]] == ["none"] * len(entry["cheaper"]) and len(entry["cheaper"]) >= 2
     assert ShardingIntent(**entry["chosen"]).offload == "optimizer"  # pasteable
+
+
+def test_a_budget_checkpoints_blocks_under_deepspeed_when_that_is_the_cheapest_saving() -> None:
+    """Where activations dominate, recomputing is cheaper than copying to the host: every 2nd block, then every block,
+    before any offload; 'selective' is never an option there (ZeRO-3 refuses it)."""
+    plain, every_2nd, every = (
+        peak for peak, _ in price(Small, small_batch(), FP32, 2, [{"activation_checkpointing": v} for v in (False, 2, True)], backend="deepspeed")
+    )
+    assert plain > every_2nd > every, (plain, every_2nd, every)
+    decision = decide(Small, small_batch(), FP32.replace(memory_budget=(every_2nd + plain) // 2), 2, backend="deepspeed")
+    assert decision.chosen == {"activation_checkpointing": 2, "offload": "none"} and decision.peak == every_2nd, decision.table()
+    assert [t.config for t in decision.cheaper] == [{"activation_checkpointing": False, "offload": "none"}]
+    tried = decide(Small, small_batch(), FP32.replace(memory_budget=every), 2, backend="deepspeed")
+    assert tried.chosen == {"activation_checkpointing": True, "offload": "none"}, tried.table()
+    assert all(t.config["activation_checkpointing"] != "selective" for t in tried.cheaper)
+    assert decision.intent(FP32).activation_checkpointing == 2
 
 
 def test_a_refusal_keeps_its_smallest_world_size_when_another_rank_rebuilds_it() -> None:

@@ -105,10 +105,14 @@ def full_weights(backend: str, module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
 
 
-def fit(backend: str, fields: dict[str, Any], epochs: int = 1, ckpt_path: Path | None = None) -> dict[str, Any]:
+def fit(backend: str, fields: dict[str, Any], epochs: int = 1, ckpt_path: Path | None = None, calls: list[int] | None = None) -> dict[str, Any]:
     world = int(os.environ["BUDGET_FIT_WORLD"])
     pl.seed_everything(0, verbose=False)
     module = Net()
+    if calls is not None:  # each block's first Linear, per call: a checkpointed block runs it again in backward
+        calls.extend([0] * DEPTH)
+        for i, block in enumerate(module.blocks):
+            block[1].register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     chosen = strategy(backend, fields)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -151,6 +155,7 @@ def summary(backend: str, run: dict[str, Any]) -> dict[str, Any]:
     if backend == "ds" and run["error"] is None:
         zero = run["strategy"].config["zero_optimization"]
         out["zero_offload"] = {k: zero[k]["device"] for k in ("offload_optimizer", "offload_param") if k in zero}
+        out["checkpointed"] = run["strategy"].checkpointed.get(id(run["module"]))
     return out
 
 
@@ -198,6 +203,27 @@ def changed(backend: str) -> dict[str, Any]:
     return summary(backend, fit(backend, {"memory_budget": "1GiB"}, epochs=2, ckpt_path=work() / f"{backend}-budget.ckpt"))
 
 
+def checkpointing(backend: str) -> dict[str, Any]:
+    """Each activation-checkpointing mode DeepSpeed runs, set by hand ('selective' is refused at construction there):
+    which blocks ran their forward again in backward, and the losses and final weights against no checkpointing
+    (recomputation restores the RNG: dropout draws the same mask)."""
+    out: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    for mode in (False, True, 2):
+        calls: list[int] = []
+        run = fit(backend, {"activation_checkpointing": mode}, calls=calls)
+        weights = full_weights(backend, run["module"])
+        if mode is False:
+            plain = {"losses": losses(run["module"]), "weights": weights}
+        out[str(mode)] = {
+            **summary(backend, run),
+            "calls_per_step": [c / STEPS for c in calls],
+            "losses_equal_plain": losses(run["module"]) == plain["losses"],
+            "max_weight_diff_vs_plain": max(float((weights[n] - plain["weights"][n]).abs().max()) for n in weights),
+        }
+    return out
+
+
 def impossible(backend: str) -> dict[str, Any]:
     run = fit(backend, {"memory_budget": budgets()[f"{backend}_impossible"], "pinned": ("offload",)})
     out = summary(backend, run)
@@ -210,7 +236,14 @@ def impossible(backend: str) -> dict[str, Any]:
 SCENARIOS = {
     f"{backend}_{name}": (lambda fn=fn, backend=backend: fn(backend))
     for backend in ("fs", "ds")
-    for name, fn in (("decided", decided), ("by_hand", by_hand), ("resumed", resumed), ("changed", changed), ("impossible", impossible))
+    for name, fn in (
+        ("decided", decided),
+        ("by_hand", by_hand),
+        ("resumed", resumed),
+        ("changed", changed),
+        ("impossible", impossible),
+        ("checkpointing", checkpointing),
+    )
 }
 
 

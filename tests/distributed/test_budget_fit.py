@@ -36,17 +36,20 @@ FP32 = ShardingIntent(precision="32-true")
 
 @functools.cache
 def budgets() -> dict[str, int]:
-    """A budget between the cheapest configuration's peak and a cheaper-to-fit one's, per backend, and one that only
-    more ranks meet (offload pinned): the peak of the most saving configuration at 4 ranks."""
+    """A budget between the cheapest configuration's peak and a cheaper-to-fit one's, per backend (under DeepSpeed one
+    that needs the optimizer offloaded and every 2nd block checkpointed), and one that only more ranks meet (offload
+    pinned): the peak of the most saving configuration at 4 ranks."""
     plain, checkpointed = price(
         Net, batch("fs"), FP32, 2, [{"reshard_after_forward": False}, {"reshard_after_forward": False, "activation_checkpointing": True}]
     )
-    none, optimizer = price(Net, batch("ds"), FP32, 2, [{"offload": "none"}, {"offload": "optimizer"}], backend="deepspeed")
+    offloaded, offloaded_checkpointed = price(
+        Net, batch("ds"), FP32, 2, [{"offload": "optimizer"}, {"offload": "optimizer", "activation_checkpointing": 2}], backend="deepspeed"
+    )
     ((saving_fs, _),) = price(Net, batch("fs"), FP32, 4, [{"reshard_after_forward": True, "activation_checkpointing": True}])
     ((saving_ds, _),) = price(Net, batch("ds"), FP32, 4, [{"offload": "none"}], backend="deepspeed")
     return {
         "fs": (plain[0] + checkpointed[0]) // 2,
-        "ds": (none[0] + optimizer[0]) // 2,
+        "ds": (offloaded[0] + offloaded_checkpointed[0]) // 2,  # both knobs: the optimizer offloaded and every 2nd block
         "fs_impossible": saving_fs,
         "ds_impossible": saving_ds,
     }
@@ -61,6 +64,7 @@ def in_process(backend: str, budget: int, **fields: Any) -> BudgetDecision:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     work = tmp_path_factory.mktemp("budget_fit")
     scenarios = [f"{b}_{s}" for b in BACKENDS for s in ("decided", "by_hand", "resumed", "changed", "impossible")]
+    scenarios += ["ds_checkpointing"] if HAS_DEEPSPEED else []
     saved = {k: os.environ.get(k) for k in ("BUDGET_FIT", "BUDGET_FIT_WORK")}
     os.environ.update(BUDGET_FIT=json.dumps(budgets()), BUDGET_FIT_WORK=str(work))
     try:
@@ -89,8 +93,9 @@ def test_a_budget_alone_picks_logs_and_stores_the_cheapest_configuration_that_fi
     assert all(run[0]["fields"][k] == v for k, v in decision.chosen.items()), (run[0]["fields"], decision.chosen)
     assert run[0]["stored"] == run[0]["decision"]
     assert run[0]["global_step"] == STEPS
-    if backend == "ds":
-        assert decision.chosen == {"offload": "optimizer"} and run[0]["zero_offload"] == {"offload_optimizer": "cpu"}
+    if backend == "ds":  # both of DeepSpeed's knobs reached the engine: the config's offload, the blocks checkpointed
+        assert decision.chosen == {"activation_checkpointing": 2, "offload": "optimizer"}, decision.table()
+        assert run[0]["zero_offload"] == {"offload_optimizer": "cpu"} and run[0]["checkpointed"] == ["blocks.0", "blocks.2"]
     else:
         assert decision.chosen["activation_checkpointing"] is not False or decision.chosen["reshard_after_forward"] is True
 
@@ -122,6 +127,23 @@ def test_a_resume_keeps_the_stored_decision_and_another_budget_decides_again_and
     decision = BudgetDecision.from_dict(again["decision"])
     assert decision.budget == 2**30 and decision.cheaper == [] and decision == in_process(backend, 2**30)
     assert ranks[1][f"{backend}_changed"]["decision"] == again["decision"]
+
+
+@pytest.mark.timeout(TIMEOUT + 120)
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+def test_deepspeed_checkpoints_every_block_or_every_kth_and_trains_exactly_as_without(ranks: list[dict[str, Any]]) -> None:
+    """Real ZeRO-3 on 2 gloo ranks: the blocks the mode names run their forward again in backward (the rest once), and
+    the losses and the final weights equal the run without checkpointing, bit for bit."""
+    for rank in ranks:
+        runs = rank["ds_checkpointing"]
+        for mode, recomputed in (("False", []), ("True", ["blocks.0", "blocks.1", "blocks.2"]), ("2", ["blocks.0", "blocks.2"])):
+            run = runs[mode]
+            assert run["error"] is None and run["global_step"] == STEPS, run["error"]
+            assert run["checkpointed"] == recomputed, (mode, run["checkpointed"])
+            assert run["calls_per_step"] == [2.0 if f"blocks.{i}" in recomputed else 1.0 for i in range(3)], (mode, run["calls_per_step"])
+            assert run["losses_equal_plain"] and run["max_weight_diff_vs_plain"] == 0.0, (mode, run["losses"])
+    (said,) = [line for line in ranks[0]["ds_checkpointing"]["2"]["logs"] if "under DeepSpeed ZeRO-3" in line]  # rank 0 says which
+    assert said == "autoshard: activation checkpointing (every 2nd block) under DeepSpeed ZeRO-3: 2 block(s): blocks.0, blocks.2", said
 
 
 @pytest.mark.timeout(TIMEOUT + 120)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.adapters.blocks import block_units, is_metric, param_names, subtree_roots, within
 from autoshard.errors import IntentError
 from autoshard.intent import SELECTIVE, ShardingIntent
 
@@ -167,6 +169,59 @@ def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMod
     return True
 
 
+def checkpointable_blocks(module: nn.Module, intent: ShardingIntent, excluded: Iterable[str] = ()) -> list[str]:
+    """The blocks activation checkpointing wraps, in the order its modes count them (deepest first, then in
+    registration order): the repeated blocks (``adapters.blocks``, or those ``ShardingIntent(blocks=...)`` names) that
+    train, inside ``intent.shard``'s subtrees when it names some, outside ``intent.exclude``, ``excluded`` (EMA
+    teachers, callback modules) and metrics, and sharing no parameter with anything outside them (tied weights).
+
+    These are the units fsdp2's plan marks ``checkpointed`` (a test keeps the two equal): DeepSpeed checkpoints the same
+    blocks, so a memory budget simulated on fsdp2's plan counts the activations a DeepSpeed run keeps.
+    """
+    modules = dict(module.named_modules())
+    names_of = param_names(module)
+    skip = set(intent.exclude) | set(excluded) | {n for n, m in modules.items() if n and is_metric(m)}
+    roots = set(subtree_roots(module, intent.shard))
+    order = {name: i for i, name in enumerate(modules)}
+    found = []
+    for name in block_units(module, intent.blocks, modules):
+        if within(name, skip) or not within(name, roots):
+            continue
+        params = [p for p in modules[name].parameters() if p.dim() > 0]
+        tied = any(not within(n, {name}) for p in modules[name].parameters() for n in names_of[id(p)])
+        if any(p.requires_grad for p in params) and not tied:
+            found.append(name)
+    return sorted(found, key=lambda n: (-n.count("."), order[n]))
+
+
+def checkpoint_blocks(module: nn.Module, intent: ShardingIntent, excluded: Iterable[str] = ()) -> list[str]:
+    """Checkpoint ``module``'s blocks as ``intent.activation_checkpointing`` says, where no ``fully_shard`` plan does it
+    (DeepSpeed ZeRO-3, before its engine is built: its hooks then gather a block's parameters again for the
+    recomputation); the names of the blocks checkpointed. fsdp2's ``apply_plan`` checkpoints its own units.
+
+    Refused when checkpointing is asked for and no block trains: it would silently recompute nothing.
+    """
+    mode = CheckpointMode.of(intent.activation_checkpointing)
+    if mode.kind is Checkpointing.NONE:
+        return []
+    blocks = checkpointable_blocks(module, intent, excluded)
+    if not blocks:
+        raise nothing_to_checkpoint(module, intent)
+    modules = dict(module.named_modules())
+    return [name for index, name in enumerate(blocks) if apply_checkpointing(modules[name], mode, index)]
+
+
+def nothing_to_checkpoint(module: nn.Module, intent: ShardingIntent) -> IntentError:
+    """The refusal when ``activation_checkpointing`` is asked for and no block trains (every backend says the same)."""
+    named = f" among the blocks named ({', '.join(map(repr, intent.blocks))})" if intent.blocks else " (none found by structure)"
+    return IntentError(
+        f"activation_checkpointing={intent.activation_checkpointing!r} checkpoints repeated blocks (transformer layers,"
+        f" residual stages), and {type(module).__name__} has none that trains{named}, so nothing would be recomputed and"
+        f" no memory saved. Fix: name the blocks, ShardingIntent(blocks=['MyBlock']) (class names or module paths as"
+        f" print(model) shows them), or drop activation_checkpointing"
+    )
+
+
 def _checkpoint_forward(block: nn.Module) -> None:
     """Selective checkpointing of ``block.forward`` itself, inside its hooks.
 
@@ -199,4 +254,13 @@ def _already(block: nn.Module) -> bool:
         return False
 
 
-__all__ = ["CheckpointMode", "Checkpointing", "apply_checkpointing", "describe_checkpointing", "selective_context_fn"]
+__all__ = [
+    "CheckpointMode",
+    "Checkpointing",
+    "apply_checkpointing",
+    "checkpoint_blocks",
+    "checkpointable_blocks",
+    "describe_checkpointing",
+    "nothing_to_checkpoint",
+    "selective_context_fn",
+]

@@ -12,7 +12,7 @@ from typing import Any
 from autoshard.backends import Availability, on_backend
 from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
 from autoshard.errors import IntentError
-from autoshard.intent import ShardingIntent
+from autoshard.intent import SELECTIVE, ShardingIntent
 from autoshard.needs import MethodNeeds
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import select_backend
@@ -42,12 +42,6 @@ FP16_DEFAULTS: dict[str, Any] = {
     "loss_scale_window": 1000,
     "hysteresis": 2,
     "min_loss_scale": 1,
-}
-ACTIVATION_CHECKPOINTING_DEFAULTS: dict[str, Any] = {
-    "partition_activations": False,
-    "cpu_checkpointing": False,
-    "contiguous_memory_optimization": False,
-    "synchronize_checkpoint_boundary": False,
 }
 AIO_DEFAULTS: dict[str, Any] = {
     "block_size": 1_048_576,
@@ -105,6 +99,21 @@ def _offload_block(kind: str, intent: ShardingIntent) -> dict[str, Any]:
     return block
 
 
+def check_activation_checkpointing(intent: ShardingIntent) -> None:
+    """Refuse the checkpointing mode ZeRO-3 cannot run (at construction, in ``check_intent``; and in a budget's
+    ``decide``)."""
+    if intent.activation_checkpointing == SELECTIVE:
+        # Measured (2 gloo ranks, deepspeed 0.19.8, torch 2.13): RuntimeError "aten.slice.Tensor encountered during
+        # backward but not found in storage" at the first backward. Every block and every k-th block train exactly.
+        raise IntentError(
+            "activation_checkpointing='selective' cannot run under DeepSpeed ZeRO-3: ZeRO-3 gathers each submodule's"
+            " parameters in hooks inside the block, and a recomputation in backward gathers them again where the forward"
+            " found them prefetched, so torch's selective cache meets ops it never saw and stops the backward. What works:"
+            " every block (True) or every k-th block (k) under DeepSpeed, or 'selective' under strategy='fsdp2'. Fix:"
+            " activation_checkpointing=True (or 2 for every 2nd block)"
+        )
+
+
 def check_intent(
     intent: ShardingIntent, needs: MethodNeeds | None = None, world_size: int | None = None, precision: PrecisionPlan | None = None
 ) -> None:
@@ -119,6 +128,7 @@ def check_intent(
     )
     if world_size is not None:
         intent.mesh_sizes(world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
+    check_activation_checkpointing(intent)
 
 
 def provisional_config(intent: ShardingIntent, *, micro_batch_size: int | None, zero_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -177,8 +187,9 @@ def deepspeed_config(
         config["zero_force_ds_cpu_optimizer"] = False
     if intent.offload_device == "nvme":
         config["aio"] = dict(AIO_DEFAULTS)
-    if intent.activation_checkpointing:
-        config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING_DEFAULTS)
+    # No "activation_checkpointing" block: it only configures deepspeed.checkpointing for blocks that call it
+    # themselves. autoshard checkpoints the blocks the intent names with torch's checkpoint (adapters.checkpointing),
+    # under DeepSpeed as under fsdp2, when the strategy builds the engine.
     # Always written: DeepSpeed (0.19) clips at norm 1.0 when the key is absent, silently, unlike the Trainer.
     config["gradient_clipping"] = float(gradient_clip_val or 0.0)
     validate_deepspeed_config(config, world_size=world_size)
@@ -298,6 +309,7 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
 
 __all__ = [
     "ZERO3_DEFAULTS",
+    "check_activation_checkpointing",
     "check_intent",
     "deepspeed_config",
     "precision_config",

@@ -62,10 +62,9 @@ ROW = {
     Feature.CPU_OFFLOAD_PARAMS: yes("offload_param.device='cpu'"),
     Feature.CPU_OFFLOAD_OPTIMIZER: yes("offload_optimizer.device='cpu'"),
     Feature.NVME_OFFLOAD: yes("offload to nvme_path"),
-    Feature.ACTIVATION_CHECKPOINTING: partial(
-        "the activation_checkpointing config block only configures deepspeed.checkpointing; the model's blocks must"
-        " call deepspeed.checkpointing.checkpoint themselves",
-        "call deepspeed.checkpointing.checkpoint in your blocks, or use strategy='fsdp2', which checkpoints per block for you",
+    Feature.ACTIVATION_CHECKPOINTING: yes(
+        "autoshard checkpoints the same blocks as under fsdp2 (every block or every k-th), before the engine is built;"
+        " 'selective' is refused (ZeRO-3 gathers inside the block)"
     ),
     Feature.DISTRIBUTED_CHECKPOINT: yes("DeepSpeed's own sharded checkpoint directory"),
     Feature.FULL_CHECKPOINT: partial(

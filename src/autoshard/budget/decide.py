@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from autoshard.adapters.deepspeed import check_activation_checkpointing
 from autoshard.backends import get_backend
 from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
 from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
 from autoshard.budget.batch import batch_function, batch_rows
-from autoshard.budget.decision import FREE_FIELDS, BudgetDecision, BudgetRefusedError, Rates, describe_config, free_fields
+from autoshard.budget.decision import DEEPSPEED_FIELDS, FREE_FIELDS, BudgetDecision, BudgetRefusedError, Rates, describe_config, free_fields
 from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_DECISION_RANKS
 from autoshard.budget.search import largest_micro_batch, search_configs, smallest_world_size
@@ -47,8 +48,8 @@ def decide(
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
     ``world_size`` ranks: a pure function of the module's shapes, the batch's shapes, the intent and the world.
 
-    ``backend``: fsdp2, or DeepSpeed ZeRO-3 ('deepspeed'), where offload is the one field chosen and each peak is
-    DeepSpeed's estimator plus the simulated activations (the cost order in ``autoshard.budget.search`` says why).
+    ``backend``: fsdp2, or DeepSpeed ZeRO-3 ('deepspeed'), where offload and activation checkpointing are the fields
+    chosen and each peak is DeepSpeed's estimator plus the simulated activations (the cost order in ``autoshard.budget.search`` says why).
 
     ``module``: a LightningModule (real or on meta; copied to meta for each simulated step, never changed) or a
     function building one. ``batch``: one micro-batch as ``training_step`` receives it (tensors are read for shapes
@@ -129,8 +130,7 @@ def decide(
         + (" under DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if backend == DEEPSPEED else "")
         + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
         + (
-            f" (under DeepSpeed autoshard sets the offload only{'' if 'offload' in free else ', and you set it'}; strategy='fsdp2'"
-            f" can also checkpoint activations)"
+            " (under DeepSpeed autoshard sets the offload and activation checkpointing only; strategy='fsdp2' can also reshard and group shards)"
             if backend == DEEPSPEED
             else ""
         )
@@ -163,26 +163,19 @@ def decide(
 
 
 def check_budget_intent(intent: ShardingIntent, backend: str) -> str:
-    """Refuse a memory budget ``backend`` cannot decide for this intent (at a strategy's construction, and in
-    ``decide``); returns the backend's canonical name."""
+    """Refuse a memory budget on a backend it cannot decide for (at a strategy's construction, and in ``decide``);
+    returns the backend's canonical name."""
     name = get_backend(backend).name
     if name not in (FSDP2, DEEPSPEED):
         raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {name}. Fix: backend='fsdp2'")
-    if name == DEEPSPEED and intent.memory_budget is not None and intent.activation_checkpointing is not False:
-        raise IntentError(
-            f"memory_budget under DeepSpeed cannot count activation_checkpointing={intent.activation_checkpointing!r}: autoshard"
-            f" does not checkpoint blocks under DeepSpeed (your blocks' own deepspeed.checkpointing.checkpoint calls do), so"
-            f" the simulated step cannot know which activations they recompute, and a decision could choose an offload"
-            f" your run does not need, or one that does not fit. What works: strategy='fsdp2', where memory_budget checkpoints"
-            f" blocks itself and chooses how many. Fix: drop memory_budget and set offload yourself (autoshard explain"
-            f" --backend deepspeed --batch FILE.py:make_batch shows each peak), or use strategy='fsdp2'"
-        )
+    if name == DEEPSPEED:
+        check_activation_checkpointing(intent)
     return name
 
 
 def _kept(intent: ShardingIntent, free: list[str], backend: str) -> tuple[str, ...]:
     """The fields the decision leaves as the user set them (under DeepSpeed, those it has no say in are not named)."""
-    fields = ("offload",) if backend == DEEPSPEED else FREE_FIELDS
+    fields = DEEPSPEED_FIELDS if backend == DEEPSPEED else FREE_FIELDS
     return tuple(f for f in fields if f not in free and (f != "shard_size" or intent.shard_size is not None))
 
 

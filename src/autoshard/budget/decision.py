@@ -14,6 +14,7 @@ from autoshard.intent import BUDGET_FIELDS, ShardingIntent
 from autoshard.memory import fmt_bytes
 
 FREE_FIELDS = BUDGET_FIELDS
+DEEPSPEED_FIELDS = ("activation_checkpointing", "offload")  # what a budget sets under DeepSpeed ZeRO-3 (no resharding, no shard group)
 DEFAULTS: dict[str, Any] = {"reshard_after_forward": True, "activation_checkpointing": False, "offload": "none", "shard_size": None}
 OFFLOAD_SAVING = {"none": 0, "optimizer": 1, "params": 2}  # what each offload leaves off the device, least first
 
@@ -203,8 +204,8 @@ def _cost_words(cost: Cost) -> str:
 
 def free_fields(intent: ShardingIntent, num_nodes: int, backend: str = FSDP2) -> list[str]:
     """The fields the user left at their defaults (shard_size only when there are several nodes to group by; under
-    DeepSpeed offload only, its one knob autoshard sets)."""
+    DeepSpeed offload and activation checkpointing, the knobs autoshard sets there)."""
     free = [f for f in FREE_FIELDS if getattr(intent, f) == DEFAULTS[f] and type(getattr(intent, f)) is type(DEFAULTS[f]) and f not in intent.pinned]
     if backend == DEEPSPEED:
-        return [f for f in free if f == "offload"]
+        return [f for f in free if f in DEEPSPEED_FIELDS]
     return [f for f in free if f != "shard_size" or num_nodes > 1]

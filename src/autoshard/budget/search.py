@@ -13,14 +13,16 @@ whose simulated peak fits; when none does, the smallest world size or the larges
 # A configuration's price is the sum. The cheapest configuration whose simulated peak fits the budget is chosen;
 # ties go to fewer changes. Every cheaper configuration is listed with its peak and why it does not fit.
 #
-# Under DeepSpeed ZeRO-3 (backend='deepspeed') the one knob chosen is offload: 'none', then 'optimizer'
+# Under DeepSpeed ZeRO-3 (backend='deepspeed') the knobs chosen are activation checkpointing (priced as above) and
+# offload: 'none', then 'optimizer'
 # (offload_optimizer: each step the gradient partition goes to the host, the updated parameter partition comes back),
 # then 'params' (offload_param too: the parameter partition comes in for the forward's and the backward's gathers,
 # gradients go out, the step runs on the host). Each saves more device memory than the one before and copies more.
 # A peak there is DeepSpeed's own estimator (estimate_zero3_model_states_mem_needs: 4 x the largest layer + 18, 2 or
 # 0 bytes per parameter / ranks) plus the activations of a simulated step of the same method (explain does the same).
-# Activation checkpointing is not chosen there: autoshard does not checkpoint blocks under DeepSpeed (the model's own
-# deepspeed.checkpointing calls do), so a step cannot be simulated for it, and memory_budget refuses it (row 131).
+# Activation checkpointing wraps the same blocks there as fsdp2's plan (``adapters.checkpointing.checkpointable_blocks``),
+# so the simulated step with those blocks checkpointed gives DeepSpeed's activations too; 'selective' is not an option
+# there (``adapters.deepspeed`` refuses it: ZeRO-3's gathers run inside the block).
 
 from __future__ import annotations
 
@@ -41,12 +43,13 @@ from autoshard.intent import SELECTIVE, ShardingIntent
 from autoshard.memory import fmt_bytes
 
 
-def _ac_options(blocks: int) -> list[bool | int | str]:
-    """False, every k-th block (k = 2, and 4 from 8 blocks), selective, every block: steps between nothing and all."""
+def _ac_options(blocks: int, backend: str = FSDP2) -> list[bool | int | str]:
+    """False, every k-th block (k = 2, and 4 from 8 blocks), selective (not under DeepSpeed, which refuses it), every
+    block: steps between nothing and all."""
     if blocks == 0:
         return [False]
     every = [k for k in (2, 4) if k < blocks and (k == 2 or blocks >= 8)]
-    return [False, *every, SELECTIVE, True]
+    return [False, *every, *([SELECTIVE] if backend == FSDP2 else []), True]
 
 
 def _saves_at_least(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -136,7 +139,7 @@ def _options(field_name: str, blocks: int, backend: str = FSDP2) -> list[Any]:
     """Each free field's options, cheapest (least saving) first."""
     return {
         "reshard_after_forward": [False, True],
-        "activation_checkpointing": _ac_options(blocks),
+        "activation_checkpointing": _ac_options(blocks, backend),
         "offload": ["none", "optimizer", "params"] if backend == DEEPSPEED else ["none", "params"],
         "shard_size": ["node", None],
     }[field_name]
@@ -173,7 +176,7 @@ def search_configs(
     if simulate(most) > budget:
         return None, [], most
     if "activation_checkpointing" in free:
-        for option in _ac_options(blocks):
+        for option in _ac_options(blocks, sim.backend):
             simulate({**cheapest, "activation_checkpointing": option})
     priced = sorted(grid, key=lambda c: (config_cost(sim, c, world_size, flops, rates).seconds, changes(c)))
     tried: list[Tried] = []

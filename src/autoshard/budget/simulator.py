@@ -22,8 +22,8 @@ class Simulator:
     """Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached.
 
     ``backend``: fsdp2 (the step runs fsdp2's own plan: its peak is the run's), or DeepSpeed ZeRO-3 (its estimator's
-    states, plus the activations of one fsdp2 step of the same method per world size and micro-batch: they do not
-    depend on the offload)."""
+    states, plus the activations of one fsdp2 step of the same method, with the same blocks checkpointed, per world
+    size and micro-batch: they do not depend on the offload)."""
 
     def __init__(
         self,
@@ -59,15 +59,11 @@ class Simulator:
         return self.num_nodes if self.devices_per_node is None else nodes_for(world_size, self.devices_per_node)
 
     def blocks(self) -> int:
-        """Blocks activation checkpointing would wrap under the plan (trainable block units)."""
-        import warnings
+        """Blocks activation checkpointing would wrap (trainable blocks; fsdp2's plan and DeepSpeed wrap the same)."""
+        from autoshard.adapters.checkpointing import checkpointable_blocks
 
-        from autoshard.adapters.fsdp2 import plan_fsdp2
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = plan_fsdp2(self.module, self.base.replace(activation_checkpointing=True), self.needs, self.precision)
-        return sum(1 for u in plan.units if u.checkpointed)
+        teachers = {p.teacher for p in self.needs.ema_pairs}
+        return len(checkpointable_blocks(self.module, self.base, teachers | set(self.needs.callback_modules)))
 
     def states(self, config: dict[str, Any], world_size: int) -> Any:
         import warnings
@@ -97,8 +93,10 @@ class Simulator:
 
         key = (config_key(config), world_size, divisor)
         if key not in self.step_cache:
-            whole = self.backend == FSDP2  # DeepSpeed: only the step's activations are added to its estimator's states
-            step = self._measure(config if whole else {}, world_size, divisor)
+            # DeepSpeed: only the activations of fsdp2's step with the same blocks checkpointed are added to its estimator's
+            # states (they do not depend on the offload)
+            whole = self.backend == FSDP2
+            step = self._measure(config if whole else {k: v for k, v in config.items() if k == "activation_checkpointing"}, world_size, divisor)
             self.step_cache[key] = (with_step(self.states(config, world_size), step, whole), step.flops)
         return self.step_cache[key]
 
@@ -108,7 +106,7 @@ class Simulator:
         key = (config_key(config), world_size, divisor)
         if key not in self.measured:
             if self.progress is not None:
-                what = describe_config(config) if self.backend == FSDP2 else "activations for DeepSpeed"
+                what = describe_config(config) + ("" if self.backend == FSDP2 else ": activations for DeepSpeed")
                 self.progress(f"simulating one step on {world_size} fake ranks ({what}" + (f", micro-batch / {divisor}" if divisor > 1 else "") + ")")
             step = measure_step(
                 self.factory,

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
+from autoshard.adapters.checkpointing import checkpoint_blocks
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
@@ -178,6 +179,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
             )
         self.needs, self.decision = needs, decision
         self.report_decision(decision)
+        checkpoint_blocks(module, self.intent)  # before the engine, whose hooks gather a block again for its recomputation
         self.setups.append(Setup(1, type(module).__name__, _no_ref, ParameterNames(type(module).__name__, {}), arriving))
 
     # -- fabric.save / fabric.load: the crash-safe writer, the checks before DeepSpeed reads a file -------------------

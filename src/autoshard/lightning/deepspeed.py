@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard import deepspeed_files
+from autoshard.adapters.checkpointing import checkpoint_blocks, describe_checkpointing
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.budget import BudgetDecision, check_budget_intent, stored_differs
@@ -489,7 +490,8 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         self.intent = base.replace(**fields) if fields else base
         self.micro_batch_size = micro_batch_size
         self.zero_overrides = dict(zero_overrides or {})
-        check_budget_intent(self.intent, BACKEND)  # what a memory budget cannot decide under DeepSpeed, refused now
+        self.checkpointed: dict[int, list[str]] = {}  # id(module) -> the blocks init_deepspeed checkpointed
+        check_budget_intent(self.intent, BACKEND)
         # Intent-only refusals (tensor parallel) at construction, precision once the Trainer's is known, the method at
         # setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
         provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
@@ -497,6 +499,21 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
 
     def _intent_to_check(self) -> ShardingIntent:
         return self.intent
+
+    def init_deepspeed(self) -> None:
+        """Activation checkpointing of the blocks (the intent's, or what a memory budget chose: the config is final
+        here) right before ``deepspeed.initialize``: configure_model has run, and DeepSpeed's hooks, registered by the
+        engine, then gather a block's parameters again for its recomputation. Once per module (a later stage finds it)."""
+        module = self.lightning_module
+        if module is not None and id(module) not in self.checkpointed:
+            blocks = checkpoint_blocks(module, self.intent)
+            self.checkpointed[id(module)] = blocks
+            if blocks:
+                rank_zero_info(
+                    f"autoshard: activation checkpointing ({describe_checkpointing(self.intent.activation_checkpointing)}) under"
+                    f" DeepSpeed ZeRO-3: {len(blocks)} block(s): {', '.join(blocks)}"
+                )
+        super().init_deepspeed()
 
     def _resolve_precision(self) -> PrecisionPlan:
         plan = resolve_precision(self.precision_plugin.precision, self.intent)

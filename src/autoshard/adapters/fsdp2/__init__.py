@@ -2,7 +2,6 @@
 
 One concern per module, every public name importable from here:
 
-- ``blocks``: where the units are (repeated blocks, subtrees, module-path helpers);
 - ``plan``: the plan's types and how it reads (``FSDP2Plan``, ``ShardUnit``, ``describe``);
 - ``planner``: intent + needs -> plan (``plan_fsdp2``), and the model's tensor-parallel layout to apply first;
 - ``apply``: the plan applied on ``autoshard.mesh`` (tensor parallel, checkpointing, ``fully_shard``) and its policies;
@@ -14,9 +13,9 @@ One concern per module, every public name importable from here:
 
 from __future__ import annotations
 
+from autoshard.adapters.blocks import MIN_BLOCK_FRACTION, STAGE_FRACTION
 from autoshard.adapters.fsdp2.api import fsdp2_api, is_sharded
 from autoshard.adapters.fsdp2.apply import HSDP_DIMS, apply_plan, clone_view_outputs, data_parallel_mesh, hsdp_mesh, policies
-from autoshard.adapters.fsdp2.blocks import MIN_BLOCK_FRACTION, STAGE_FRACTION
 from autoshard.adapters.fsdp2.ema import check_ema_alignment, check_ema_structure
 from autoshard.adapters.fsdp2.plan import (
     PARALLELIZE_FN_HINT,

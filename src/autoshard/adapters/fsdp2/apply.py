@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from autoshard.adapters.blocks import outermost
 from autoshard.adapters.fsdp2.api import fsdp2_api
-from autoshard.adapters.fsdp2.blocks import outermost
 from autoshard.adapters.fsdp2.ema import check_ema_alignment
 from autoshard.adapters.fsdp2.runtime import average_unsharded_gradients
 from autoshard.errors import IntentError

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from autoshard.adapters.fsdp2.blocks import block_units, is_metric, outermost, param_names, subtree_roots, within
+from autoshard.adapters.blocks import block_units, is_metric, outermost, param_names, subtree_roots, within
+from autoshard.adapters.checkpointing import nothing_to_checkpoint
 from autoshard.adapters.fsdp2.ema import check_ema_structure
 from autoshard.adapters.fsdp2.plan import PARALLELIZE_FN_HINT, FSDP2Plan, Replicated, Reshard, Role, ShardUnit, UnitKind, Unsharded
 from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
@@ -82,6 +83,8 @@ def plan_fsdp2(
             notes.append(f"'{path}' shares parameters with modules outside it (tied weights): sharded with its parent instead")
             del candidates[path]
     units = _units(modules, candidates, teachers, intent, needs, names_of)
+    if intent.activation_checkpointing and not any(u.checkpointed for u in units):
+        raise nothing_to_checkpoint(module, intent)
     covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
     unit_names = {u.name for u in units}
     replicated_names = {r.name for r in replicated}

@@ -1,7 +1,8 @@
-"""Where the units are: the repeated blocks of an architecture, the subtrees to shard, and module-path helpers.
+"""The repeated blocks of an architecture, the subtrees to shard, and module-path helpers.
 
-Pure functions of the module tree (no torch.distributed): the planner (``planner.plan_fsdp2``) asks them which
-modules become ``fully_shard`` units.
+Pure functions of the module tree (no torch.distributed), for every backend: fsdp2's planner asks them which modules
+become ``fully_shard`` units, and activation checkpointing (``adapters.checkpointing``) which blocks it wraps, under
+fsdp2 and DeepSpeed alike.
 """
 
 from __future__ import annotations
