@@ -251,12 +251,15 @@ def test_119_load_the_checkpoint_of_another_model(tmp_path: Path) -> None:
 
 
 def test_137_memory_budget_under_fabric_is_refused_not_ignored() -> None:
-    """The Trainer's strategies decide a memory budget at fit; Fabric's do not yet, and say so when Fabric is built."""
+    """The Trainer's strategies decide a memory budget at fit, by simulating training_step; under Fabric the step is the
+    user's own loop, so Fabric's strategies refuse the budget when Fabric is built, and say how to decide it by hand."""
     for strategy in ("fsdp2", "auto-shard"):
         refused(
             IntentError,
             lambda: fabric(auto_shard(memory_budget="1GiB") if strategy == "auto-shard" else FSDP2Strategy(memory_budget="1GiB")),
             "memory_budget=1.00 GiB is decided at fit only under a Lightning Trainer",
-            "Fabric's strategies do not decide it yet, so it would be ignored",
-            "Fix: decide it once with autoshard.budget.decide(model, batch, intent, world_size)",
+            "under Fabric the step is your own loop, which autoshard cannot simulate, so Fabric's strategies do not decide it,"
+            " and it would be ignored",
+            "Fix: decide it once with autoshard.budget.decide(module, batch, intent, world_size) on a LightningModule whose"
+            " training_step runs your step",
         )

@@ -135,3 +135,62 @@ def test_state_dict_keys_are_unchanged_by_checkpointing() -> None:
     for i, block in enumerate(checkpointed.blocks):
         apply_checkpointing(block, "selective" if i % 2 else True, i)
     assert list(plain.state_dict()) == list(checkpointed.state_dict())
+
+
+class Pair(nn.Module):
+    """An EMA student and its teacher: the teacher's blocks never checkpoint (no backward runs through them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student, self.teacher = FourBlocks(), FourBlocks()
+        self.teacher.requires_grad_(False)
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64))
+
+
+def _half_frozen() -> nn.Module:
+    net = FourBlocks()
+    for block in net.blocks[:2]:
+        block.requires_grad_(False)
+    return net
+
+
+@pytest.mark.parametrize(
+    "build, fields, pair",
+    [
+        (FourBlocks, {}, False),
+        (FourBlocks, {"exclude": ("blocks.3",)}, False),
+        (FourBlocks, {"blocks": ("Block",)}, False),
+        (FourBlocks, {"shard": ("blocks.1", "blocks.2")}, False),
+        (_half_frozen, {}, False),
+        (Pair, {}, True),
+        (_gpt2, {}, False),  # tied wte / lm_head stay in the outer unit; the blocks are transformer.h.i
+        (_bert, {}, False),
+    ],
+    ids=["blocks", "exclude", "named", "shard", "frozen", "ema", "gpt2", "bert"],
+)
+def test_deepspeed_checkpoints_exactly_the_blocks_fsdp2s_plan_checkpoints(build: type, fields: dict, pair: bool) -> None:
+    """A budget simulates DeepSpeed's activations on fsdp2's plan: both must checkpoint the same blocks, in the same
+    order (the order every k-th block counts in)."""
+    from autoshard.adapters.checkpointing import checkpointable_blocks
+    from autoshard.adapters.fsdp2 import plan_fsdp2
+    from autoshard.intent import ShardingIntent
+    from autoshard.needs import EMAPair, MethodNeeds
+
+    torch.manual_seed(0)
+    module = build()
+    intent = ShardingIntent(activation_checkpointing=True, **fields)
+    needs = MethodNeeds(ema_pairs=(EMAPair(teacher="teacher", student="student"),)) if pair else MethodNeeds()
+    planned = [u.name for u in plan_fsdp2(module, intent, needs).units if u.checkpointed]
+    teachers = ["teacher"] if pair else []
+    assert checkpointable_blocks(module, intent, teachers) == planned and planned, planned

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autoshard.activations import call_batch, load_batch, measure_step
+from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
 from autoshard.budget import BudgetDecision, BudgetReport, Option, auto_entries, check_budget
@@ -465,6 +466,7 @@ def explain(
             devices_per_node=devices_per_node,
             batch_rows=rows,
             lacks=_lacks,
+            checkpointable=bool(checkpointable_blocks(module, intent, [p.teacher for p in needs.ema_pairs] + list(needs.callback_modules))),
         )
         if auto:
             report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)

@@ -104,6 +104,7 @@ def check_budget(
     devices_per_node: int,
     batch_rows: int | None,
     lacks: Callable[[MemoryEstimate], str] = lambda estimate: "",
+    checkpointable: bool = True,
 ) -> BudgetReport:
     """The verdict for ``world_size`` and, when it does not fit, the fewest changes that do.
 
@@ -114,6 +115,7 @@ def check_budget(
     fewest changes first. Every combination tried is listed, the ones that fit and the smaller ones that did not.
 
     ``batch_rows``: the micro-batch's size when it can be cut along dim 0 (None: it cannot, or no batch given).
+    ``checkpointable``: whether the model has a block activation checkpointing can wrap (else it is never proposed).
     ``lacks``: the part of the step an estimate's simulated step could not cover ("activations"; "" when whole).
     A partial estimate is never "fits": for the run itself the verdict is then "cannot tell" (unless the lower
     bound is already over the budget) and no change is tried; a change estimated in part is listed as such.
@@ -203,7 +205,7 @@ def check_budget(
     # 2.-4. The changes on these ranks, each alone, cheapest first: activation checkpointing (about a third more
     #    compute, same results), a smaller micro-batch (gradient accumulation keeps the global batch), offload.
     singles: dict[str, tuple[dict[str, Any], str]] = {}
-    if not intent.activation_checkpointing:
+    if not intent.activation_checkpointing and checkpointable:
         singles["ac"] = ({"activation_checkpointing": True}, "~1/3 more compute (forward recomputed in backward)")
     if intent.offload == "none":
         singles["offload"] = ({"offload": "params"}, "host-device copies every step (often 2-5x slower)")

@@ -49,7 +49,7 @@ from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.checkpoint import all_gather_object
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.fsdp2 import backend_for_intent, refuse_shard_size_with_parallelize_fn, refuse_unsupported_precision
+from autoshard.lightning.fsdp2 import fsdp2_auto_intent, refuse_shard_size_with_parallelize_fn, refuse_unsupported_precision
 from autoshard.lightning.guarantees import reshard_after_no_grad_forward
 from autoshard.lightning.meta_init import check_meta_init, copy_students_into_teachers
 from autoshard.lightning.sharding import after_materialize, shard_module
@@ -88,10 +88,11 @@ class FabricBackend(BackendMixin):
         if budget is not None:  # never ignored in silence: the Trainer's strategies decide it at fit, these do not yet
             raise IntentError(
                 f"memory_budget={fmt_bytes(budget)} is decided at fit only under a Lightning Trainer (autoshard.lightning.budget,"
-                f" which sees the first training batch); Fabric's strategies do not decide it yet, so it would be ignored."
-                f" Fix: decide it"
-                f" once with autoshard.budget.decide(model, batch, intent, world_size) and pass its .chosen fields to the"
-                f" intent instead of memory_budget"
+                f" which simulates the LightningModule's training_step on the first training batch); under Fabric the step"
+                f" is your own loop, which autoshard cannot simulate, so Fabric's strategies do not decide it, and it would be"
+                f" ignored. Fix: decide it once with autoshard.budget.decide(module, batch, intent, world_size) on a"
+                f" LightningModule whose training_step runs your step, and pass its .chosen fields to the intent instead of"
+                f" memory_budget"
             )
         super()._check_construction()
 
@@ -428,15 +429,12 @@ class AutoShardStrategy(FSDP2Strategy):
         timeout: timedelta | None = default_pg_timeout,
         **intent_fields: Any,
     ) -> None:
-        wanted = as_intent(intent, **intent_fields)
-        needed = backend_for_intent(wanted)
-        if needed != BACKEND:
-            raise IntentError(
-                f"autoshard.fabric.AutoShardStrategy is auto-shard's fsdp2 strategy, but this intent needs {needed} (only"
-                f" it has what the intent asks for), so an fsdp2 strategy object cannot run it. Fix: build it with"
-                f" autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),"
-                f" which returns autoshard's Fabric DeepSpeed strategy for this intent"
-            )
+        wanted = fsdp2_auto_intent(
+            as_intent(intent, **intent_fields),
+            "autoshard.fabric.AutoShardStrategy",
+            "autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),",
+            "autoshard's Fabric DeepSpeed strategy for this intent",
+        )
         super().__init__(wanted, parallelize_fn, process_group_backend, timeout)
 
     def _prefer_at_construction(self) -> str:

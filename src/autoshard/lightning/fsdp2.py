@@ -261,6 +261,18 @@ def backend_for_intent(intent: ShardingIntent) -> str:
     return select_backend(MethodNeeds(), intent.replace(precision=None)).backend
 
 
+def fsdp2_auto_intent(wanted: ShardingIntent, label: str, build: str, returns: str) -> ShardingIntent:
+    """``wanted``, for an auto-shard strategy object on fsdp2 (the Trainer's and Fabric's): refused when only DeepSpeed
+    can run the intent, naming the factory (``build``) that would have returned DeepSpeed's strategy (``returns``)."""
+    needed = backend_for_intent(wanted)
+    if needed != BACKEND:
+        raise IntentError(
+            f"{label} is auto-shard's fsdp2 strategy, but this intent needs {needed} (only it has what the intent asks"
+            f" for), so an fsdp2 strategy object cannot run it. Fix: build it with {build} which returns {returns}"
+        )
+    return wanted
+
+
 class AutoShardStrategy(FSDP2Strategy):
     """``strategy="auto-shard"`` on fsdp2: the selector's backend, checked again against the module at setup.
 
@@ -282,16 +294,13 @@ class AutoShardStrategy(FSDP2Strategy):
         timeout: timedelta | None = default_pg_timeout,
         **intent_fields: Any,
     ) -> None:
-        wanted = as_intent(intent, **intent_fields)
-        needed = backend_for_intent(wanted)
-        if needed != BACKEND:
-            raise IntentError(
-                f"AutoShardStrategy is auto-shard's fsdp2 strategy, but this intent needs {needed} (only it has what the"
-                f" intent asks for), so an fsdp2 strategy object cannot run it. Fix: build it with"
-                f" autoshard.lightning.auto_shard(...) and the same arguments (what Trainer(strategy='auto-shard') calls),"
-                f" which returns autoshard's DeepSpeed strategy for this intent; in a LightningCLI config use class_path:"
-                f" autoshard.lightning.deepspeed.AutoShardDeepSpeedStrategy"
-            )
+        wanted = fsdp2_auto_intent(
+            as_intent(intent, **intent_fields),
+            "AutoShardStrategy",
+            "autoshard.lightning.auto_shard(...) and the same arguments (what Trainer(strategy='auto-shard') calls),",
+            "autoshard's DeepSpeed strategy for this intent; in a LightningCLI config use class_path:"
+            " autoshard.lightning.deepspeed.AutoShardDeepSpeedStrategy",
+        )
         super().__init__(wanted, parallelize_fn, process_group_backend, timeout)
 
     def _prefer_at_construction(self) -> str:
