@@ -27,7 +27,7 @@ from autoshard import cli
 from autoshard.activations import fake_world, measure_step
 from autoshard.adapters.checkpointing import apply_checkpointing
 from autoshard.budget import BudgetRefusedError, decide, resume_decision, stored_differs
-from autoshard.errors import IntentError
+from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import estimate_memory, with_step
 from autoshard.precision import resolve_precision
@@ -180,11 +180,12 @@ def test_129_a_budget_is_decided_before_sharding_not_after() -> None:
 
 # -- 131-135: the budget at fit, and under DeepSpeed --------------------------------------------------------------------
 SELECTIVE_UNDER_DEEPSPEED = (
-    "activation_checkpointing='selective' cannot run under DeepSpeed ZeRO-3: ZeRO-3 gathers each submodule's parameters"
-    " in hooks inside the block, and a recomputation in backward gathers them again where the forward found them"
-    " prefetched, so torch's selective cache meets ops it never saw and stops the backward. What works: every block"
-    " (True) or every k-th block (k) under DeepSpeed, or 'selective' under strategy='fsdp2'. Fix:"
-    " activation_checkpointing=True (or 2 for every 2nd block)"
+    "autoshard cannot run this on deepspeed_zero3 (strategy='autoshard-deepspeed'):\n"
+    "  - op-level (selective) activation checkpointing [activation_checkpointing='selective']: ZeRO-3 gathers each"
+    " submodule's parameters in hooks inside the block, and a recomputation in backward gathers them again where the"
+    " forward found them prefetched, so torch's selective cache meets ops it never saw and stops the backward\n"
+    "Backend that works: fsdp2 (strategy='fsdp2').\n"
+    "Fix: activation_checkpointing=True (every block) or 2 (every 2nd block), or strategy='fsdp2' for 'selective'"
 )
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
@@ -194,11 +195,11 @@ def test_131_selective_activation_checkpointing_under_deepspeed_is_refused_when_
     from autoshard.fabric.deepspeed import AutoShardDeepSpeedStrategy as FabricDeepSpeed
     from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
-    for build in (AutoShardDeepSpeedStrategy, FabricDeepSpeed):
-        with pytest.raises(IntentError) as built:
+    for build in (AutoShardDeepSpeedStrategy, FabricDeepSpeed):  # the matrix's cell, said at construction
+        with pytest.raises(IncompatibleBackendError) as built:
             build(activation_checkpointing="selective")
         assert str(built.value) == SELECTIVE_UNDER_DEEPSPEED
-    with pytest.raises(IntentError) as decided:
+    with pytest.raises(IncompatibleBackendError) as decided:
         decide(Small, small_batch(), ShardingIntent(memory_budget="1GiB", activation_checkpointing="selective"), 2, backend="deepspeed")
     assert str(decided.value) == SELECTIVE_UNDER_DEEPSPEED
     AutoShardDeepSpeedStrategy(activation_checkpointing=2)  # every k-th block and every block run there

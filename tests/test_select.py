@@ -46,6 +46,7 @@ ONE_FEATURE: dict[Feature, tuple[MethodNeeds, dict, str | None]] = {
     Feature.CPU_OFFLOAD_OPTIMIZER: (MethodNeeds(), {"offload": "optimizer"}, None),
     Feature.NVME_OFFLOAD: (MethodNeeds(), NVME, None),
     Feature.ACTIVATION_CHECKPOINTING: (MethodNeeds(), {"activation_checkpointing": True}, None),
+    Feature.SELECTIVE_CHECKPOINTING: (MethodNeeds(), {"activation_checkpointing": "selective"}, None),
     Feature.DISTRIBUTED_CHECKPOINT: (MethodNeeds(), {"checkpoint": "distributed"}, None),
     Feature.FULL_CHECKPOINT: (MethodNeeds(), {"checkpoint": "full"}, None),
     Feature.TENSOR_PARALLEL: (MethodNeeds(), {"tensor_parallel_size": 2}, None),

@@ -29,6 +29,7 @@ class Feature(str, Enum):
     CPU_OFFLOAD_OPTIMIZER = "CPU offload of optimizer state only"
     NVME_OFFLOAD = "NVMe offload"
     ACTIVATION_CHECKPOINTING = "activation checkpointing"
+    SELECTIVE_CHECKPOINTING = "op-level (selective) activation checkpointing"
     DISTRIBUTED_CHECKPOINT = "distributed (sharded) checkpoint"
     FULL_CHECKPOINT = "full single-file checkpoint"
     TENSOR_PARALLEL = "tensor parallel"
@@ -48,6 +49,7 @@ INTENT_FEATURES = frozenset(
         Feature.CPU_OFFLOAD_OPTIMIZER,
         Feature.NVME_OFFLOAD,
         Feature.ACTIVATION_CHECKPOINTING,
+        Feature.SELECTIVE_CHECKPOINTING,
         Feature.DISTRIBUTED_CHECKPOINT,
         Feature.FULL_CHECKPOINT,
         Feature.TENSOR_PARALLEL,

@@ -254,6 +254,13 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
         "built: zero_stage of the optimizer files convert writes; unpickled (PICKLED_TYPES)",
     ),
     Member("deepspeed.utils.tensor_fragment", "fragment_address", _HERE, "unpickled: ZeRO-1/2 optimizer files' param_slice_mappings (PICKLED_TYPES)"),
+    Member(
+        "deepspeed.runtime.zero.partition_parameters",
+        "InsertPostInitMethodToModuleSubClasses",
+        "autoshard.lightning.deepspeed",
+        "read: its linear_bk, torch's own functional.linear, which zero.Init saves before replacing it for the process"
+        " (restore_functional_linear puts it back)",
+    ),
 )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from autoshard.backends import BACKENDS, Availability, Backend, get_backend
 from autoshard.capability import INTENT_FEATURES, Feature, Support
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError
-from autoshard.intent import ShardingIntent, as_intent
+from autoshard.intent import SELECTIVE, ShardingIntent, as_intent
 from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
 
@@ -44,7 +44,9 @@ def features_needed(
         out[Feature.CPU_OFFLOAD_PARAMS] = "offload='params'"
     elif intent.offload == "optimizer":
         out[Feature.CPU_OFFLOAD_OPTIMIZER] = "offload='optimizer'"
-    if intent.activation_checkpointing:
+    if intent.activation_checkpointing == SELECTIVE:  # its own feature: DeepSpeed checkpoints blocks, not ops
+        out[Feature.SELECTIVE_CHECKPOINTING] = f"activation_checkpointing={intent.activation_checkpointing!r}"
+    elif intent.activation_checkpointing:
         out[Feature.ACTIVATION_CHECKPOINTING] = f"activation_checkpointing={intent.activation_checkpointing!r}"
     if intent.checkpoint == "full":
         out[Feature.FULL_CHECKPOINT] = "checkpoint='full'"

@@ -12,7 +12,7 @@ from typing import Any
 from autoshard.backends import Availability, on_backend
 from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
 from autoshard.errors import IntentError
-from autoshard.intent import SELECTIVE, ShardingIntent
+from autoshard.intent import ShardingIntent
 from autoshard.needs import MethodNeeds
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import select_backend
@@ -99,21 +99,6 @@ def _offload_block(kind: str, intent: ShardingIntent) -> dict[str, Any]:
     return block
 
 
-def check_activation_checkpointing(intent: ShardingIntent) -> None:
-    """Refuse the checkpointing mode ZeRO-3 cannot run (at construction, in ``check_intent``; and in a budget's
-    ``decide``)."""
-    if intent.activation_checkpointing == SELECTIVE:
-        # Measured (2 gloo ranks, deepspeed 0.19.8, torch 2.13): RuntimeError "aten.slice.Tensor encountered during
-        # backward but not found in storage" at the first backward. Every block and every k-th block train exactly.
-        raise IntentError(
-            "activation_checkpointing='selective' cannot run under DeepSpeed ZeRO-3: ZeRO-3 gathers each submodule's"
-            " parameters in hooks inside the block, and a recomputation in backward gathers them again where the forward"
-            " found them prefetched, so torch's selective cache meets ops it never saw and stops the backward. What works:"
-            " every block (True) or every k-th block (k) under DeepSpeed, or 'selective' under strategy='fsdp2'. Fix:"
-            " activation_checkpointing=True (or 2 for every 2nd block)"
-        )
-
-
 def check_intent(
     intent: ShardingIntent, needs: MethodNeeds | None = None, world_size: int | None = None, precision: PrecisionPlan | None = None
 ) -> None:
@@ -128,7 +113,6 @@ def check_intent(
     )
     if world_size is not None:
         intent.mesh_sizes(world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
-    check_activation_checkpointing(intent)
 
 
 def provisional_config(intent: ShardingIntent, *, micro_batch_size: int | None, zero_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -309,7 +293,6 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
 
 __all__ = [
     "ZERO3_DEFAULTS",
-    "check_activation_checkpointing",
     "check_intent",
     "deepspeed_config",
     "precision_config",

@@ -60,6 +60,7 @@ ROW = {
         "use offload_device='cpu', or " + DEEPSPEED_IF_ALLOWED,
     ),
     Feature.ACTIVATION_CHECKPOINTING: yes("applied per block before sharding"),
+    Feature.SELECTIVE_CHECKPOINTING: yes("torchtitan's op-level policy, inside each block's forward"),
     Feature.DISTRIBUTED_CHECKPOINT: yes("torch.distributed.checkpoint directory, reshardable on resume"),
     Feature.FULL_CHECKPOINT: yes("full state dict gathered on rank 0 into one file"),
     Feature.TENSOR_PARALLEL: partial(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autoshard.adapters.deepspeed import check_activation_checkpointing
+from autoshard.adapters.deepspeed import check_intent as check_deepspeed_intent
 from autoshard.backends import get_backend
 from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
 from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
@@ -168,8 +168,8 @@ def check_budget_intent(intent: ShardingIntent, backend: str) -> str:
     name = get_backend(backend).name
     if name not in (FSDP2, DEEPSPEED):
         raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {name}. Fix: backend='fsdp2'")
-    if name == DEEPSPEED:
-        check_activation_checkpointing(intent)
+    if name == DEEPSPEED:  # what ZeRO-3 cannot run (tensor parallel, selective checkpointing), with the matrix's text
+        check_deepspeed_intent(intent)
     return name
 
 

@@ -70,7 +70,6 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
                 f" (Fabric(strategy='fsdp2')). Fix: {PIN}"
             )
         require_deepspeed()
-        self.functional_linear = torch.nn.functional.linear  # what teardown puts back (restore_functional_linear)
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
         for key in kwargs:
             if key not in PASS_THROUGH:
@@ -185,7 +184,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
     # -- fabric.save / fabric.load: the crash-safe writer, the checks before DeepSpeed reads a file -------------------
     def teardown(self) -> None:
         super().teardown()
-        restore_functional_linear(self.functional_linear)
+        restore_functional_linear()
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
         """DeepSpeed's engine writes every rank's files into a staging of this save's own; each rank hashes its own; rank 0

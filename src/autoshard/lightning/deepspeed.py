@@ -174,18 +174,25 @@ def _returned_by(module: torch.nn.Module, hook: str) -> Iterator[list[Any]]:
                 del module.__dict__[hook]
 
 
-def restore_functional_linear(before: Callable[..., Any]) -> bool:
+def restore_functional_linear() -> bool:
     """Put back ``torch.nn.functional.linear`` when ZeRO-3 left its own in the process; True when it did.
 
-    DeepSpeed's ``zero.Init`` (Lightning enters it for stage 3) replaces ``torch.nn.functional.linear`` with its
-    memory-efficient ``zero3_linear_wrap`` "until manually reset": every model the process trains afterwards, under
-    any strategy, would then run DeepSpeed's autograd Function for each linear layer (seen here: selective activation
-    checkpointing saved other tensors, and fsdp2 losses moved by 3e-4). A strategy leaves the process as it found it.
+    DeepSpeed's ``zero.Init`` (Lightning enters it for stage 3; ``deepspeed.initialize`` converts a module with it)
+    replaces ``torch.nn.functional.linear`` with its memory-efficient ``zero3_linear_wrap`` "until manually reset": every
+    model the process trains afterwards, under any strategy, would then run DeepSpeed's autograd Function for each
+    linear layer (seen here: selective activation checkpointing saved other tensors, and losses moved by 3e-4). A
+    strategy leaves the process as it found it: torch's own function, the one zero.Init saved before replacing it
+    (``linear_bk``), whoever replaced it first.
     """
     current = torch.nn.functional.linear
-    if current is before or getattr(current, "__module__", "") != "deepspeed.runtime.zero.linear":
+    if getattr(current, "__module__", "") != "deepspeed.runtime.zero.linear":
         return False
-    torch.nn.functional.linear = before
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is None:
+        return False
+    torch.nn.functional.linear = original
     return True
 
 
@@ -236,11 +243,10 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
             )
         require_deepspeed()
         super().__init__(*args, **kwargs)
-        self.functional_linear = torch.nn.functional.linear  # what teardown puts back (restore_functional_linear)
 
     def teardown(self) -> None:
         super().teardown()
-        restore_functional_linear(self.functional_linear)
+        restore_functional_linear()
 
     writes_manifest = False  # Lightning's own DeepSpeed saves (these names) record none: no warning when it is missing
 
