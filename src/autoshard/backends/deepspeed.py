@@ -62,7 +62,9 @@ ROW = {
     Feature.CPU_OFFLOAD_PARAMS: yes("offload_param.device='cpu'"),
     Feature.CPU_OFFLOAD_OPTIMIZER: yes("offload_optimizer.device='cpu'"),
     Feature.NVME_OFFLOAD: yes("offload to nvme_path"),
-    Feature.ACTIVATION_CHECKPOINTING: yes("autoshard checkpoints the same blocks as under fsdp2 (every block or every k-th), before the engine is built"),
+    Feature.ACTIVATION_CHECKPOINTING: yes(
+        "autoshard checkpoints the same blocks as under fsdp2 (every block or every k-th), before the engine is built"
+    ),
     # Measured (2 gloo ranks, deepspeed 0.19.8, torch 2.13): RuntimeError "aten.slice.Tensor encountered during backward
     # but not found in storage" at the first backward; every block and every k-th block train bit-exactly.
     Feature.SELECTIVE_CHECKPOINTING: no(
