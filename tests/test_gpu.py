@@ -65,8 +65,12 @@ def test_auto_shard_trains_the_ema_probe_method_on_cuda() -> None:
     assert probe.last_loss < probe.first_loss / 4
 
 
-def test_deepspeed_trains_a_single_optimizer_method_on_cuda() -> None:
+@pytest.mark.parametrize("checkpointing", [False, 2], ids=["plain", "every-2nd-block"])
+def test_deepspeed_trains_a_single_optimizer_method_on_cuda(checkpointing: bool | int) -> None:
+    """With activation checkpointing, the blocks autoshard checkpoints before the engine (every 2nd: blocks 0 and 2)
+    run again in backward on CUDA too, and the run still trains."""
     deepspeed = pytest.importorskip("deepspeed")
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
     class Single(DinoLike):
         def __init__(self) -> None:
@@ -88,8 +92,9 @@ def test_deepspeed_trains_a_single_optimizer_method_on_cuda() -> None:
 
     model = Single()
     before = [p.detach().clone() for p in model.student.parameters()]
-    trainer = fit("autoshard-deepspeed", model)
+    trainer = fit(AutoShardDeepSpeedStrategy(activation_checkpointing=checkpointing), model)
     assert trainer.strategy.decision.backend == "deepspeed_zero3"
+    assert trainer.strategy.checkpointed[id(model)] == (["student.blocks.0", "student.blocks.2"] if checkpointing else [])
     assert torch.distributed.get_backend() == PROCESS_GROUP
     params = list(model.student.parameters())
     world = trainer.world_size
