@@ -170,7 +170,8 @@ def _half_frozen() -> nn.Module:
 )
 def test_deepspeed_checkpoints_exactly_the_blocks_fsdp2s_plan_checkpoints(build: type, fields: dict, pair: bool) -> None:
     """A budget simulates DeepSpeed's activations on fsdp2's plan: both must checkpoint the same blocks, in the same
-    order (the order every k-th block counts in)."""
+    order (the order every k-th block counts in). One selection serves both; this checks that each block it names
+    becomes one of the plan's units, in that order, and that the selection is never empty on these models."""
     from autoshard.adapters.checkpointing import checkpointable_blocks
     from autoshard.adapters.fsdp2 import plan_fsdp2
     from autoshard.intent import ShardingIntent

@@ -22,7 +22,7 @@ whose simulated peak fits; when none does, the smallest world size or the larges
 # 0 bytes per parameter / ranks) plus the activations of a simulated step of the same method (explain does the same).
 # Activation checkpointing wraps the same blocks there as fsdp2's plan (``adapters.checkpointing.checkpointable_blocks``),
 # so the simulated step with those blocks checkpointed gives DeepSpeed's activations too; 'selective' is not an option
-# there (``adapters.deepspeed`` refuses it: ZeRO-3's gathers run inside the block).
+# there (the matrix refuses it, Feature.SELECTIVE_CHECKPOINTING: ZeRO-3's gathers run inside the block).
 
 from __future__ import annotations
 

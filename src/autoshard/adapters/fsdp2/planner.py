@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from autoshard.adapters.blocks import block_units, is_metric, outermost, param_names, subtree_roots, within
-from autoshard.adapters.checkpointing import nothing_to_checkpoint
+from autoshard.adapters.checkpointing import checkpointable_blocks, nothing_to_checkpoint
 from autoshard.adapters.fsdp2.ema import check_ema_structure
 from autoshard.adapters.fsdp2.plan import PARALLELIZE_FN_HINT, FSDP2Plan, Replicated, Reshard, Role, ShardUnit, UnitKind, Unsharded
 from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
@@ -82,7 +82,9 @@ def plan_fsdp2(
         if not exclusive(path):
             notes.append(f"'{path}' shares parameters with modules outside it (tied weights): sharded with its parent instead")
             del candidates[path]
-    units = _units(modules, candidates, teachers, intent, needs, names_of)
+    # The blocks activation checkpointing wraps: one selection for every engine (DeepSpeed checkpoints the same ones)
+    checkpointed = set(checkpointable_blocks(module, intent, teachers | set(needs.callback_modules))) if intent.activation_checkpointing else set()
+    units = _units(modules, candidates, teachers, intent, needs, names_of, checkpointed)
     if intent.activation_checkpointing and not any(u.checkpointed for u in units):
         raise nothing_to_checkpoint(module, intent)
     covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
@@ -187,6 +189,7 @@ def _units(
     intent: ShardingIntent,
     needs: MethodNeeds,
     names_of: dict[int, list[str]],
+    checkpointed: set[str],
 ) -> list[ShardUnit]:
     """Order candidates deepest first, give each the parameters no deeper unit already owns, choose its resharding."""
     order = {name: i for i, name in enumerate(modules)}
@@ -211,7 +214,7 @@ def _units(
                 numel=sum(p.numel() for p in own),
                 bytes=sum(p.numel() * p.element_size() for p in own),
                 reshard=_reshard(kept.get(name), teacher, trainable, intent, needs),
-                checkpointed=intent.activation_checkpointing and kind is UnitKind.BLOCK and trainable and not teacher,
+                checkpointed=name in checkpointed,
                 why=why + _tied(own, names_of),
             )
         )
