@@ -182,5 +182,4 @@ def test_deepspeed_checkpoints_exactly_the_blocks_fsdp2s_plan_checkpoints(build:
     intent = ShardingIntent(activation_checkpointing=True, **fields)
     needs = MethodNeeds(ema_pairs=(EMAPair(teacher="teacher", student="student"),)) if pair else MethodNeeds()
     planned = [u.name for u in plan_fsdp2(module, intent, needs).units if u.checkpointed]
-    teachers = ["teacher"] if pair else []
-    assert checkpointable_blocks(module, intent, teachers) == planned and planned, planned
+    assert checkpointable_blocks(module, intent, needs) == planned and planned, planned

@@ -466,7 +466,7 @@ def explain(
             devices_per_node=devices_per_node,
             batch_rows=rows,
             lacks=_lacks,
-            checkpointable=bool(checkpointable_blocks(module, intent, [p.teacher for p in needs.ema_pairs] + list(needs.callback_modules))),
+            checkpointable=bool(checkpointable_blocks(module, intent, needs)),
         )
         if auto:
             report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)

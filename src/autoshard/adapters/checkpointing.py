@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -35,6 +34,7 @@ from torch import nn
 from autoshard.adapters.blocks import block_units, is_metric, param_names, subtree_roots, within
 from autoshard.errors import IntentError
 from autoshard.intent import SELECTIVE, ShardingIntent
+from autoshard.needs import MethodNeeds
 
 
 class Checkpointing(Enum):
@@ -169,18 +169,20 @@ def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMod
     return True
 
 
-def checkpointable_blocks(module: nn.Module, intent: ShardingIntent, excluded: Iterable[str] = ()) -> list[str]:
+def checkpointable_blocks(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds | None = None) -> list[str]:
     """The blocks activation checkpointing wraps, in the order its modes count them (deepest first, then in
     registration order): the repeated blocks (``adapters.blocks``, or those ``ShardingIntent(blocks=...)`` names) that
-    train, inside ``intent.shard``'s subtrees when it names some, outside ``intent.exclude``, ``excluded`` (EMA
-    teachers, callback modules) and metrics, and sharing no parameter with anything outside them (tied weights).
+    train, inside ``intent.shard``'s subtrees when it names some, outside ``intent.exclude``, the ``needs``' EMA
+    teachers and callback modules, and metrics, and sharing no parameter with anything outside them (tied weights).
 
-    These are the units fsdp2's plan marks ``checkpointed`` (a test keeps the two equal): DeepSpeed checkpoints the same
+    One selection for every engine: fsdp2's plan marks these units ``checkpointed``, and DeepSpeed checkpoints the same
     blocks, so a memory budget simulated on fsdp2's plan counts the activations a DeepSpeed run keeps.
     """
+    needs = needs or MethodNeeds()
     modules = dict(module.named_modules())
     names_of = param_names(module)
-    skip = set(intent.exclude) | set(excluded) | {n for n, m in modules.items() if n and is_metric(m)}
+    skip = set(intent.exclude) | {p.teacher for p in needs.ema_pairs} | set(needs.callback_modules)
+    skip |= {n for n, m in modules.items() if n and is_metric(m)}
     roots = set(subtree_roots(module, intent.shard))
     order = {name: i for i, name in enumerate(modules)}
     found = []
@@ -194,7 +196,7 @@ def checkpointable_blocks(module: nn.Module, intent: ShardingIntent, excluded: I
     return sorted(found, key=lambda n: (-n.count("."), order[n]))
 
 
-def checkpoint_blocks(module: nn.Module, intent: ShardingIntent, excluded: Iterable[str] = ()) -> list[str]:
+def checkpoint_blocks(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds | None = None) -> list[str]:
     """Checkpoint ``module``'s blocks as ``intent.activation_checkpointing`` says, where no ``fully_shard`` plan does it
     (DeepSpeed ZeRO-3, before its engine is built: its hooks then gather a block's parameters again for the
     recomputation); the names of the blocks checkpointed. fsdp2's ``apply_plan`` checkpoints its own units.
@@ -204,7 +206,7 @@ def checkpoint_blocks(module: nn.Module, intent: ShardingIntent, excluded: Itera
     mode = CheckpointMode.of(intent.activation_checkpointing)
     if mode.kind is Checkpointing.NONE:
         return []
-    blocks = checkpointable_blocks(module, intent, excluded)
+    blocks = checkpointable_blocks(module, intent, needs)
     if not blocks:
         raise nothing_to_checkpoint(module, intent)
     modules = dict(module.named_modules())

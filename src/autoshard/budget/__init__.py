@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from autoshard.budget.advice import BudgetReport, Change, Evaluate, Option, check_budget
 from autoshard.budget.batch import batch_function, batch_rows, cut_batch
-from autoshard.budget.decide import auto_entries, check_budget_intent, decide, decide_at_fit
+from autoshard.budget.decide import auto_entries, decide, decide_at_fit
 from autoshard.budget.decision import BudgetDecision, BudgetRefusedError, Cost, Rates, Tried, describe_config
 from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import MAX_RANKS, whole_nodes
@@ -37,7 +37,6 @@ __all__ = [
     "MAX_RANKS",
     "Option",
     "check_budget",
-    "check_budget_intent",
     "BudgetRefusedError",
     "Cost",
     "Rates",

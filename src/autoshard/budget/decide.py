@@ -93,7 +93,7 @@ def decide(
             f"memory_budget with tensor_parallel_size={intent.tensor_parallel_size} is not decided yet: the simulated step runs"
             f" data parallel only. Fix: drop memory_budget and set the fields yourself, or set tensor_parallel_size=1"
         )
-    backend = check_budget_intent(intent.replace(memory_budget=budget_bytes), backend)
+    backend = _check_budget_backend(intent.replace(memory_budget=budget_bytes), backend)
     make_batch = batch_function(batch)
     rates = rates or Rates()
     precision = precision or resolve_precision(None, intent)
@@ -162,9 +162,9 @@ def decide(
     )
 
 
-def check_budget_intent(intent: ShardingIntent, backend: str) -> str:
-    """Refuse a memory budget on a backend it cannot decide for (at a strategy's construction, and in ``decide``);
-    returns the backend's canonical name."""
+def _check_budget_backend(intent: ShardingIntent, backend: str) -> str:
+    """Refuse a memory budget on a backend it cannot decide for, or an intent that backend cannot run; returns the
+    backend's canonical name."""
     name = get_backend(backend).name
     if name not in (FSDP2, DEEPSPEED):
         raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {name}. Fix: backend='fsdp2'")

@@ -62,8 +62,7 @@ class Simulator:
         """Blocks activation checkpointing would wrap (trainable blocks; fsdp2's plan and DeepSpeed wrap the same)."""
         from autoshard.adapters.checkpointing import checkpointable_blocks
 
-        teachers = {p.teacher for p in self.needs.ema_pairs}
-        return len(checkpointable_blocks(self.module, self.base, teachers | set(self.needs.callback_modules)))
+        return len(checkpointable_blocks(self.module, self.base, self.needs))
 
     def states(self, config: dict[str, Any], world_size: int) -> Any:
         import warnings

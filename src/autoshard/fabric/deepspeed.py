@@ -178,7 +178,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
             )
         self.needs, self.decision = needs, decision
         self.report_decision(decision)
-        checkpoint_blocks(module, self.intent)  # before the engine, whose hooks gather a block again for its recomputation
+        checkpoint_blocks(module, self.intent, needs)  # before the engine, whose hooks gather a block again for its recomputation
         self.setups.append(Setup(1, type(module).__name__, _no_ref, ParameterNames(type(module).__name__, {}), arriving))
 
     # -- fabric.save / fabric.load: the crash-safe writer, the checks before DeepSpeed reads a file -------------------

@@ -30,7 +30,7 @@ from autoshard import deepspeed_files
 from autoshard.adapters.checkpointing import checkpoint_blocks, describe_checkpointing
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
-from autoshard.budget import BudgetDecision, check_budget_intent, stored_differs
+from autoshard.budget import BudgetDecision, stored_differs
 from autoshard.capability import Feature
 from autoshard.checkpoint import WEIGHTS_ONLY_REFUSAL, check_replaceable, resolve_for_load, untrusted, weights_only_loads
 from autoshard.checkpoint_io import MANIFEST, Publisher, fsync_dir, staging_path, unverified_warning, write_manifest, writer_token
@@ -497,7 +497,6 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         self.micro_batch_size = micro_batch_size
         self.zero_overrides = dict(zero_overrides or {})
         self.checkpointed: dict[int, list[str]] = {}  # id(module) -> the blocks init_deepspeed checkpointed
-        check_budget_intent(self.intent, BACKEND)
         # Intent-only refusals (tensor parallel) at construction, precision once the Trainer's is known, the method at
         # setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
         provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
@@ -512,7 +511,7 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         engine, then gather a block's parameters again for its recomputation. Once per module (a later stage finds it)."""
         module = self.lightning_module
         if module is not None and id(module) not in self.checkpointed:
-            blocks = checkpoint_blocks(module, self.intent)
+            blocks = checkpoint_blocks(module, self.intent, self.needs)
             self.checkpointed[id(module)] = blocks
             if blocks:
                 rank_zero_info(

@@ -83,7 +83,7 @@ def plan_fsdp2(
             notes.append(f"'{path}' shares parameters with modules outside it (tied weights): sharded with its parent instead")
             del candidates[path]
     # The blocks activation checkpointing wraps: one selection for every engine (DeepSpeed checkpoints the same ones)
-    checkpointed = set(checkpointable_blocks(module, intent, teachers | set(needs.callback_modules))) if intent.activation_checkpointing else set()
+    checkpointed = set(checkpointable_blocks(module, intent, needs)) if intent.activation_checkpointing else set()
     units = _units(modules, candidates, teachers, intent, needs, names_of, checkpointed)
     if intent.activation_checkpointing and not any(u.checkpointed for u in units):
         raise nothing_to_checkpoint(module, intent)
