@@ -61,6 +61,18 @@ def write_lightning_dcp(path: Path, net: nn.Module, step: int = 3, with_meta: bo
         torch.save({"global_step": step, "epoch": 0}, path / "meta.pt")
 
 
+def as_autoshard_save(path: Path) -> Path:
+    """The manifest autoshard's own save writes with a checkpoint (kind "autoshard save"): a save replaces only such a
+    checkpoint (docs/bad-inputs.md row 141), so a hand-made one standing for an earlier save needs it."""
+    from autoshard.checkpoint_io import KIND_SAVE, MANIFEST, describe_files, sidecar_path, write_manifest
+
+    if path.is_dir():
+        write_manifest(path / MANIFEST, describe_files(path, [p.name for p in path.iterdir() if p.is_file()]), KIND_SAVE)
+    else:
+        write_manifest(sidecar_path(path), describe_files(path.parent, [path.name]), KIND_SAVE)
+    return path
+
+
 @pytest.fixture
 def dcp_dir(tmp_path: Path) -> Path:
     path = tmp_path / "epoch=0-step=3.ckpt"
@@ -118,6 +130,7 @@ def test_crash_between_the_two_renames_loads_the_new_complete_checkpoint(tmp_pat
     target = tmp_path / "last.ckpt"
     dcp_dir.rename(aside_path(target))  # the old one, moved aside
     write_lightning_dcp(staging_path(target), model(), step=9)  # the new one, complete, not yet renamed in
+    as_autoshard_save(staging_path(target))
     with pytest.warns(UserWarning, match="a save to it was interrupted"):
         assert resolve_for_load(target) == staging_path(target)
     # The next save first finishes the swap, so nothing complete is lost when it clears its staging.
@@ -164,6 +177,7 @@ def test_commit_replaces_whole_and_leaves_nothing_behind(tmp_path: Path, old_kin
 
     if old_kind:
         make(target, old_kind, 1)
+        as_autoshard_save(target)  # an earlier save of autoshard's: the only kind a save replaces
     staged = prepare_staging(target)
     make(staged, new_kind, 2)
     commit(staged, target)

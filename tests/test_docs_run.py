@@ -289,6 +289,8 @@ def test_commands_in_prose_exist(page: str, span: str, monkeypatch: pytest.Monke
         options = {o for action in parser._actions for o in action.option_strings}
         unknown = [a.split("=")[0] for a in args[1:] if a.startswith("-") and a.split("=")[0] not in options]
         assert not unknown, f"{page}: `{span}`: {args[0]} has no option {unknown}"
+    elif tool == "python" and args[0] == "-c":  # a one-liner a message gives: it must at least be Python
+        compile(args[1], span, "exec")
     elif tool == "python" and args[0] == "-m":
         assert importlib.util.find_spec(args[1]) is not None, span
     elif tool == "python" and args[0] == "benchmarks/run.py":

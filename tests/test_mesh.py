@@ -102,7 +102,7 @@ class NoPlan(nn.Module):
 
 
 class Planned(NoPlan):
-    _tp_plan = {"blocks.*": "colwise"}
+    _tp_plan = {"blocks.0": "colwise", "blocks.1": "rowwise"}  # a pair: what one layer splits, the next takes
 
 
 def test_tensor_parallel_needs_a_layout_the_model_carries() -> None:
@@ -119,9 +119,9 @@ def test_tensor_parallel_needs_a_layout_the_model_carries() -> None:
         " device_mesh['tensor_parallel'], or set tensor_parallel_size=1"
     )
     plan = plan_fsdp2(Planned(), ShardingIntent(tensor_parallel_size=2))
-    assert plan.tp_plan is not None and plan.tp_plan.rows() == [("blocks.0", "colwise"), ("blocks.1", "colwise")]
+    assert plan.tp_plan is not None and plan.tp_plan.rows() == [("blocks.0", "colwise"), ("blocks.1", "rowwise")]
     assert "tensor parallel, laid out before fully_shard (2 modules" in plan.describe()
-    assert plan.to_dict()["tensor_parallel"] == [{"module": "blocks.0", "style": "colwise"}, {"module": "blocks.1", "style": "colwise"}]
+    assert plan.to_dict()["tensor_parallel"] == [{"module": "blocks.0", "style": "colwise"}, {"module": "blocks.1", "style": "rowwise"}]
     assert plan_fsdp2(NoPlan(), ShardingIntent()).tp_plan is None and "tensor_parallel" not in plan_fsdp2(NoPlan()).to_dict()
 
 

@@ -28,6 +28,7 @@ from autoshard.checkpoint import (
     resolve_for_load,
 )
 from autoshard.lightning.checkpoint import RankZeroTraceback, error_payload, on_rank0, rebuild_error
+from tests.test_checkpoint_formats import as_autoshard_save
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -68,7 +69,7 @@ def test_a_save_killed_between_its_renames_is_recovered_under_its_unique_name(tm
     write_dcp(cio.aside_path(target), step=3)  # the old one, moved aside
     older = write_dcp(cio.staging_path(target, "111-aaaa"), step=5)  # a complete staging of an earlier dead writer
     os.utime(older, (time.time() - 60, time.time() - 60))
-    newest = write_dcp(cio.staging_path(target, "222-bbbb"), step=9)  # the one killed between its two renames
+    newest = as_autoshard_save(write_dcp(cio.staging_path(target, "222-bbbb"), step=9))  # killed between its two renames
     partial = cio.staging_path(target, "333-cccc")
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"torn")  # a live-looking but partial one: never picked

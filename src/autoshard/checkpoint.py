@@ -23,6 +23,7 @@ import pickle
 import re
 import sys
 import warnings
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -36,8 +37,10 @@ from autoshard.backends import get_backend
 from autoshard.capability import Format
 from autoshard.checkpoint_io import (
     DIGEST,
+    KIND_SAVE,
     MANIFEST,
     aside_path,
+    foreign_content,
     fsync_dir,
     integrity_problems,
     orphan_sidecar,
@@ -46,6 +49,7 @@ from autoshard.checkpoint_io import (
     staged_siblings,
     staging_path,
     unverified_warning,
+    writer_token,
 )
 from autoshard.errors import AutoShardError
 
@@ -353,17 +357,63 @@ def _check_full_file(path: Path) -> None:
 
 
 def check_replaceable(path: str | os.PathLike[str]) -> None:
-    """Saving swaps ``path`` out: refuse when it holds something that is not a checkpoint (a user directory)."""
+    """Saving swaps ``path`` out: refuse, before anything is written, unless what is there is autoshard's own earlier
+    save (its manifest says so, ``KIND_SAVE``), a training checkpoint Lightning wrote (``_trainer_checkpoint``: what
+    ModelCheckpoint replaces by design, e.g. ``last.ckpt`` of an earlier run without autoshard; refusing it would end a
+    run at its first save), a symlink (the swap replaces the link, never its target), an empty directory, or the
+    remains of an interrupted save. A user's own torch.save file, a text file, a folder of other files, a raw DCP
+    directory: each stays as it is."""
     info = detect_format(path, verify=False)
-    if info.format is Format.MISSING or info.complete or info.format is Format.INCOMPLETE:
-        return
     p = info.path
+    if info.format is Format.MISSING or info.format is Format.INCOMPLETE or p.is_symlink():
+        return
     if info.format is Format.UNKNOWN and p.is_dir() and not any(p.iterdir()):
         return
+    if info.complete:
+        foreign = foreign_content(p, KIND_SAVE, legacy=True)
+        if foreign is None or _trainer_checkpoint(p, info.format):
+            return
+        raise CheckpointFormatError(
+            f"refusing to save over {str(p)!r}: it is {info.detail}, and {foreign}; a save replaces it whole, and"
+            f" autoshard replaces only its own earlier saves. Fix: save to a new path, e.g. {str(_unused_sibling(p))!r},"
+            f" or move {str(p)!r} away first"
+        )
+    new = p / "model.ckpt" if p.is_dir() else _unused_sibling(p)
     raise CheckpointFormatError(
         f"refusing to save over {str(p)!r}: it is {info.detail}, and a save replaces it whole. Fix: save to a new"
-        f" path, e.g. {str(p / 'model.ckpt')!r}, or move it away first"
+        f" path, e.g. {str(new)!r}, or move it away first"
     )
+
+
+LIGHTNING_VERSION_KEY = b"pytorch-lightning_version"  # in every checkpoint Lightning's Trainer saves
+
+
+def _trainer_checkpoint(path: Path, fmt: Format) -> bool:
+    """Whether ``path`` is a checkpoint a Lightning Trainer saved: a DCP directory with its ``meta.pt``, a DeepSpeed
+    checkpoint, or a torch.save file whose pickle holds Lightning's version key (read as bytes: nothing unpickled)."""
+    if fmt in (Format.DCP, Format.DEEPSPEED):
+        return True
+    if fmt is not Format.FULL:
+        return False
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+                return name is not None and LIGHTNING_VERSION_KEY in archive.read(name)
+        with path.open("rb") as f:  # torch's legacy (pre-zip) format: the dict is the first pickle in the file
+            return LIGHTNING_VERSION_KEY in f.read(1 << 20)
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _unused_sibling(path: Path) -> Path:
+    """``last.ckpt`` -> ``last-1.ckpt`` (the first such name nothing holds): a new path beside one that is taken."""
+    stem, suffix = path.stem, path.suffix
+    for n in range(1, 1000):
+        candidate = path.with_name(f"{stem}-{n}{suffix}")
+        if not (candidate.exists() or candidate.is_symlink()):
+            return candidate
+    return path.with_name(f"{stem}-{writer_token()}{suffix}")
 
 
 def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
@@ -421,12 +471,18 @@ def check_integrity(path: str | os.PathLike[str]) -> bool:
 
 def saved_shapes(path: Path, entry: str = "state_dict") -> dict[str, tuple[int, ...] | None]:
     """Names and shapes under ``entry`` of a DCP checkpoint, from .metadata alone (None: not a tensor)."""
-    shapes: dict[str, tuple[int, ...] | None] = {}
-    for where, item in dcp_entries(path):
-        if where[0] == entry and len(where) > 1:
-            size = getattr(item, "size", None)
-            shapes[".".join(where[1:])] = tuple(size) if size is not None else None
-    return shapes
+    return saved_entries(dcp_entries(path)).get(entry, {})
+
+
+def saved_entries(entries: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, dict[str, tuple[int, ...] | None]]:
+    """``{top-level key: {name: shape}}`` of a checkpoint's entries, in ``dcp_entries``' form (the path of each entry
+    in the saved state dict, and its storage metadata or the tensor itself); None for what is not a tensor."""
+    saved: dict[str, dict[str, tuple[int, ...] | None]] = {}
+    for where, item in entries:
+        if len(where) > 1:
+            size = item.shape if isinstance(item, torch.Tensor) else getattr(item, "size", None)
+            saved.setdefault(where[0], {})[".".join(where[1:])] = tuple(size) if size is not None else None
+    return saved
 
 
 def _names(names: list[str], limit: int = 6) -> str:

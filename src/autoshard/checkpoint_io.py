@@ -54,6 +54,7 @@ ASIDE_SUFFIX = ".autoshard-old"  # the previous checkpoint, moved aside for the 
 LOCK_SUFFIX = ".autoshard-lock"  # beside the destination: held by the one writer publishing to it
 MANIFEST = "autoshard-manifest.json"  # inside a DCP checkpoint directory: every file's size and sha256
 MANIFEST_SUFFIX = ".autoshard-manifest.json"  # beside a single-file checkpoint: a file cannot hold its own hash
+KIND_SAVE = "autoshard save"  # the manifest's kind of a training checkpoint (fsdp2 DCP or full, autoshard-deepspeed, Fabric)
 DIGEST = "sha256"  # ~1.5 GB/s here with SHA-NI (blake2b: 0.76 GB/s), and `sha256sum FILE` checks it by hand
 
 
@@ -129,6 +130,29 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``/proc/self/status``), else by setting
+    and restoring it at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file a library wrote with a private mode (safetensors' ``save_file``: 0600) the mode every other output
+    gets, ``0666`` less the umask (0644 under the usual 022). A filesystem that keeps no modes keeps its own."""
+    try:
+        os.chmod(path, 0o666 & ~umask())
+    except OSError:
+        pass
 
 
 def fsync_file(path: Path) -> None:
@@ -214,6 +238,9 @@ class Publisher:
         The lock file is removed on release while still held, so a writer that waited on the removed file sees the
         name now points elsewhere (or nowhere) and locks afresh: two writers never both hold "the" lock.
         """
+        refusal = unwritable_refusal(self.path, before="anything was written")
+        if refusal is not None:  # a parent that is a file, a read-only directory: said as such, not as a lock file
+            raise CheckpointWriteError(refusal)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fcntl is None:
             return self
@@ -276,6 +303,19 @@ class Publisher:
                 f" writers of {str(self.path)!r} apart, so nothing was written. Fix: if no process is writing"
                 f" {str(self.path)!r}, remove the lock file (a crashed writer left it), or write to another path"
             ) from exc
+
+    def clear_stale(self) -> list[Path]:
+        """An offline writer's first step under the lock: remove the stagings of ``path`` that writers which died
+        left (killed mid-write: a staging can be as large as the output), and return them, for the writer to say so.
+        Every live writer of ``path`` stages only while it holds this lock, so whatever staging is found now is a dead
+        one's. Without a lock (no flock on this filesystem) nothing is removed: another writer may be alive."""
+        if self._fd is None:
+            return []
+        found = [p for p in staged_siblings(self.path) if token_of(p, self.path) != self.token]
+        for stale in found:  # with the manifest it staged beside it; a staged manifest alone describes ``path``: kept
+            remove(staging_path(sidecar_path(self.path), token_of(stale, self.path)))
+            remove(stale)
+        return found
 
     def release(self, discard: bool = False) -> None:
         """Give the lock back (and remove its file); ``discard``: remove this writer's staging first."""
@@ -344,15 +384,18 @@ def unwritable(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def unwritable_refusal(out: str | os.PathLike[str]) -> str | None:
+def unwritable_refusal(out: str | os.PathLike[str], before: str = "reading the checkpoint") -> str | None:
     """The refusal (with its Fix) of an output path nothing can be written at, or None: consolidate and convert
-    ask before they read a checkpoint that may be large."""
+    ask before they read a checkpoint that may be large, every save (``Publisher.acquire``) before it writes."""
     problem = unwritable(out)
     if problem is None:
         return None
+    parent = Path(out).parent
+    blocker = next((d for d in (parent, *parent.parents) if d.exists() or d.is_symlink()), parent)
+    remedy = f"move the file {str(blocker)!r} away" if not blocker.is_dir() else f"make {str(blocker)!r} writable"
     return (
-        f"cannot write {str(out)!r}: {problem}; refused before reading the checkpoint. Fix: choose an output path in a"
-        f" directory you can write (e.g. under {str(Path.home())!r}), or make {str(Path(out).parent)!r} writable"
+        f"cannot write {str(out)!r}: {problem}; refused before {before}. Fix: choose an output path in a"
+        f" directory you can write (e.g. under {str(Path.home())!r}), or {remedy}"
     )
 
 

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
+import io
 import itertools
 import json
+import os
 import re
+import signal
 import sys
-from collections.abc import Container, Sequence
-from typing import NoReturn
+import threading
+from collections.abc import Container, Iterator, Sequence
+from contextlib import contextmanager, redirect_stdout
+from typing import NoReturn, TextIO
 
 from autoshard import __version__
 from autoshard.backends.matrix import FORMATS, render_matrix
@@ -28,6 +34,7 @@ LAZY: dict[str, tuple[str, str]] = {
     "explain": ("autoshard.explain", "show what autoshard would do with a module: needs, backend, plan, memory per rank"),
     "consolidate": ("autoshard.consolidate", "turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights"),
     "convert": ("autoshard.convert", "convert a checkpoint between DeepSpeed ZeRO-3 and fsdp2 (DCP), optimizer state included, or to safetensors"),
+    "calibrate": ("autoshard.calibrate", "measure the rates a memory budget prices configurations with, on this machine's device"),
 }
 
 
@@ -50,9 +57,9 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, self)
 
 
-def cmd_matrix(args: argparse.Namespace) -> int:
+def cmd_matrix(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     """Print the capability matrix: which backend runs which feature, and with --details why not."""
-    print(render_matrix(args.format, details=args.details))
+    print(render_matrix(args.format, details=args.details), file=stream or sys.stdout)
     return 0
 
 
@@ -129,30 +136,46 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A command line argparse refuses exits 2 with the usage, as argparse does, but with a Fix; under --json it is one
     JSON object on stdout and exit 1, like every other error (an unexpected exception included).
+
+    stdout carries the command's result alone: while the command's modules load and it runs, whatever else would
+    print there (DeepSpeed's accelerator log line, a library's print) goes to stderr. A reader that closes the pipe
+    early (``| head``) ends the command quietly; SIGTERM ends it as an exception, so a writer removes its staging.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    stdout = sys.stdout
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv), stdout)
+    except BrokenPipeError:
+        _drop(stdout)
+        return 1
+
+
+def _main(argv: list[str], stdout: TextIO) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # the top level has options without values only
     as_json = wants_json(argv)
-    parser = build_parser(load={command})
+    with redirect_stdout(sys.stderr):
+        parser = build_parser(load={command})
     try:
         args = parser.parse_args(argv)
     except UsageError as exc:
         refused = exc.parser if exc.parser is not parser else command_parser(parser, command)
         message = f"{exc}. Fix: {usage_fix(str(exc), refused)}"
         if as_json:
-            print(json.dumps({"command": command, "error": {"type": "UsageError", "message": message}}, indent=1))
+            print(json.dumps({"command": command, "error": {"type": "UsageError", "message": message}}, indent=1), file=stdout)
             return 1
         refused.print_usage(sys.stderr)
         print(f"{refused.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        return args.func(args)
+        with _terminate_as_exit():
+            return _run(args, stdout)
     except AutoShardError as exc:
         if as_json or getattr(args, "json", False):  # --json: stdout is one object whatever happened, a refusal included
-            print(json.dumps({"command": args.command, "error": {"type": type(exc).__name__, "message": str(exc)}}, indent=1))
+            print(json.dumps({"command": args.command, "error": {"type": type(exc).__name__, "message": str(exc)}}, indent=1), file=stdout)
         else:
             print(f"autoshard: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader of stdout is gone: main() ends quietly, no JSON error for nobody
+        raise
     except Exception as exc:  # not a refusal autoshard knows: a bug, or an input no check caught yet
         if not as_json:
             raise
@@ -160,5 +183,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{type(exc).__name__}: {exc}. This is not a refusal autoshard knows (a bug, or an input no check catches"
             f" yet). Fix: run the same command without --json for the traceback, and report it"
         )
-        print(json.dumps({"command": args.command, "error": {"type": type(exc).__name__, "message": message}}, indent=1))
+        print(json.dumps({"command": args.command, "error": {"type": type(exc).__name__, "message": message}}, indent=1), file=stdout)
         return 1
+
+
+def _run(args: argparse.Namespace, stdout: TextIO) -> int:
+    """The subcommand, its result on ``stdout`` and anything else printed while it runs on stderr; a command that
+    takes no ``stream`` prints where it likes."""
+    if "stream" not in inspect.signature(args.func).parameters:
+        return args.func(args)
+    with redirect_stdout(sys.stderr):
+        return args.func(args, stream=stdout)
+
+
+def _drop(stream: TextIO) -> None:
+    """After the reader closed the pipe: point stdout at /dev/null, so the interpreter's last flush raises nothing
+    (the Python docs' recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a file descriptor (a test's buffer)
+        pass
+
+
+@contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler's time limit) raised as SystemExit(143) in the main thread while a command runs:
+    the writers' ``with Publisher(...)`` blocks then remove their staging, as on Ctrl-C, instead of leaving it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> NoReturn:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -189,16 +192,37 @@ def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source:
     its sidecar manifest, ``out`` checked again (another writer may have published meanwhile), then renamed. A
     failure at any point leaves ``out`` as it was and removes the staging."""
     with Publisher(out) as publisher:
+        for stale in publisher.clear_stale():
+            warnings.warn(
+                f"autoshard: removed {str(stale)!r}, the staging of a consolidate to {str(out)!r} that did not finish (its writer is gone)",
+                stacklevel=2,
+            )
         torch.save(tensors, publisher.staged)
         publisher.publish_with_manifest(KIND_CONSOLIDATE, lambda path: _check_output(path, force, source))
 
 
-def cmd_consolidate(args: argparse.Namespace) -> int:
-    """``autoshard consolidate CKPT OUT.pt``: print what was written; refusals exit 1 through the CLI's handler
-    (which prints them as JSON under --json)."""
+def cmd_consolidate(args: argparse.Namespace, stream: TextIO | None = None) -> int:
+    """``autoshard consolidate CKPT OUT.pt``: print what was written (on ``stream``, stdout by default); refusals exit
+    1 through the CLI's handler (which prints them as JSON under --json)."""
     done = consolidate(args.ckpt, args.out, tag=args.tag, force=args.force, trust_pickle=args.trust_pickle)
-    print(json.dumps(done.to_json(), indent=1) if args.json else done.describe())
+    print(json.dumps(done.to_json(), indent=1) if args.json else done.describe(), file=stream or sys.stdout)
     return 0
+
+
+def refuse_module_run(command: str, usage: str, argv: Sequence[str]) -> int:
+    """``python -m autoshard.<command>``: the module holds what ``autoshard <command>`` runs and is no command of its
+    own (it used to exit 0 having done nothing); refused with the command line that runs it, the same arguments
+    kept. Under --json the refusal is one JSON object on stdout, as every autoshard command's errors are."""
+    words = " ".join(shlex.quote(a) for a in argv) or usage
+    message = (
+        f"`python -m autoshard.{command}` is not a command: that module holds what `autoshard {command}` runs, so"
+        f" nothing was done. Fix: python -m autoshard {command} {words} (or: autoshard {command} {words})"
+    )
+    if "--json" in argv:
+        print(json.dumps({"command": command, "error": {"type": "UsageError", "message": message}}, indent=1))
+        return 1
+    print(f"autoshard: error: {message}", file=sys.stderr)
+    return 2
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -227,4 +251,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=cmd_consolidate)
 
 
-__all__ = ["Consolidated", "consolidate", "register_cli"]
+__all__ = ["Consolidated", "consolidate", "refuse_module_run", "register_cli"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(refuse_module_run("consolidate", "CKPT_DIR OUT.pt", sys.argv[1:]))

@@ -23,7 +23,7 @@ from autoshard.activations import call_batch, load_batch, measure_step
 from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
-from autoshard.budget import BudgetDecision, BudgetReport, Option, auto_entries, check_budget
+from autoshard.budget import BudgetDecision, BudgetReport, Option, auto_entries, batch_rows, check_budget, cut_batch
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
@@ -322,7 +322,7 @@ def explain(
     factory = load_target(target) if isinstance(target, str) else target
     make_batch = load_batch(batch) if isinstance(batch, str) else batch
     # Called once now, so that a batch function that raises is refused in words before any step is simulated.
-    rows = _batch_rows(make_batch) if make_batch is not None else None
+    rows = batch_rows(make_batch) if make_batch is not None else None
     built = build_on_meta(factory)
     module = built.module
     # The one configure_optimizers call (offline, on the meta module): needs and memory both read its optimizers.
@@ -425,7 +425,7 @@ def explain(
                     option.intent,
                     option.world_size,
                     precision,
-                    make_batch=_cut(make_batch, option.batch_divisor) if make_batch is not None else None,
+                    make_batch=cut_batch(make_batch, option.batch_divisor) if make_batch is not None else None,
                     num_nodes=est.num_nodes,
                 )
             except AutoShardError as exc:  # the model states stand; say why activations are missing
@@ -556,26 +556,6 @@ def _tokens(make_batch: Callable[[], Any]) -> int | None:
     with torch.device("meta"):
         ids = [t for t in _leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() > 0]
     return ids[0].numel() if ids else None
-
-
-def _batch_rows(make_batch: Callable[[], Any]) -> int | None:
-    """The micro-batch's rows when every tensor in it shares dim 0 (so it can be cut); else None."""
-    with torch.device("meta"):
-        rows = {t.shape[0] if t.dim() else None for t in _leaves(call_batch(make_batch))}
-    return rows.pop() if len(rows) == 1 and None not in rows else None
-
-
-def _cut(make_batch: Callable[[], Any], divisor: int) -> Callable[[], Any]:
-    """``make_batch`` with every tensor's dim 0 divided by ``divisor`` (a smaller micro-batch, same samples' shape)."""
-    if divisor == 1:
-        return make_batch
-    import torch.utils._pytree as pytree
-
-    def smaller() -> Any:
-        cut = lambda t: t[: max(1, t.shape[0] // divisor)] if isinstance(t, torch.Tensor) and t.dim() else t  # noqa: E731
-        return pytree.tree_map(cut, make_batch())
-
-    return smaller
 
 
 # -- command line ---------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from autoshard.checkpoint import (
     torn_shard,
 )
 from autoshard.errors import AutoShardError
-from autoshard.needs import EMAPair
+from autoshard.needs import EMAPair, eager_name
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -68,6 +68,20 @@ class WeightsFile:
     tied: dict[str, str] = field(default_factory=dict)  # alias -> name, from autoshard's safetensors metadata
     state: Mapping[str, torch.Tensor] | None = None  # torch: the memory-mapped state dict (no page read yet)
     dtypes: dict[str, str] = field(default_factory=dict)  # name -> dtype as torch names it ("float16"), from headers
+
+    def __post_init__(self) -> None:
+        """Weights saved from a model the user compiled (``model._orig_mod.layers.0...``) are read under the eager names,
+        which the model has by then (``adapters.compile`` unwraps compiled modules before anything is planned). Not for
+        DCP, read by its stored keys, and never when two stored names would become one."""
+        eager = {k: eager_name(k) for k in self.shapes}
+        if self.kind == "dcp" or all(k == v for k, v in eager.items()) or len(set(eager.values())) < len(eager):
+            return
+        self.shapes = {eager[k]: v for k, v in self.shapes.items()}
+        self.files = {eager.get(k, k): v for k, v in self.files.items()}
+        self.tied = {eager_name(a): eager_name(b) for a, b in self.tied.items()}
+        self.dtypes = {eager.get(k, k): v for k, v in self.dtypes.items()}
+        if self.state is not None:
+            self.state = {eager.get(k, k): v for k, v in self.state.items()}
 
 
 _PREAD = hasattr(os, "preadv") and sys.byteorder == "little"  # safetensors stores little-endian
@@ -366,27 +380,51 @@ def _check_dtypes(reads: Mapping[str, tuple[WeightsFile, str]], targets: Mapping
     """Refuse a tensor whose file dtype is another kind than the model's (int or bool into float, float into int);
     return the precision changes within a kind (an fp16 file into fp32 weights), which load and are logged."""
     casts: dict[str, tuple[str, str]] = {}
-    wrong: list[tuple[str, str, str, Path]] = []
+    wrong: list[tuple[str, str, str, WeightsFile, str]] = []
     for name, (src, key) in sorted(reads.items()):
         stored = src.dtypes.get(key)
         if stored is None:
             continue
         wanted = _dtype_name(targets[name].dtype)
         if _kind(stored) != _kind(wanted):
-            wrong.append((name, stored, wanted, src.path))
+            wrong.append((name, stored, wanted, src, key))
         elif stored != wanted:
             casts[name] = (stored, wanted)
     if wrong:
-        name, stored, wanted, path = wrong[0]
+        name, stored, wanted, src, _ = wrong[0]
         more = f" (and {len(wrong) - 1} more: {', '.join(w[0] for w in wrong[1:4])}{', ...' if len(wrong) > 4 else ''})" if len(wrong) > 1 else ""
         raise InitFromError(
-            f"init_from {str(path)!r} does not match {type(module).__name__}: {name} is {stored} in the file and {wanted} in"
+            f"init_from {str(src.path)!r} does not match {type(module).__name__}: {name} is {stored} in the file and {wanted} in"
             f" the model{more}. Loading would cast {_kind(stored)} values into {_kind(wanted)} tensors without a word, so"
             f" nothing was loaded or sharded. Fix: point init_from at this model's own weights; if these values are meant"
-            f" as they are, convert the file explicitly first, e.g. safetensors.torch.save_file({{k: v.to(torch.{wanted})"
-            f" for k, v in safetensors.torch.load_file(PATH).items()}}, 'converted.safetensors')"
+            f" as they are, {_conversion(src, {key: want for _, _, want, file, key in wrong if file is src})}"
         )
     return casts
+
+
+def _conversion(src: WeightsFile, wanted: Mapping[str, str]) -> str:
+    """The Fix's one line that converts exactly the tensors named in ``wanted`` (name in the file -> the model's dtype)
+    into a new file beside ``src``, and leaves every other tensor as it is (an int64 buffer beside float weights)."""
+    casts = "{" + ", ".join(f"{k!r}: torch.{d}" for k, d in sorted(wanted.items())) + "}"
+    update = f"sd.update({{k: sd[k].to(d) for k, d in {casts}.items()}})"
+    files = sorted({w.file for w in src.files.values()})
+    if src.kind == "safetensors" and len(files) == 1:
+        out = files[0].with_name(f"{files[0].stem}-converted.safetensors")
+        return (
+            f'convert only those tensors into a new file, e.g. `python -c "import torch; from safetensors.torch import'
+            f" load_file, save_file; sd = load_file({str(files[0])!r}); {update}; save_file(sd, {str(out)!r},"
+            f" metadata={{'format': 'pt'}})\"`, then init_from={str(out)!r}"
+        )
+    if src.kind == "safetensors":
+        return f"convert only these tensors, each to the model's dtype, in the shard of {str(src.path)!r} that holds it: {casts}"
+    first = "" if src.kind == "torch" else f"`{CONSOLIDATE.format(path=src.path)}`, then "
+    path = src.path if src.kind == "torch" else Path("weights.pt")
+    inner = f"['{src.entry}']" if src.kind == "torch" and src.entry else ""
+    out = path.with_name(f"{path.stem}-converted.pt")
+    return (
+        f'convert only those tensors into a new file, e.g. {first}`python -c "import torch; sd = torch.load({str(path)!r},'
+        f' weights_only=True){inner}; {update}; torch.save(sd, {str(out)!r})"`, then init_from={str(out)!r}'
+    )
 
 
 def _filled_otherwise(

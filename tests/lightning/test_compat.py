@@ -59,6 +59,12 @@ def _fit_loop() -> Any:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit_loop
 
 
+def _throughput_monitor() -> Any:
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    return ThroughputMonitor(batch_size_fn=len)
+
+
 # An instance of each owner of instance attributes: what its __init__ sets only an instance shows.
 INSTANCES: dict[str, Callable[[], Any]] = {
     "lightning.pytorch.loops.fit_loop._FitLoop": _fit_loop,
@@ -67,6 +73,7 @@ INSTANCES: dict[str, Callable[[], Any]] = {
     "lightning.pytorch.LightningModule": _module,
     "lightning.pytorch.strategies.ModelParallelStrategy": _model_parallel,
     "lightning.pytorch.strategies.DeepSpeedStrategy": _deepspeed,
+    "lightning.pytorch.callbacks.ThroughputMonitor": _throughput_monitor,
 }
 
 

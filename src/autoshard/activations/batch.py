@@ -1,15 +1,17 @@
 """The batch a simulated step runs on: ``--batch file.py:make_batch`` loaded (``load_batch``), called with its failure
-in words (``call_batch``), and described by its dtypes and shapes (``describe_batch``)."""
+in words (``call_batch``), described by its dtypes and shapes (``describe_batch``), and a step that failed on it said
+with its real cause (``step_failure``)."""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from autoshard.activations.failures import describe_failure
+from autoshard.activations.failures import describe_failure, reads_values
 from autoshard.errors import AutoShardError
 
 
@@ -42,8 +44,9 @@ def call_batch(make_batch: Callable[[], Any]) -> Any:
     try:
         return make_batch()
     except Exception as exc:
+        what = batch_origin(make_batch) if hasattr(make_batch, "origin") else f"the batch function {where_defined(make_batch)}"
         raise AutoShardError(
-            f"the batch function {where_defined(make_batch)} raised {describe_failure(exc)}. explain calls it with no arguments"
+            f"{what} raised {describe_failure(exc)}. explain calls it with no arguments"
             f" under the meta device and FakeTensorMode (tensors without memory or values), so it cannot read data."
             f" Fix: make it build tensors of one micro-batch's shapes, e.g."
             f" `return torch.randn(32, 3, 224, 224), torch.randint(0, 1000, (32,))`"
@@ -67,3 +70,103 @@ def describe_batch(batch: Any, limit: int = 240) -> str:
 
     text = one(batch)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def batch_origin(make_batch: Callable[..., Any]) -> str:
+    """Where a batch came from, as a message names it: the ``origin`` of a batch given as data (the first batch of the
+    train DataLoader, the batch given to decide) or cut from another, else "the batch from" the user's function with
+    its file and line."""
+    origin = getattr(make_batch, "origin", None)
+    return origin if isinstance(origin, str) else f"the batch from {where_defined(make_batch)}"
+
+
+def _root_function(make_batch: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a batch was first made by, under any cut of it (``budget.cut_batch`` keeps it as ``make_batch``)."""
+    while callable(getattr(make_batch, "make_batch", None)):
+        make_batch = make_batch.make_batch  # type: ignore[attr-defined]
+    return make_batch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch, in the containers ``describe_batch`` reads (mappings, tuples, lists)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def _without_trainer(exc: BaseException) -> bool:
+    """The step read ``self.trainer`` (the copy has none) or something the manual step's stand-in Trainer lacks."""
+    text = str(exc)
+    return "is not attached to a `Trainer`" in text or "is not available in autoshard's simulated step" in text
+
+
+def _dtype_mismatch(exc: BaseException, batch: Any) -> list[torch.Tensor]:
+    """The batch's integer tensors when the failure is a floating-point op meeting one of them; else []."""
+    ints = [t for t in _tensors(batch) if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
+    text = str(exc)
+    if ints and (re.search(r"\bLong\b|\bInt\b", text) or any(word in text.lower() for word in ("dtype", "scalar type", "int64", "integral"))):
+        return ints
+    return []
+
+
+def step_failure(exc: BaseException, make_batch: Callable[..., Any], batch: Any) -> str:
+    """Why training_step did not run on a batch, in one sentence with the batch's shapes, the real cause and a Fix that
+    is not "pass a batch" (one was given). The batch is blamed only when it is the problem: not when the step reads
+    ``self.trainer``, reads a tensor's values or fails on a batch exactly as the DataLoader yields it."""
+    root = _root_function(make_batch)
+    given = isinstance(getattr(root, "origin", None), str)  # data (the DataLoader's batch), not a function of the user's
+    head = f"training_step could not run on {batch_origin(make_batch)}, {describe_batch(batch)}: {describe_failure(exc)}."
+    name = getattr(root, "__name__", "<lambda>").replace("<lambda>", "the batch function")
+    measured = "a few real steps with autoshard.activations.measuring_callback() measure it instead"
+    if reads_values(exc):
+        return (
+            f"{head} Fix: keep training_step's values on tensors (no .item(), no `if tensor:`), or measure a real run with"
+            f" autoshard.activations.measuring_callback()"
+        )
+    if _without_trainer(exc):
+        return (
+            f"{head} The batch is not the cause: training_step reads self.trainer there, and the simulated step runs on a copy"
+            f" of the module without a Trainer (a manual-optimization step gets a stand-in holding only its optimizers,"
+            f" schedulers, step and rank). Fix: give the module what that line reads from the Trainer as an argument of"
+            f" __init__ (e.g. MyModule(accumulate_grad_batches=4)) and read it from self in training_step, or let {measured}"
+        )
+    ints = _dtype_mismatch(exc, batch)
+    if ints:
+        cause = (
+            f" A dtype mismatch: the batch holds integer tensors ({', '.join(describe_batch(t) for t in ints)}) and that line"
+            f" runs a floating-point op on them."
+        )
+        if given:
+            return (
+                f"{head}{cause} Training on such a batch fails the same way. Fix: turn them into floats in training_step before the"
+                f" first floating-point layer (x.float(), or nn.Embedding for token ids)"
+            )
+        return (
+            f"{head}{cause} Fix: make {name} return the dtypes your DataLoader yields (torch.randn for float inputs,"
+            f" torch.randint for ids); if your DataLoader yields integers there too, turn them into floats in"
+            f" training_step (x.float(), or nn.Embedding for token ids)"
+        )
+    if not _tensors(batch):
+        cause = f" The batch holds no tensor ({describe_batch(batch)}), and training_step takes it apart as if it did."
+        if given:
+            return (
+                f"{head}{cause} Training on such a batch fails the same way. Fix: make the DataLoader yield what training_step takes"
+                f" (tensors; a collate_fn that tokenizes text), or make training_step take what the DataLoader yields"
+            )
+        return f"{head}{cause} Fix: make {name} return one micro-batch of tensors exactly as your DataLoader yields it to training_step"
+    if given:
+        return (
+            f"{head} Fix: compare the shapes above with the line that failed: if this is the micro-batch training_step"
+            f" receives, that line fails on it under the same FSDP2 plan in training too; if it runs in training, it needs"
+            f" what the simulated step lacks, and {measured}"
+        )
+    return (
+        f"{head} Fix: make {name} return one micro-batch exactly as your DataLoader yields it to training_step (compare the"
+        f" shapes above with the line that failed); if it already does, that line fails under the same FSDP2 plan in"
+        f" training too, or needs what the simulated step lacks: a few real steps with"
+        f" autoshard.activations.measuring_callback() tell which"
+    )

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autoshard.activations.batch import describe_batch, where_defined
+from autoshard.activations.batch import describe_batch, step_failure
 from autoshard.activations.failures import describe_failure, reads_values
 from autoshard.activations.prepare import Run, fake_example, prepare_run
 from autoshard.activations.step_memory import StepMemory
@@ -195,20 +195,5 @@ def _flop_counter() -> Iterator[Any]:
 
 
 def _step_failed(exc: BaseException, make_batch: Callable[[], Any], batch: Any) -> str:
-    """Why training_step did not run on the user's batch, in one sentence with the batch's shapes and a Fix that
-    is not "pass a batch" (they did)."""
-    head = f"training_step could not run on the batch from {where_defined(make_batch)}, {describe_batch(batch)}: {describe_failure(exc)}."
-    if reads_values(exc):
-        fix = (
-            "keep training_step's values on tensors (no .item(), no `if tensor:`), or measure a real run with"
-            " autoshard.activations.measuring_callback()"
-        )
-    else:
-        name = getattr(make_batch, "__name__", "<lambda>").replace("<lambda>", "the batch function")
-        fix = (
-            f"make {name} return one micro-batch exactly as your DataLoader yields it to training_step (compare the shapes"
-            f" above with the line that failed); if it already does, that line fails under the same FSDP2 plan in"
-            f" training too, or needs what the simulated step lacks: a few real steps with"
-            f" autoshard.activations.measuring_callback() tell which"
-        )
-    return f"{head} Fix: {fix}"
+    """Why training_step did not run on the user's batch: ``activations.batch.step_failure``."""
+    return step_failure(exc, make_batch, batch)

@@ -15,8 +15,10 @@ same output gradient on each of them, and its gradient is equal across them with
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -128,6 +130,9 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_va
 HEAD_COUNTS = (("num_attention_heads", "num_heads", "n_heads", "n_head"), ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))
 _APPLIED = "_autoshard_tp_plan_applied"
 _MOST_NAMED = 3
+_MOST_LISTED = 8
+# The kinds that split a module's weight across tensor-parallel ranks: a plan with none of them splits nothing.
+SPLITTING = (StyleKind.COLWISE, StyleKind.ROWWISE, StyleKind.EMBEDDING_ROWWISE, StyleKind.EMBEDDING_COLWISE)
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,8 @@ class TPPlan:
 
     ``roots``: paths of the modules that carry a plan (``''``: the module itself); the parameters inside them that
     no entry splits become ``Replicate()`` DTensors on the tensor-parallel mesh. ``unmatched``: plan keys that name
-    no module of this model (transformers' generic plans name modules some configurations lack).
+    no module of this model (transformers' generic plans name modules some configurations lack; those of a plain
+    ``_tp_plan`` dict, ``unmatched_own``, are warned about: a misspelt key leaves its modules whole).
     """
 
     entries: tuple[TPEntry, ...]
@@ -181,6 +187,7 @@ class TPPlan:
     sources: tuple[str, ...]
     unmatched: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    unmatched_own: tuple[str, ...] = ()  # of ``unmatched``, the keys of plain ``_tp_plan`` dicts (not transformers')
 
     def rows(self) -> list[tuple[str, str]]:
         """(module path, style) of every entry, in module order: the plan table of ``autoshard explain``."""
@@ -195,9 +202,18 @@ class TPPlan:
             return
         self._check_styles()
         modules = dict(module.named_modules())
+        self._check_something_split(module, modules, tp_size)
         self._check_module_types(modules)
+        self._check_pairs(modules, tp_size)
         self._check_ties(module, modules)
         self._check_divisible(modules, tp_size)
+        if self.unmatched_own:
+            warnings.warn(
+                f"autoshard: the tensor-parallel plan of {', '.join(self.sources)} has key(s) that name no module of"
+                f" {type(module).__name__}: {self._unmatched_words(modules)}; the modules they meant stay whole on every"
+                f" tensor-parallel rank. Fix: {self._rename_fix(modules)}, or remove those keys",
+                stacklevel=2,
+            )
 
     def _check_styles(self) -> None:
         bad: dict[str, list[str]] = {}
@@ -221,6 +237,88 @@ class TPPlan:
             + ". Fix: set tensor_parallel_size=1 (FSDP alone), or pass FSDP2Strategy(parallelize_fn=fn), where fn lays out"
             " these modules itself on device_mesh['tensor_parallel']"
         )
+
+    def _check_something_split(self, module: nn.Module, modules: dict[str, nn.Module], tp_size: int) -> None:
+        """A plan that splits no module (every key misspelt, or only whole styles) would train tp_size whole copies."""
+        if any(not e.is_param and e.spec is not None and e.spec.kind in SPLITTING for e in self.entries):
+            return
+        name = type(module).__name__
+        if self.unmatched and not self.entries:
+            what = f"matches no module of {name}: {self._unmatched_words(modules)}"
+        else:
+            given = _some([e.path for e in self.entries])
+            what = f"splits no module of {name}: it gives {given} only {', '.join(sorted({e.style for e in self.entries}))} (whole on every rank)"
+            what += f", and {self._unmatched_words(modules)} name no module" if self.unmatched else ""
+        root = self._root_of(self.unmatched[0])[0] if self.unmatched else self.roots[0]
+        owner = type(modules[root]).__name__
+        raise IntentError(
+            f"the tensor-parallel plan of {', '.join(self.sources)} {what}, so nothing would be split across the"
+            f" {tp_size} tensor-parallel ranks and they would all train on the same batch. {owner}'s Linear and Embedding"
+            f" layers: {_listed(_layers_under(modules, root))}. Fix: {self._rename_fix(modules)}, or set tensor_parallel_size=1"
+        )
+
+    def _root_of(self, key: str) -> tuple[str, str]:
+        """(the root whose plan holds ``key``, the key as written in that plan: relative to the root)."""
+        root = max((r for r in self.roots if r and key.startswith(r + ".")), key=len, default="")
+        return root, key[len(root) + 1 :] if root else key
+
+    def _renames(self, modules: dict[str, nn.Module]) -> dict[str, str | None]:
+        """{each plan key that names nothing, as written: the closest module path under its root, layer numbers as
+        ``*``, or None}."""
+        out: dict[str, str | None] = {}
+        for key in self.unmatched_own or self.unmatched:
+            root, written = self._root_of(key)
+            close = difflib.get_close_matches(written, _layers_under(modules, root), n=1, cutoff=0.6)
+            out[written] = close[0] if close else None
+        return out
+
+    def _unmatched_words(self, modules: dict[str, nn.Module]) -> str:
+        """The plan keys that name nothing, each with its closest module path (layer numbers as ``*``) if one is close."""
+        renames = list(self._renames(modules).items())
+        words = [f"'{key}'" + (f" (did you mean '{close}'?)" if close else "") for key, close in renames[:_MOST_LISTED]]
+        return ", ".join(words) + (f" (+{len(renames) - _MOST_LISTED} more)" if len(renames) > _MOST_LISTED else "")
+
+    def _rename_fix(self, modules: dict[str, nn.Module]) -> str:
+        renames = self._renames(modules)
+        shape = "keys are module paths below the module that carries the plan, '*' for one path component such as a layer number"
+        if renames and all(renames.values()):
+            return f"rename the plan's keys: {', '.join(f'{k!r} -> {v!r}' for k, v in renames.items())} ({shape})"
+        return f"write the plan's keys as the module paths listed ({shape}), with the styles 'colwise' and 'rowwise'"
+
+    def _check_pairs(self, modules: dict[str, nn.Module], tp_size: int) -> None:
+        """Megatron's pair: a colwise layer hands on this rank's slice of its output features, which only a rowwise
+        layer reading it can take; a rowwise layer takes only such a slice. A plan with one kind and not the other
+        fails in the first forward with a matmul shape error (swapped styles: ``FirstInput`` says so at that forward)."""
+        split = [e for e in self.entries if not e.is_param and e.spec is not None]
+        colwise = [e for e in split if e.spec.kind is StyleKind.COLWISE and not e.spec.gather_output]  # type: ignore[union-attr]
+        rowwise = [e for e in split if e.spec.kind is StyleKind.ROWWISE and not e.spec.split_input]  # type: ignore[union-attr]
+        if colwise and not rowwise:
+            first = colwise[0]
+            features = getattr(modules[first.path], "out_features", 0)
+            reader = _next_linear(modules, first.path, self)
+            fix = (
+                f"give the layer that reads each colwise output the style 'rowwise' (e.g. add {_key_of(reader)!r}: 'rowwise' if"
+                f" '{reader}' reads the output of '{first.path}')"
+                if reader
+                else "give the layer that reads each colwise output the style 'rowwise'"
+            )
+            raise IncompatibleBackendError(
+                f"the tensor-parallel plan of {', '.join(self.sources)} splits {_some(_keys(colwise))} colwise and nothing"
+                f" rowwise: a colwise layer hands on only this rank's slice of its output features ({features // tp_size}"
+                f" of {features} for '{first.path}' on {tp_size} ranks), which only a rowwise layer reading it can take,"
+                f" so the next layer would fail in the first forward with a matmul shape error. Fix: {fix}, or make a layer"
+                f" whose whole output is needed (a final head) 'colwise_gather_output'"
+            )
+        if rowwise and not colwise:
+            first = rowwise[0]
+            features = getattr(modules[first.path], "in_features", 0)
+            raise IncompatibleBackendError(
+                f"the tensor-parallel plan of {', '.join(self.sources)} splits {_some(_keys(rowwise))} rowwise and nothing"
+                f" colwise: a rowwise layer takes only this rank's slice of its input features ({features // tp_size} of"
+                f" {features} for '{first.path}' on {tp_size} ranks), which only a colwise layer before it hands on, so it"
+                f" would fail in the first forward with a matmul shape error. Fix: give the layer that feeds each rowwise one"
+                f" the style 'colwise', or use 'rowwise_split_input' (it takes a whole input and splits it itself)"
+            )
 
     def _check_module_types(self, modules: dict[str, nn.Module]) -> None:
         for e in self.entries:
@@ -440,6 +538,10 @@ class TPPlan:
             LocalParams(tuple(params)).install(modules[path])
         for parent, children in self.colwise_siblings().items():
             SharedInput(tp_mesh).install(modules[parent], [modules[c] for c in children])
+        fed_by: list[tuple[str, str]] = []  # the colwise layer that ran last in the first forward: (path, plan key)
+        for path, sub in modules.items():  # installed last, so each runs first: it sees the plain input
+            if path and isinstance(sub, nn.Linear) and any(_within(path, r) for r in self.roots):
+                FirstInput.of(self, modules, path, tp, fed_by).install(sub)
         object.__setattr__(module, _APPLIED, True)
 
     def _local_head_counts(self, modules: dict[str, nn.Module], tp: int) -> None:
@@ -492,6 +594,115 @@ class LocalParams:
         saved = vars(module).pop("_autoshard_saved_params", None) or {}
         for attr, p in saved.items():
             module._parameters[attr] = p
+
+
+@dataclass
+class FirstInput:
+    """The first forward of a Linear layer inside the plan's roots checks the input features it receives against
+    its layout, then removes itself (no cost after).
+
+    A colwise layer hands on this rank's slice of its output features; only a rowwise layer takes such a slice. A
+    plan that pairs them wrongly (a colwise layer read by a whole or colwise one, a rowwise layer fed a whole input,
+    styles swapped) fails in torch's matmul with bare shapes in the first forward: here it is refused there, before
+    any optimizer step, naming the layer, its style and the plan key to change. An input of any other width is left
+    to fail as it would without tensor parallel (the model's own error, not the layout's).
+    """
+
+    path: str
+    key: str  # the plan key to change: the entry's own, or the path with layer numbers as ``*``
+    style: str  # the plan's style; "" when the plan leaves the layer whole
+    features: int  # the whole layer's input features
+    tp: int
+    takes_slice: bool  # rowwise (not split_input): its input is this rank's slice of the features
+    hands_slice: bool  # colwise (not gathering): its output is this rank's slice of the features
+    fed_by: list[tuple[str, str]]  # shared by the layout's checks: the colwise layer that ran last (path, plan key)
+    swapped_with: str | None = None  # a colwise layer the plan puts after this rowwise one, under the same parent
+    handles: dict[str, Any] = field(default_factory=dict)  # this layer's hooks, each removed after its first call
+
+    @classmethod
+    def of(cls, plan: TPPlan, modules: dict[str, nn.Module], path: str, tp: int, fed_by: list[tuple[str, str]]) -> FirstInput:
+        entry = next((e for e in plan.entries if e.path == path and not e.is_param), None)
+        spec = entry.spec if entry else None
+        takes_slice = spec is not None and spec.kind is StyleKind.ROWWISE and not spec.split_input
+        hands_slice = spec is not None and spec.kind is StyleKind.COLWISE and not spec.gather_output
+        swapped = None
+        if takes_slice:
+            parent, names = path.rpartition(".")[0], list(modules)
+            later = [e for e in plan.entries if e.path.rpartition(".")[0] == parent and e.path in modules and names.index(e.path) > names.index(path)]
+            swapped = next((e.key for e in later if e.spec and e.spec.kind is StyleKind.COLWISE and not e.spec.gather_output), None)
+        key, style = (entry.key, entry.style) if entry else (_key_of(path), "")
+        return cls(path, key, style, int(modules[path].in_features), tp, takes_slice, hands_slice, fed_by, swapped)
+
+    def install(self, module: nn.Module) -> None:
+        self.handles["check"] = module.register_forward_pre_hook(self.check, prepend=True)
+        if self.hands_slice:
+            self.handles["ran"] = module.register_forward_hook(self.ran)
+
+    def ran(self, module: nn.Module, args: Any, output: Any) -> None:
+        import torch
+
+        if torch.compiler.is_compiling():  # traced as nothing: a compiled block is never checked, nor recompiled for it
+            return
+        self.fed_by[:] = [(self.path, self.key)]
+        self.handles.pop("ran").remove()
+
+    def check(self, module: nn.Module, args: Any) -> None:
+        import torch
+
+        if torch.compiler.is_compiling():
+            return
+        self.handles.pop("check").remove()
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or _is_dtensor(x) or x.dim() < 1:
+            return
+        got = int(x.shape[-1])
+        if self.takes_slice and got == self.features and self.tp > 1:
+            raise IncompatibleBackendError(self._fed_whole(got))
+        if not self.takes_slice and got * self.tp == self.features:
+            raise IncompatibleBackendError(self._fed_slice(got))
+
+    def _fed_whole(self, got: int) -> str:
+        if self.swapped_with:
+            why = f"; the plan makes '{self.swapped_with}' after it colwise, so the two styles look swapped"
+            fix = (
+                f"swap them: {{'{self.key}': 'colwise', '{self.swapped_with}': 'rowwise'}} (the colwise layer first, then"
+                f" the rowwise one that reads its output)"
+            )
+        else:
+            why = ""
+            fix = (
+                f"make the layer that feeds '{self.path}' 'colwise', or give '{self.key}' the style 'rowwise_split_input'"
+                f" (it takes a whole input and splits it itself)"
+            )
+        return (
+            f"'{self.path}' is rowwise in the tensor-parallel plan ('{self.key}': '{self.style}'), so it takes this rank's"
+            f" slice of its {self.features} input features ({self.features // self.tp} on each of {self.tp} ranks), which"
+            f" a colwise layer before it hands on, but it receives all {got}: no colwise layer feeds it{why}. torch would"
+            f" stop here with a bare matmul shape error. Fix: {fix}"
+        )
+
+    def _fed_slice(self, got: int) -> str:
+        what = (
+            f"is '{self.style}' in the tensor-parallel plan ('{self.key}')"
+            if self.style
+            else "is whole on every rank (the plan names no style for it)"
+        )
+        feeder_path, feeder_key = self.fed_by[0] if self.fed_by else ("", "")
+        source = f"the slice the colwise '{feeder_path}' before it hands on" if feeder_path else "the slice a colwise layer before it hands on"
+        gather = (
+            f"make '{feeder_key}' 'colwise_gather_output' (its whole output on every rank)"
+            if feeder_key
+            else "make that colwise layer 'colwise_gather_output'"
+        )
+        if self.hands_slice:  # colwise itself: it cannot also be the rowwise partner of the layer before it
+            fix = f"{gather}, or leave '{feeder_key or 'that layer'}' out of the plan: it has no rowwise partner, '{self.path}' after it is colwise"
+        else:
+            fix = f"give '{self.key}' the style 'rowwise' (the partner of the colwise layer whose output it reads), or {gather}"
+        return (
+            f"'{self.path}' {what}, so it takes all {self.features} of its input features, but it receives {got} on each"
+            f" of the {self.tp} tensor-parallel ranks: {source}, which only a rowwise layer takes. torch would stop here"
+            f" with a bare matmul shape error. Fix: {fix}"
+        )
 
 
 class SharedInput:
@@ -560,10 +771,12 @@ def find_tp_plan(module: nn.Module) -> TPPlan | None:
     roots: list[str] = []
     sources: list[str] = []
     unmatched: list[str] = []
+    unmatched_own: list[str] = []
     for path, sub in modules.items():
         if any(_within(path, r) for r in roots):
             continue
         raw, source = _raw_plan(sub)
+        own = not (hasattr(sub, "base_model_prefix") and hasattr(getattr(sub, "config", None), "base_model_tp_plan"))
         if not raw:
             continue
         roots.append(path)
@@ -581,6 +794,8 @@ def find_tp_plan(module: nn.Module) -> TPPlan | None:
                 found[hit] = TPEntry(hit, str(style), full, is_param=True)
             if not param_hits:
                 unmatched.append(full)
+                if own:
+                    unmatched_own.append(full)
     if not roots:
         return None
     notes = [f"plan key '{key}' names no module or parameter of this model: ignored" for key in unmatched]
@@ -592,7 +807,8 @@ def find_tp_plan(module: nn.Module) -> TPPlan | None:
                 f"{where} also has an expert-parallel plan ({_some(list(experts))}): autoshard does not apply it, so"
                 f" the experts stay whole on every tensor-parallel rank (sharded over the data-parallel ranks by fully_shard)"
             )
-    plan = TPPlan(tuple(sorted(found.values(), key=lambda e: _order(e, order))), tuple(roots), tuple(sources), tuple(unmatched), notes)
+    entries = tuple(sorted(found.values(), key=lambda e: _order(e, order)))
+    plan = TPPlan(entries, tuple(roots), tuple(sources), tuple(unmatched), notes, tuple(unmatched_own))
     added = _tie_fixes(module, plan, modules)
     plan.notes += [f"'{e.path}' gets '{e.style}': {e.why}" for e in added]
     if added:
@@ -722,14 +938,47 @@ def _some(paths: list[str]) -> str:
     return shown + (f" (+{len(paths) - _MOST_NAMED} more)" if len(paths) > _MOST_NAMED else "")
 
 
+def _key_of(path: str) -> str:
+    """A module path as a plan key: every layer number (an all-digit component) as ``*``."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+def _keys(entries: list[TPEntry]) -> list[str]:
+    return list(dict.fromkeys(e.key for e in entries))
+
+
+def _layers_under(modules: dict[str, nn.Module], root: str) -> list[str]:
+    """The Linear and Embedding layers under ``root``, relative to it, as plan keys (layer numbers as ``*``), in order."""
+    inside = [p for p, m in modules.items() if p != root and _within(p, root) and isinstance(m, (nn.Linear, nn.Embedding))]
+    return list(dict.fromkeys(_key_of(p[len(root) + 1 :] if root else p) for p in inside))
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:_MOST_LISTED])
+    return (shown + (f" (+{len(names) - _MOST_LISTED} more)" if len(names) > _MOST_LISTED else "")) or "none"
+
+
+def _next_linear(modules: dict[str, nn.Module], path: str, plan: TPPlan) -> str | None:
+    """The first nn.Linear after ``path`` in module order under the same parent that the plan leaves whole: the
+    likely reader of its output (a guess, offered as one in a Fix)."""
+    parent = path.rpartition(".")[0]
+    names = list(modules)
+    for other in names[names.index(path) + 1 :]:
+        if other.rpartition(".")[0] == parent and isinstance(modules[other], nn.Linear) and plan.style_of(other) is None:
+            return other
+    return None
+
+
 def _split_words(dim: int | None) -> str:
     return "kept whole" if dim is None else f"split on dimension {dim}"
 
 
 __all__ = [
+    "SPLITTING",
     "STYLES",
     "MOE_STYLES",
     "OTHER_STYLES",
+    "FirstInput",
     "LocalParams",
     "SharedInput",
     "Style",

@@ -12,10 +12,24 @@ from torch import nn
 from autoshard.errors import IntentError
 
 
-def batch_function(batch: Any) -> Callable[[], Any]:
+class BatchOfShapes:
+    """A function of no arguments returning empty tensors of a batch's shapes and dtypes on the current device (meta,
+    or fake under the simulated step), in the batch's structure (other leaves as they are). ``origin`` says where the
+    batch came from, in the user's words, for messages (a failure names it, never this function)."""
+
+    def __init__(self, batch: Any, origin: str) -> None:
+        self.batch, self.origin = batch, origin
+
+    def __call__(self) -> Any:
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), self.batch)
+
+
+def batch_function(batch: Any, origin: str = "the batch given to decide") -> Callable[[], Any]:
     """A function of no arguments returning one micro-batch of ``batch``'s shapes: ``batch`` itself when it is one
-    (a batch function), else a function building empty tensors of the batch's shapes and dtypes on the current
-    device (meta, or fake under the simulated step): the decision never copies or reads the batch's values."""
+    (a batch function), else a ``BatchOfShapes`` (empty tensors of the batch's shapes and dtypes): the decision
+    never copies or reads the batch's values. ``origin``: where the batch came from, as messages name it."""
     if batch is None:
         raise IntentError(
             "memory_budget is decided on one micro-batch, and none was given: autoshard never decides from model states"
@@ -24,12 +38,7 @@ def batch_function(batch: Any) -> Callable[[], Any]:
         )
     if callable(batch) and not isinstance(batch, (torch.Tensor, nn.Module)):
         return batch
-    from torch.utils._pytree import tree_map_only
-
-    def empty_like_batch() -> Any:
-        return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), batch)
-
-    return empty_like_batch
+    return BatchOfShapes(batch, origin)
 
 
 def batch_rows(make_batch: Callable[[], Any]) -> int | None:
@@ -44,13 +53,32 @@ def batch_rows(make_batch: Callable[[], Any]) -> int | None:
 
 
 def cut_batch(make_batch: Callable[[], Any], divisor: int) -> Callable[[], Any]:
-    """``make_batch`` with every tensor's dim 0 divided by ``divisor`` (a smaller micro-batch of the same samples)."""
+    """``make_batch`` with every tensor's dim 0 divided by ``divisor`` (a smaller micro-batch of the same samples).
+
+    Each cut tensor is a copy of its first rows, never a view: a view keeps the whole original batch's storage alive,
+    and the simulated step would count it (the batch is in the peak), so a micro-batch cut from a larger one would
+    peak higher than the same micro-batch given directly. Under the simulated step the copy is fake: it costs nothing.
+    """
     if divisor == 1:
         return make_batch
-    from torch.utils._pytree import tree_map
+    return CutBatch(make_batch, divisor)
 
-    def smaller() -> Any:
-        cut = lambda t: t[: max(1, t.shape[0] // divisor)] if isinstance(t, torch.Tensor) and t.dim() else t  # noqa: E731
-        return tree_map(cut, make_batch())
 
-    return smaller
+class CutBatch:
+    """``cut_batch``'s function: ``make_batch()`` with the first ``rows // divisor`` rows of every tensor, copied."""
+
+    def __init__(self, make_batch: Callable[[], Any], divisor: int) -> None:
+        from autoshard.activations.batch import batch_origin
+
+        self.make_batch, self.divisor = make_batch, divisor
+        self.origin = f"{batch_origin(make_batch)}, cut to 1/{divisor} of its rows"
+
+    def cut(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.dim():
+            return t
+        return t[: max(1, t.shape[0] // self.divisor)].clone(memory_format=torch.contiguous_format)
+
+    def __call__(self) -> Any:
+        from torch.utils._pytree import tree_map
+
+        return tree_map(self.cut, self.make_batch())

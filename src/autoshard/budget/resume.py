@@ -13,11 +13,13 @@ from autoshard.memory import fmt_bytes
 
 
 def resume_decision(
-    stored: dict[str, Any] | None, intent: ShardingIntent, world_size: int, backend: str = FSDP2
+    stored: dict[str, Any] | None, intent: ShardingIntent, world_size: int, backend: str = FSDP2, *, batch: str | None = None
 ) -> tuple[BudgetDecision | None, str]:
     """At resume: the stored decision when the budget and the world are the same (so the run trains as before), else
     None and the sentence to log saying why it is decided again ("" when nothing was stored). A decision for another
-    backend, or whose chosen fields you have set by hand since, is decided again too (it would override them)."""
+    backend, or whose chosen fields you have set by hand since, is decided again too (it would override them), and so
+    is one made on another micro-batch: ``batch`` is this run's first batch described (``describe_batch``: dtypes and
+    shapes), compared with the one the decision was made on (a peak is for one micro-batch's activations)."""
     if not stored:
         return None, ""
     decision = BudgetDecision.from_dict(stored)
@@ -27,6 +29,8 @@ def resume_decision(
         changed.append(f"memory_budget {fmt_bytes(decision.budget)} -> {fmt_bytes(intent.memory_budget) if intent.memory_budget else 'none'}")
     if decision.world_size != world_size:
         changed.append(f"world size {decision.world_size} -> {world_size}")
+    if batch is not None and decision.batch and decision.batch != batch:
+        changed.append(f"micro-batch {decision.batch} -> {batch}")
     if decision.backend != backend:
         changed.append(f"backend {decision.backend} -> {backend}")
     else:  # the decision chose exactly the fields left free then: the same ones must be free now
@@ -49,6 +53,7 @@ def stored_differs(stored: dict[str, Any] | None, current: BudgetDecision | None
         return ""
     before = BudgetDecision.from_dict(stored)
     same_run = (before.budget, before.world_size, before.backend) == (current.budget, current.world_size, current.backend)
+    same_run = same_run and (not before.batch or not current.batch or before.batch == current.batch)  # another micro-batch: another run
     if not same_run or before.chosen == current.chosen:
         return ""
     return (

@@ -6,13 +6,14 @@ import argparse
 import json
 import os
 import sys
+from typing import TextIO
 
 from autoshard.convert.pipeline import TARGETS, convert
 from autoshard.convert.safetensors import MAX_SHARD_SIZE
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
-    """``autoshard convert SRC DST --to ...``: progress on stderr, the summary (or --json) on stdout."""
+def cmd_convert(args: argparse.Namespace, stream: TextIO | None = None) -> int:
+    """``autoshard convert SRC DST --to ...``: progress on stderr, the summary (or --json) on ``stream`` (stdout)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # this process only converts: DeepSpeed needs no accelerator here
 
     def progress(line: str) -> None:
@@ -32,7 +33,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         progress=None if args.quiet else progress,
         trust_pickle=args.trust_pickle,
     )
-    print(json.dumps(result.to_json(), indent=1) if args.json else result.describe())
+    print(json.dumps(result.to_json(), indent=1) if args.json else result.describe(), file=stream or sys.stdout)
     return 0
 
 

@@ -158,6 +158,8 @@ def convert(
         if state.buffers is not None:
             state.buffers -= matched
     target_world = (world_size or state.world_size) if to == "deepspeed" else None
+    if to == "deepspeed" and world_size is not None:
+        _check_world_size(state, world_size)
     if to == "deepspeed" and target_world is None:
         raise ConvertError(
             f"{str(state.source)!r} does not record the world size it was saved at, and a DeepSpeed checkpoint is written"
@@ -168,6 +170,8 @@ def convert(
             _missing_precision(state.source)
         precision = state.precision
     with Publisher(out) as publisher:  # checkpoint_io's publish protocol: DST's lock, a staging of this writer's own
+        for stale in publisher.clear_stale():
+            say(f"removed {str(stale)!r}, the staging of a convert to {str(out)!r} that did not finish (its writer is gone)")
         staged = publisher.staged
         say(f"writing {to} into {str(staged)!r}")
         if to == "dcp":
@@ -214,6 +218,27 @@ def convert(
         bytes=nbytes,
         seconds=time.perf_counter() - start,
         notes=tuple([*state.notes, *written.get("notes", [])]),
+    )
+
+
+def _check_world_size(state: TrainingState, world_size: int) -> None:
+    """ZeRO-3 splits every parameter across the ranks, padded to a multiple of them, and writes two files per rank:
+    past the element count of the largest parameter, the extra ranks would hold padding only. Refused before anything
+    is written (``--world-size 1000000`` on a 0.05 MiB model once wrote 190,187 files, 1.5 GB, before it was stopped)."""
+    partitioned = set(state.trained()) | state.frozen
+    params = [n for n in state.tensors if n in partitioned]
+    if not params:
+        return
+    largest = max(params, key=lambda n: state.tensors[n].numel())
+    most = state.tensors[largest].numel()
+    if world_size <= most:
+        return
+    raise ConvertError(
+        f"--world-size {world_size:,d} is more ranks than the largest parameter of {str(state.source)!r} has elements"
+        f" ({largest!r}: {most:,d}): ZeRO-3 splits each parameter across every rank, so ranks {most:,d} to"
+        f" {world_size - 1:,d} would hold padding only, and the checkpoint would be {2 * world_size:,d} files (two per"
+        f" rank); nothing was written. Fix: --world-size N, the devices x nodes of the run that resumes it (at most"
+        f" {most:,d} for this model)"
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autoshard.checkpoint_io import fsync_file
+from autoshard.checkpoint_io import fsync_file, honour_umask
 from autoshard.convert.state import ConvertError, TrainingState, tied_aliases
 from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 from autoshard.units import parse_size as memory_size
@@ -49,6 +49,7 @@ def write_safetensors(state: TrainingState, staged: Path, max_shard_size: int) -
     names = [SAFETENSORS_SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for shard, fname in zip(shards, names):
         save_file(shard, str(staged / fname), metadata=metadata)
+        honour_umask(staged / fname)  # save_file creates it 0600; every other output is 0666 less the umask
         fsync_file(staged / fname)
     if len(shards) > 1:
         index = {

@@ -26,10 +26,12 @@ from autoshard.checkpoint import (
     LIGHTNING_META,
     CheckpointFormatError,
     check_replaceable,
+    dcp_entries,
     detect_format,
     load_torch_file,
     model_mismatch,
     resolve_for_load,
+    saved_entries,
     saved_shapes,
 )
 from autoshard.checkpoint_io import Publisher, fsync_file, stage_sidecar, staging_path, unverified_warning, writer_token
@@ -174,7 +176,7 @@ class FabricCheckpoint(CheckpointMixin):
             raise ValueError("fabric.load found no model in the state. Fix: fabric.load(path, {'model': model, 'optimizer': optimizer})")
         trust = weights_only is False
         if resolved.is_dir():
-            self._load_shards(resolved, modules, optimizers, strict)
+            self._load_shards(resolved, *_loadable(resolved, saved_entries(dcp_entries(resolved)), modules, optimizers, strict), strict)
             metadata = load_torch_file(resolved / LIGHTNING_META, action="load", trust_pickle=trust)
         else:
             metadata = self._load_full(resolved, modules, optimizers, strict, trust)
@@ -225,6 +227,8 @@ class FabricCheckpoint(CheckpointMixin):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         loaded = dict(load_torch_file(path, action="load", trust_pickle=trust))
+        found = [((str(k), str(n)), v) for k, entry in loaded.items() if isinstance(entry, Mapping) for n, v in entry.items()]
+        modules, optimizers = _loadable(path, saved_entries(found), modules, optimizers, strict)
         options = StateDictOptions(full_state_dict=True, strict=strict)
         for key, module in modules.items():
             set_model_state_dict(module, loaded.pop(key), options=options)
@@ -250,6 +254,66 @@ def _resolve(path: Path) -> Path:
     if detect_format(path, verify=False).format is Format.FULL:
         return path
     return resolve_for_load(path, "fsdp2")
+
+
+def _loadable(
+    path: Path,
+    saved: Mapping[str, Mapping[str, Any]],
+    modules: Mapping[str, nn.Module],
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    strict: bool,
+) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+    """The models and optimizers of the state to load, checked before anything is read. A model that shares no name
+    with what the checkpoint holds under its key would load nothing: refused under ``strict``, and with
+    ``strict=False`` too when no model of the state shares one (it used to return as if it had loaded), naming the
+    key the weights are under; else skipped, with a warning, as ``strict=False`` skips an absent key. An optimizer
+    whose key the checkpoint lacks, or whose model is skipped, is refused under ``strict``, else skipped."""
+    refusals: dict[str, tuple[str, CheckpointFormatError]] = {}
+    for key, module in modules.items():
+        model = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        under = saved.get(key, {})
+        if not model or set(model) & set(under):
+            continue
+        name = type(module).__name__
+        best = max((k for k in saved if k != key), key=lambda k: (len(set(saved[k]) & set(model)), k == "state_dict"), default=None)
+        shared = len(set(saved[best]) & set(model)) if best is not None else 0
+        if key not in saved:
+            problem = f"it holds nothing under {key!r}, the key this state gives {name}"
+        else:
+            problem = (
+                f"none of the {len(under)} names it holds under {key!r} is a name of this {name} (checkpoint:"
+                f" {', '.join(sorted(under)[:3])}, ...; model: {', '.join(sorted(model)[:3])}, ...)"
+            )
+        quiet = " (strict=False skips the names the two do not share, and they share none, so it would load nothing)"
+        if shared:
+            trainer = ", as a Lightning Trainer's checkpoint keeps them" if best == "state_dict" else ""
+            refusals[key] = (
+                problem,
+                CheckpointFormatError(
+                    f"cannot load {str(path)!r} into {name}: {problem}; its weights are under {best!r}{trainer} ({shared} of"
+                    f" the {len(model)} names of {name}){quiet}. Fix: give the model the key its weights are saved under:"
+                    f" fabric.load(path, {{{best!r}: model}}), other entries under their own keys"
+                ),
+            )
+        else:
+            held = ", ".join(repr(k) for k in saved) or "no tensors"
+            refusals[key] = (
+                problem,
+                CheckpointFormatError(
+                    f"cannot load {str(path)!r} into {name}: {problem}, and no key of the checkpoint ({held}) holds a name of"
+                    f" {name}{quiet}. Fix: load a checkpoint of this model, or load these weights into the model that saved them"
+                ),
+            )
+    if refusals and (strict or len(refusals) == len(modules)):
+        raise next(iter(refusals.values()))[1]
+    for key, (problem, _) in refusals.items():
+        rank_zero_warn(f"autoshard: fabric.load(..., strict=False) left {key!r} as it was: {problem}")
+    loading = {k: m for k, m in modules.items() if k not in refusals}
+    skipped = {id(p) for k in refusals for p in modules[k].parameters()}
+    absent = [k for k, o in optimizers.items() if k not in saved or any(id(p) in skipped for g in o.param_groups for p in g["params"])]
+    if absent and strict:
+        raise unmatched_keys_refusal(path, absent)
+    return loading, {k: o for k, o in optimizers.items() if k not in absent}
 
 
 def _load_failure(path: Path, modules: Mapping[str, nn.Module], exc: Any) -> CheckpointFormatError:

@@ -72,6 +72,35 @@ def stale_refusal(optimizer: str, owner: str, names: list[str], why: str) -> Aut
     )
 
 
+def check_trains_module(module: nn.Module, optimizers: list[torch.optim.Optimizer], earlier: Iterable[ParameterNames] = ()) -> None:
+    """Refuse, before anything is sharded, an optimizer handed to ``fabric.setup`` with ``module`` that holds none of
+    its trainable parameters (built over another module): accepted, the model would compute gradients that nothing
+    applies, and never train. ``earlier``: the parameter names of models set up before, to say whose it holds."""
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    if not trainable:
+        return  # a frozen model: no parameter of it could train anyway
+    owner = type(module).__name__
+    for i, optimizer in enumerate(optimizers):
+        held = optimizer_parameters(optimizer)
+        if any(id(p) in trainable for p in held):
+            continue
+        name = label(optimizer, i if len(optimizers) > 1 else None)
+        named = [(snapshot.owner, snapshot.name_of(p)) for p in held for snapshot in earlier if snapshot.name_of(p) is not None]
+        if named:
+            names = ", ".join(f"'{n}'" for _, n in named[:4]) + (f" (+{len(named) - 4} more)" if len(named) > 4 else "")
+            whose = f"parameters of {named[0][0]}, set up before ({names})"
+        else:
+            shapes = ", ".join(str(tuple(p.shape)) for p in held[:4]) + (f" (+{len(held) - 4} more)" if len(held) > 4 else "")
+            whose = f"{len(held)} parameter(s) of another module, shaped {shapes}"
+        raise AutoShardError(
+            f"fabric.setup({owner}, ...) was given optimizer {name}, which holds none of {owner}'s {len(trainable)}"
+            f" trainable parameter(s): it holds {whose}. {owner} would compute gradients that nothing applies and never"
+            f" train. Fix: build the optimizer from this model's parameters, `optimizer = torch.optim."
+            f"{type(optimizer).__name__}(model.parameters(), ...)`, then `model, optimizer = fabric.setup(model, optimizer)`;"
+            f" an optimizer of another model goes into that model's own fabric.setup call"
+        )
+
+
 def _cut_state(value: Any, old: torch.Tensor, new: torch.Tensor) -> tuple[Any, bool]:
     """One state entry of ``old`` made to fit ``new``: a tensor shaped like the parameter becomes this rank's shard of
     it (each rank cuts its own copy: no communication), 0-dim tensors and plain values stay; (value, fits)."""
@@ -152,4 +181,14 @@ def stale_parameters(optimizer: torch.optim.Optimizer, snapshots: Iterable[Param
     return found
 
 
-__all__ = ["BUILD_AFTER", "ParameterNames", "Remapped", "label", "optimizer_parameters", "remap_optimizer", "stale_parameters", "stale_refusal"]
+__all__ = [
+    "BUILD_AFTER",
+    "ParameterNames",
+    "check_trains_module",
+    "Remapped",
+    "label",
+    "optimizer_parameters",
+    "remap_optimizer",
+    "stale_parameters",
+    "stale_refusal",
+]

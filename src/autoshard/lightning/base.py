@@ -75,6 +75,13 @@ class BackendMixin:
     def _accelerator_name(self) -> str | None:
         return self.parallel_devices[0].type if self.parallel_devices else None
 
+    def process_dataloader(self, dataloader: object) -> object:
+        """Lightning's hook for each DataLoader it prepares: the train one gets back the batch the memory budget's
+        peek read from it when a fresh iteration would not yield it again (``lightning.budget.hand_back``)."""
+        from autoshard.lightning.budget import hand_back
+
+        return hand_back(self, super().process_dataloader(dataloader))  # type: ignore[misc]
+
     def report_decision(self, decision: Decision) -> None:
         """The decision at info level, and each caveat as a warning: on rank 0, once per run (this strategy's setup
         runs again for validate or test after fit: the same caveat is not said twice)."""

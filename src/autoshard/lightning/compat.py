@@ -71,6 +71,14 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         " 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
         without="16-mixed under fsdp2 is refused only once the strategy sees the Trainer's precision",
     ),
+    Private(
+        _CONNECTOR,
+        "_choose_and_init_cluster_environment",
+        "lightning/guards.py",
+        "wrapped: under SLURM a task count or rank that is not a number is refused by name, before Lightning's bare int()",
+        without="a SLURM number that is not one (SLURM_NTASKS=abc) gets Lightning's own ValueError",
+    ),
+    Private(_CONNECTOR, "_cluster_environment_flag", "lightning/guards.py", "read: a cluster environment the user passed", on_instance=True),
     Private(_CONNECTOR, "_strategy_flag", "lightning/guards.py", "read: the strategy the user passed", on_instance=True),
     Private(_CONNECTOR, "_precision_flag", "lightning/guards.py", "read: the precision the user passed", on_instance=True),
     Private(
@@ -173,6 +181,14 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         "_data_source",
         "lightning/budget.py",
         "read: where the train DataLoader comes from; memory_budget is decided on its first batch, before Lightning's data setup",
+        on_instance=True,
+    ),
+    Private(
+        "lightning.pytorch.callbacks.ThroughputMonitor",
+        "_throughputs",
+        "lightning/throughput.py",
+        "written: the per-stage meters, built at setup with autoshard's Meter (step time, TFLOP/s, tokens) and the"
+        " device's peak (Lightning's setup takes no peak and misses the H200)",
         on_instance=True,
     ),
     Private(

@@ -9,14 +9,95 @@ DeepSpeed alike. ``check_node_groups`` runs at setup, where the ranks' node numb
 from __future__ import annotations
 
 import os
+import re
 
 from autoshard.errors import AutoShardError, IntentError
 
 
 def check_launch(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
-    """torchrun's world, then SLURM's, against ``devices`` x ``num_nodes``: what every strategy checks at construction."""
+    """A stale LOCAL_RANK, then torchrun's world, then SLURM's, against ``devices`` x ``num_nodes``: what every
+    strategy checks at construction."""
+    check_stale_local_rank(num_processes, num_nodes, environment)
     check_torchrun(num_processes, num_nodes, environment)
     check_slurm(num_processes, num_nodes, environment)
+
+
+# What a launcher that starts the processes itself sets beside LOCAL_RANK: Lightning's own subprocess launcher sets
+# MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK and WORLD_SIZE in each child; without a port each process would
+# choose its own free one (LightningEnvironment.main_port), so no two of them could ever meet.
+RENDEZVOUS_PORTS = ("MASTER_PORT", "STANDALONE_PORT")
+
+
+def check_stale_local_rank(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
+    """A ``LOCAL_RANK`` left in the shell makes Lightning take the process for one a launcher started (its
+    ``LightningEnvironment.creates_processes_externally``): it starts no other process and waits for the rest of the
+    world in ``init_process_group`` ("MEMBER: 1/2") forever. Refused before any process waits when nothing else a
+    launcher sets is there: no rendezvous port, so no other process could ever join this one.
+
+    ``environment``: the cluster environment Lightning chose (None: detected, torchrun and SLURM first). torchrun,
+    SLURM and the other cluster environments set their own variables and are checked by their own rules.
+    """
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
+    world = num_processes * num_nodes
+    local = os.environ.get("LOCAL_RANK")
+    if world <= 1 or local is None or any(os.environ.get(name) for name in RENDEZVOUS_PORTS):
+        return
+    if environment is not None and type(environment) is not LightningEnvironment:
+        return
+    if environment is None and (TorchElasticEnvironment.detect() or SLURMEnvironment.detect()):
+        return
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    rank = int(node) * num_processes + int(local) if node.isdigit() and local.isdigit() else None
+    member = f"'MEMBER: {rank + 1}/{world}'" if rank is not None else "init_process_group"
+    nodes = f", num_nodes={num_nodes}" if num_nodes > 1 else ""
+    raise IntentError(
+        f"LOCAL_RANK={local} is set in the environment, so Lightning takes this process for one that a launcher of yours"
+        f" started (one of the {world} processes Trainer(devices={num_processes}{nodes}) describes) and starts no other"
+        f" process itself; but MASTER_PORT is not set, so no other process could ever join it, and it would wait at"
+        f" {member} for a process that never comes. A LOCAL_RANK left in the shell (an `export`, or the environment of"
+        f" an earlier torchrun job) does this. Fix: `unset LOCAL_RANK` and run the script again (Lightning then starts the {world} processes"
+        f" itself); if you start each process yourself, also set MASTER_ADDR, MASTER_PORT, WORLD_SIZE={world} and"
+        f" NODE_RANK in each"
+    )
+
+
+# SLURM's whole-number variables that Lightning or this check read (srun sets them; a bad value was set by hand).
+SLURM_NUMBERS = (
+    "SLURM_NTASKS",
+    "SLURM_NNODES",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+)
+# Of those, what Lightning's SLURMEnvironment itself reads with int() (checked for every strategy: lightning.guards).
+SLURM_READ_BY_LIGHTNING = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
+SLURM_TASK_LISTS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+_TASK_LIST = re.compile(r"^\d+(\(x\d+\))?(,\d+(\(x\d+\))?)*$")
+
+
+def check_slurm_numbers(names: tuple[str, ...] = SLURM_NUMBERS) -> None:
+    """Every SLURM variable of ``names`` read as a number holds one (``SLURM_NTASKS=abc`` gave Lightning's bare
+    "invalid literal for int()"); with all of them, the task lists are in SLURM's format too (``"2(x3),1"``)."""
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and not value.strip().isdigit():
+            raise IntentError(
+                f"{name}={value!r} is not a whole number, and under SLURM Lightning and autoshard read it as one (the"
+                f" number of tasks, nodes or this task's rank). srun sets it for every task itself, so this value was"
+                f" set by hand or by a script. Fix: `unset {name}` (or set it to the number it stands for), and launch with"
+                f" `srun --ntasks-per-node=N python train.py`, which sets it"
+            )
+    for name in SLURM_TASK_LISTS if names == SLURM_NUMBERS else ():
+        value = os.environ.get(name)
+        if value is not None and not _TASK_LIST.match(value.replace(" ", "")):
+            raise IntentError(
+                f"{name}={value!r} is not a SLURM task list (one count per node: '8', '2(x3)', '4,2'), and autoshard"
+                f" reads the tasks per node from it. srun sets it itself, so this value was set by hand or by a script."
+                f" Fix: `unset {name}`, and launch with `srun --ntasks-per-node=N python train.py`, which sets it"
+            )
 
 
 def _tasks_per_node(spec: str) -> list[int]:
@@ -53,6 +134,7 @@ def check_slurm(num_processes: int, num_nodes: int, environment: object | None =
         return
     if SLURMEnvironment.job_name() in ("bash", "interactive"):
         return
+    check_slurm_numbers()
     found = _slurm_first("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     nodes = int(found[1]) if found else None
     spec = _slurm_first("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
@@ -141,4 +223,15 @@ def check_node_groups(node_ranks: list[int], shard: int) -> None:
         )
 
 
-__all__ = ["check_launch", "check_node_groups", "check_slurm", "check_torchrun"]
+__all__ = [
+    "RENDEZVOUS_PORTS",
+    "SLURM_NUMBERS",
+    "SLURM_READ_BY_LIGHTNING",
+    "SLURM_TASK_LISTS",
+    "check_launch",
+    "check_node_groups",
+    "check_slurm",
+    "check_slurm_numbers",
+    "check_stale_local_rank",
+    "check_torchrun",
+]

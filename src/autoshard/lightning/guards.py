@@ -6,8 +6,9 @@ Fabric's registry entries included, and tests/lightning/test_registration.py che
 ``uninstall`` restores Lightning exactly):
 - ``StrategyRegistry`` entries: autoshard's own names, and Lightning's "deepspeed*" names pointed at autoshard's
   guarded subclass (``register_strategy``);
-- two wrapped methods of Lightning's accelerator connector, where a Trainer's run is configured (``install_guards``):
-  FSDP1 is refused there, by name or as an object, and so is a precision fsdp2 cannot run. ``FSDPStrategy`` itself
+- three wrapped methods of Lightning's accelerator connector, where a Trainer's run is configured (``install_guards``):
+  FSDP1 is refused there, by name or as an object, and so is a precision fsdp2 cannot run, and a SLURM number that
+  is not one (``SLURM_NTASKS=abc``). ``FSDPStrategy`` itself
   is left as Lightning wrote it: other libraries construct it (stable-pretraining's tests do, to test their refusal).
 
 A member this Lightning lacks is left alone, never wrapped: ``autoshard.lightning.compat.check_lightning`` warns once
@@ -76,13 +77,17 @@ def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[
 
 
 def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], None]) -> None:
-    """Idempotent: where a Trainer is configured, refuse FSDP1 (a name or an object) and a precision fsdp2 cannot run.
+    """Idempotent: where a Trainer is configured, refuse FSDP1 (a name or an object), a precision fsdp2 cannot run,
+    and a SLURM number Lightning would read with a bare ``int()``.
 
     ``fsdp2_class`` / ``refuse_precision``: autoshard's fsdp2 strategy and its precision check, passed in by
     ``autoshard.lightning.register`` (this module sits below the strategies).
     """
+    from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
     from lightning.pytorch.strategies import FSDPStrategy
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from autoshard.lightning.environment import SLURM_READ_BY_LIGHTNING, check_slurm_numbers
 
     def check_strategy(original: Callable[..., Any]) -> Callable[..., Any]:
         def check(self: Any) -> None:
@@ -111,6 +116,25 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
         check_strategy,
         "Trainer(strategy='fsdp'), 'fsdp_cpu_offload' or an FSDPStrategy object is refused with the redirect to fsdp2,"
         " before Lightning's own CPU check replaces it (FSDPStrategy itself stays constructible)",
+    )
+
+    def check_cluster_environment(original: Callable[..., Any]) -> Callable[..., Any]:
+        def choose(self: Any) -> Any:
+            # Lightning reads SLURM's numbers with a bare int() while it picks the cluster environment, before any
+            # strategy exists: a value set by hand is named here with the fix (for every strategy, where Lightning
+            # would raise anyway; IntentError is a ValueError, as Lightning's was).
+            if not isinstance(getattr(self, "_cluster_environment_flag", None), ClusterEnvironment) and SLURMEnvironment.detect():
+                check_slurm_numbers(SLURM_READ_BY_LIGHTNING)
+            return original(self)
+
+        return choose
+
+    _wrap(
+        _AcceleratorConnector,
+        "_choose_and_init_cluster_environment",
+        check_cluster_environment,
+        "under SLURM, a task count or rank that is not a number (SLURM_NTASKS=abc, set by hand) is refused by name with"
+        " the fix, before Lightning's bare int() error",
     )
     _wrap(
         _AcceleratorConnector,
