@@ -183,7 +183,7 @@ def test_from_dict_refuses_unknown_keys_by_name():
         "unknown ShardingIntent field(s): 'nodes' 'precison' (did you mean 'precision'?). Valid fields are shard,"
         " exclude, blocks, precision, param_dtype, reduce_dtype, reshard_after_forward, offload, offload_device, nvme_path,"
         " activation_checkpointing, checkpoint, data_parallel_size, tensor_parallel_size, shard_size, strict, init_from,"
-        " memory_budget, pinned."
+        " memory_budget, memory_headroom, pinned, compile."
         " Fix: drop 'nodes'; rename 'precison' to 'precision'"
     )
     with pytest.raises(IntentError, match="a ShardingIntent is read from a mapping of its fields, got list"):

@@ -53,6 +53,7 @@ ONE_FEATURE: dict[Feature, tuple[MethodNeeds, dict, str | None]] = {
     Feature.CPU_ACCELERATOR: (MethodNeeds(), {}, "cpu"),
     Feature.INIT_FROM: (MethodNeeds(), {"init_from": "weights.safetensors"}, None),
     Feature.HYBRID_SHARDING: (MethodNeeds(), {"shard_size": 2}, None),
+    Feature.COMPILE: (MethodNeeds(), {"compile": True}, None),
 }
 CELLS = [(backend, feature) for backend, row in matrix().items() for feature in row]
 

@@ -36,6 +36,7 @@ _LAZY = {
     "matrix": "autoshard.backends.matrix",
     "render_matrix": "autoshard.backends.matrix",
     "select_backend": "autoshard.select",
+    "ThroughputMonitor": "autoshard.lightning.throughput",
 }
 
 __all__ = [

@@ -36,6 +36,7 @@ class Feature(str, Enum):
     CPU_ACCELERATOR = "CPU accelerator (gloo)"
     INIT_FROM = "pretrained weights into shards (init_from)"
     HYBRID_SHARDING = "hybrid sharding (HSDP)"
+    COMPILE = "torch.compile of each block"
 
 
 # What the user's intent asks for. "auto" leaves fsdp2 only for a backend that fully provides one of these
@@ -54,6 +55,7 @@ INTENT_FEATURES = frozenset(
         Feature.FULL_CHECKPOINT,
         Feature.TENSOR_PARALLEL,
         Feature.HYBRID_SHARDING,
+        Feature.COMPILE,
     }
 )
 

@@ -122,13 +122,48 @@ def _activation_checkpointing(value: object) -> bool | int | str:
     )
 
 
+COMPILE_AUTO = "auto"  # compile: memory_budget may choose it (it costs start-up time); off without a budget
+_COMPILE_WORDS = {"true": True, "yes": True, "on": True, "blocks": True, "false": False, "no": False, "off": False, "none": False}
+
+
+def _compile(value: object) -> bool | str:
+    """False (eager), True (each planned block compiled in place before fully_shard) or 'auto' (the budget decides)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() == COMPILE_AUTO:
+        return COMPILE_AUTO
+    word = str(value).strip().lower()
+    fix = f"compile={_COMPILE_WORDS[word]!r}" if word in _COMPILE_WORDS else "compile=True (each block compiled), False or 'auto'"
+    raise IntentError(
+        f"compile must be True (torch.compile each planned block, in place, before fully_shard), False (eager) or"
+        f" 'auto' (memory_budget decides), got {value!r}. Fix: {fix}"
+    )
+
+
 def _memory_budget(value: object) -> int | None:
-    """Device bytes per rank: an int, or a size string read by ``autoshard.units.parse_size`` ('70GiB', '80GB')."""
+    """Device bytes per rank: an int (numpy's, or a whole float such as YAML's 8.0e+10), or a size string read by
+    ``autoshard.units.parse_size`` ('70GiB', '80GB'); ``parse_size`` refuses any other type, saying what is wanted."""
     if value is None:
         return None
+    return parse_size(value, option="memory_budget", example="70GiB", error=IntentError)  # type: ignore[arg-type]
+
+
+def _memory_headroom(value: object, budget: int | None) -> int | None:
+    """Device bytes the budget keeps free: a size as for memory_budget, or 0 (the simulated peak may fill the budget)."""
+    if value is None:
+        return None
+    if budget is None:
+        raise IntentError(
+            f"memory_headroom={value!r} without memory_budget keeps nothing free. Fix: add memory_budget='70GiB', or drop memory_headroom"
+        )
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise IntentError(f"memory_budget must be a size such as '70GiB' or a number of bytes, got {value!r}. Fix: memory_budget='70GiB'")
-    return parse_size(value, option="memory_budget", example="70GiB", error=IntentError)
+        raise IntentError(f"memory_headroom must be a size such as '2GiB', or 0, got {value!r}. Fix: memory_headroom='2GiB'")
+    headroom = 0 if str(value).strip() == "0" else parse_size(value, option="memory_headroom", example="2GiB", error=IntentError)
+    if headroom >= budget:
+        raise IntentError(
+            f"memory_headroom={value!r} leaves nothing of memory_budget for the run. Fix: a headroom below the budget, e.g. memory_headroom='2GiB'"
+        )
+    return headroom
 
 
 BUDGET_FIELDS: tuple[str, ...] = ("reshard_after_forward", "activation_checkpointing", "offload", "shard_size")
@@ -201,8 +236,14 @@ class ShardingIntent:
     ``memory_budget``: device bytes per rank (``'70GiB'`` or an int, stored as bytes); the fields left at their
     defaults among reshard_after_forward, activation_checkpointing, offload and shard_size are then chosen by
     ``autoshard.budget.decide``: the cheapest configuration whose simulated peak fits. None: as stated.
+    ``memory_headroom``: device bytes the budget keeps free beside the simulated peak (``'3GiB'``, or 0); None: the
+    device's measured default (CUDA: ``autoshard.budget.CUDA_HEADROOM``, the context, NCCL and allocator
+    fragmentation; CPU: none).
     ``pinned`` names fields of those four that the budget must keep even at their defaults (``('offload',)``: never
     offload); a field set to another value than its default is kept anyway.
+    ``compile``: True compiles each planned block in place (``block.compile()``: activation checkpointing, then
+    compile, then ``fully_shard``, torchtitan's order; ``autoshard.adapters.compile``), fsdp2 only; ``'auto'`` lets
+    ``memory_budget`` choose it (eager without a budget); False (default): eager, unless the user compiled the model.
     """
 
     shard: tuple[str, ...] | None = None
@@ -223,7 +264,9 @@ class ShardingIntent:
     strict: bool = False
     init_from: str | Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
     memory_budget: int | str | None = None
+    memory_headroom: int | str | None = None
     pinned: tuple[str, ...] = ()
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -245,6 +288,8 @@ class ShardingIntent:
                 set_(self, name, _choice(name, str(value).replace("torch.", ""), DTYPES))
         set_(self, "activation_checkpointing", _activation_checkpointing(self.activation_checkpointing))
         set_(self, "memory_budget", _memory_budget(self.memory_budget))
+        set_(self, "memory_headroom", _memory_headroom(self.memory_headroom, self.memory_budget))
+        set_(self, "compile", _compile(self.compile))
         set_(self, "pinned", _pinned(self.pinned, self.memory_budget))
         for name in ("reshard_after_forward", "strict"):
             if not isinstance(getattr(self, name), bool):

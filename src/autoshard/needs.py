@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ class MethodNeeds:
 
     ``optimizer_sources`` lists (where, how many): ``("configure_optimizers", 1)``, ``("callback OnlineProbe", 1)``.
     ``callback_modules`` are the module paths trained by callback-owned optimizers: kept unsharded.
+    ``compiled`` are the (eager) paths of modules the user compiled (``compiled_modules``): fsdp2 compiles their blocks.
     """
 
     optimizer_sources: tuple[tuple[str, int], ...] = (("configure_optimizers", 1),)
@@ -39,6 +41,7 @@ class MethodNeeds:
     multi_forward: bool = False
     root_parameters: tuple[str, ...] = ()
     callback_modules: tuple[str, ...] = ()
+    compiled: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Users declare needs by hand with lists and plain tuples; store tuples so the value stays hashable.
@@ -46,7 +49,7 @@ class MethodNeeds:
         sources = tuple((str(where), _count(f"the optimizer count of {where!r}", n)) for where, n in self.optimizer_sources)
         set_(self, "optimizer_sources", sources)
         set_(self, "ema_pairs", tuple(_ema_pair(p) for p in self.ema_pairs))
-        for name in ("root_parameters", "callback_modules"):
+        for name in ("root_parameters", "callback_modules", "compiled"):
             value = getattr(self, name)
             set_(self, name, (value,) if isinstance(value, str) else tuple(value))
 
@@ -338,6 +341,35 @@ def _optimizer_sources(
     return list(callback_sources)
 
 
+COMPILED_ATTRIBUTE = "autoshard_compiled"  # set by autoshard.adapters.compile on a module it unwrapped from torch.compile
+ORIG_MOD = "_orig_mod"  # the attribute of torch.compile's OptimizedModule holding the module: a path segment to drop
+
+
+def eager_name(name: str) -> str:
+    """A parameter or module path without torch.compile's ``_orig_mod`` segments: the name in an eager model."""
+    parts = [p for p in name.split(".") if p != ORIG_MOD]
+    return ".".join(parts)
+
+
+def compiled_modules(module: nn.Module) -> tuple[str, ...]:
+    """The eager paths of the modules the user compiled, outermost first: ``torch.compile`` wrappers
+    (``OptimizedModule``), modules compiled in place (``module.compile()``) and those autoshard unwrapped from a wrapper
+    (``COMPILED_ATTRIBUTE``). A module inside a compiled one is not listed again.
+
+    Private torch members used (``autoshard.torch_compat``): ``torch._dynamo.OptimizedModule``,
+    ``torch.nn.Module._compiled_call_impl``.
+    """
+    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (and importing it costs a second)
+    wrapper = dynamo.OptimizedModule if dynamo is not None else ()
+    found: list[str] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrapper) or sub._compiled_call_impl is not None or getattr(sub, COMPILED_ATTRIBUTE, None) is not None:
+            path = eager_name(name)
+            if not any(path == f or path.startswith(f + ".") or not f for f in found):
+                found.append(path)
+    return tuple(found)
+
+
 def inspect_needs(
     module: nn.Module,
     trainer: Any = None,
@@ -363,6 +395,7 @@ def inspect_needs(
         manual_optimization=getattr(module, "automatic_optimization", True) is False,
         root_parameters=tuple(n for n, _ in module.named_parameters(recurse=False)),
         callback_modules=tuple(callback_modules),
+        compiled=compiled_modules(module),
     )
     return _apply_declared(detected, declared) if declared else detected
 

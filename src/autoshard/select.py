@@ -58,6 +58,10 @@ def features_needed(
         out[Feature.HYBRID_SHARDING] = f"shard_size={intent.shard_size!r}"
     if accelerator is not None and str(accelerator).lower() == "cpu":
         out[Feature.CPU_ACCELERATOR] = "accelerator='cpu'"
+    if intent.compile is True:  # 'auto' is the budget's to choose: it needs nothing until chosen
+        out[Feature.COMPILE] = "compile=True"
+    elif needs.compiled:
+        out[Feature.COMPILE] = "compiled by the model: " + ", ".join(f"'{p}'" if p else "the whole module" for p in needs.compiled)
     if intent.init_from is not None:
         out[Feature.INIT_FROM] = f"init_from={intent.init_from if isinstance(intent.init_from, str) else dict(intent.init_from)!r}"
     return out

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.adapters.compile import unwrap_compiled
 from autoshard.errors import AutoShardError
 
 
@@ -110,6 +111,11 @@ def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
             raise AutoShardError(
                 f"the factory returned {type(module).__name__}, not a LightningModule. Fix: return the module, or (module, [callbacks])"
             )
+        # As the strategies do at setup: torch.compile wrappers inside are replaced by the modules they wrap, so the
+        # plan, the estimates and the simulated step read the eager names (and the plan compiles those blocks in place).
+        unwrapped = unwrap_compiled(module)
+        if unwrapped:
+            notes.append(f"torch.compile wrapper(s) on {', '.join(map(repr, unwrapped))} replaced by the modules they wrap, as at setup")
         for callback in callbacks:
             setup = getattr(callback, "setup", None)
             if callable(setup):

@@ -565,6 +565,34 @@ def scenario_batchnorm_bf16() -> dict[str, Any]:
     }
 
 
+def scenario_throughput() -> dict[str, Any]:
+    """autoshard.ThroughputMonitor on 2 ranks: rank 0 counts its own micro-batch's FLOPs and logs per-device and
+    whole-run rates; no rank waits for another (the counter is local)."""
+    from lightning.pytorch.loggers.logger import Logger
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Kept(Logger):
+        name, version = "kept", 0
+        rows: list[dict[str, float]] = []
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append(dict(metrics))
+
+    pl.seed_everything(1, verbose=False)
+    model = Stack()
+    counter = FlopCounterMode(display=False)
+    with counter:  # the same step on one process: one rank's micro-batch of 8
+        F.cross_entropy(copy.deepcopy(model)(stack_data().tensors[0][:8]), stack_data().tensors[1][:8]).backward()
+    monitor = autoshard.ThroughputMonitor(window_size=2, peak_flops=1e11)
+    kept = Kept()
+    t = quiet_trainer(strategy="fsdp2", max_steps=6, log_every_n_steps=1, logger=kept, callbacks=[monitor])
+    t.fit(model, DataLoader(stack_data(), batch_size=8))
+    return {"measured": monitor.measured_flops, "expected": int(counter.get_total_flops()), "rows": [r for r in kept.rows if "train/device/mfu" in r]}
+
+
 SCENARIOS = {
     "zoo": scenario_zoo,
     "meta_init": scenario_meta_init,
@@ -578,6 +606,7 @@ SCENARIOS = {
     "ema_bf16": scenario_ema_bf16,
     "two_players_bf16": scenario_two_players_bf16,
     "batchnorm_bf16": scenario_batchnorm_bf16,
+    "throughput": scenario_throughput,
 }
 
 

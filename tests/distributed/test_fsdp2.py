@@ -207,3 +207,17 @@ def test_ema_teacher_stays_exact_under_bf16_all_gathers(ranks: list[dict[str, An
         assert run["teacher_moved"] > 0.1
         # against one process under the same autocast: bf16-level differences, far below how far the teacher moved
         assert run["teacher_diff_vs_single_process"] < 5e-3 and run["student_diff_vs_single_process"] < 5e-3
+
+
+@pytest.mark.timeout(450)
+def test_throughput_is_logged_per_device_and_for_the_run(ranks: list[dict[str, Any]]) -> None:
+    """autoshard.ThroughputMonitor on 2 ranks: rank 0 logs the FLOPs of its own micro-batch (FlopCounterMode's count
+    of the same step on one process), MFU against the given peak, and whole-run rates twice the per-device ones."""
+    seen = ranks[0]["throughput"]
+    assert seen["measured"] == seen["expected"] > 0
+    assert seen["rows"], "no MFU logged"
+    for row in seen["rows"]:
+        assert row["train/device/mfu"] == pytest.approx(row["train/device/flops_per_sec"] / 1e11)
+        assert row["train/device/flops_per_sec"] == pytest.approx(seen["expected"] * row["train/device/batches_per_sec"])
+        assert row["train/samples_per_sec"] == pytest.approx(2 * row["train/device/samples_per_sec"])
+    assert ranks[1]["throughput"]["rows"] == []  # rank 1 logs nothing (Lightning's loggers write on rank 0)

@@ -100,6 +100,12 @@ ROW = {
         " reduce-scatter still span all of them)",
         TO_FSDP2 + ", which shards within shard_size groups; or drop shard_size to shard over every rank under ZeRO-3",
     ),
+    Feature.COMPILE: no(
+        "autoshard does not drive DeepSpeed's own engine.compile() (one torch.compile of the whole engine module,"
+        " with ZeRO-3's parameter-gathering hooks inside it): not made to work or measured here, and Lightning's"
+        " DeepSpeedStrategy refuses a compiled LightningModule ('Using a compiled model is incompatible')",
+        TO_FSDP2 + ", which compiles each block before fully_shard; or drop compile (and the model's torch.compile) to train eager under ZeRO-3",
+    ),
 }
 
 

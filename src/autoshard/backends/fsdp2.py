@@ -78,6 +78,11 @@ ROW = {
     Feature.HYBRID_SHARDING: yes(
         "fully_shard on a 2-D (replicate, shard) mesh of the data-parallel ranks: sharded within each shard_size group, replicated across groups"
     ),
+    Feature.COMPILE: yes(
+        "each planned block compiled in place (block.compile()) after activation checkpointing and before fully_shard"
+        " (torchtitan's order), so FSDP2's per-block all-gathers and reduce-scatters still run; a model the user"
+        " compiled (torch.compile, an OptimizedModule) is unwrapped first, so checkpoints keep the eager names"
+    ),
 }
 
 

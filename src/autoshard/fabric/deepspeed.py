@@ -30,7 +30,7 @@ from autoshard.checkpoint import resolve_for_load
 from autoshard.checkpoint_io import unverified_warning
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.fabric.compat import missing
-from autoshard.fabric.optimizers import ParameterNames
+from autoshard.fabric.optimizers import ParameterNames, check_trains_module
 from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
 from autoshard.fabric.strategies import FabricBackend
 from autoshard.intent import ShardingIntent, as_intent
@@ -149,6 +149,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
     # -- fabric.setup: the method, checked before any engine exists -------------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
         self._check_setup(module, [optimizer_label(module, o) for o in optimizers])
+        check_trains_module(module, optimizers)  # after the refusals DeepSpeed's engine has (a second setup call first)
         return super().setup_module_and_optimizers(module, optimizers, scheduler)
 
     def setup_module(self, module: nn.Module) -> Any:

@@ -42,7 +42,7 @@ from autoshard.backends import fsdp2 as fsdp2_backend
 from autoshard.errors import AutoShardError, BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.fabric.checkpoint import FabricCheckpoint
 from autoshard.fabric.compat import missing
-from autoshard.fabric.optimizers import ParameterNames, label, remap_optimizer, stale_parameters, stale_refusal
+from autoshard.fabric.optimizers import ParameterNames, check_trains_module, label, remap_optimizer, stale_parameters, stale_refusal
 from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, run_needs
 from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
@@ -52,7 +52,7 @@ from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
 from autoshard.lightning.fsdp2 import fsdp2_auto_intent, refuse_shard_size_with_parallelize_fn, refuse_unsupported_precision
 from autoshard.lightning.guarantees import reshard_after_no_grad_forward
 from autoshard.lightning.meta_init import check_meta_init, copy_students_into_teachers
-from autoshard.lightning.sharding import after_materialize, shard_module
+from autoshard.lightning.sharding import after_materialize, shard_module, unwrap_user_compile
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
 from autoshard.precision import PrecisionPlan
@@ -113,7 +113,8 @@ def teacher_plan(student: FSDP2Plan, path: str) -> FSDP2Plan:
         if (n := inside(u.name)) is not None
     ]
     replicated = [dataclasses.replace(r, name=n, trainable=False) for r in student.replicated if (n := inside(r.name)) is not None]
-    return FSDP2Plan(units, replicated, (), student.intent, precision=student.precision, hsdp=student.hsdp)
+    compiled = tuple(n for p in student.compiled if (n := inside(p)) is not None)  # the teacher's blocks compiled like the student's
+    return FSDP2Plan(units, replicated, (), student.intent, precision=student.precision, hsdp=student.hsdp, compiled=compiled)
 
 
 def _pair(teacher: nn.Module, student: nn.Module) -> tuple[nn.Module, EMAPair]:
@@ -235,7 +236,9 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
     # -- fabric.setup(model, *optimizers) / fabric.setup_module(model) -----------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
         """The first place Fabric shows a model with its optimizers: the optimizers count towards the decision, and each
-        one built before setup is moved onto the sharded parameters (by name, state and param groups kept)."""
+        one built before setup is moved onto the sharded parameters (by name, state and param groups kept); one that
+        holds none of the module's parameters (built over another module) is refused before anything is sharded."""
+        check_trains_module(module, optimizers, [s.before for s in self.setups])
         self._arriving = [optimizer_label(module, o) for o in optimizers]
         try:
             module = self.setup_module(module)
@@ -247,6 +250,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         """Decide from the module (and the optimizers handed with it, if any), shard, materialize, load init_from,
         broadcast what stays whole. Alone (the FSDP2-recommended order), the optimizers are checked when they arrive."""
         call = len(self.setups) + 1
+        unwrap_user_compile(module)  # before anything reads names: the needs, the plan, optimizers moved by name
         before = ParameterNames.of(module)
         needs = run_needs(module, self.setups, self._arriving, call)
         self.needs, self.decision = needs, self._decide(needs)

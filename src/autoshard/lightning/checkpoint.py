@@ -28,6 +28,7 @@ from autoshard.checkpoint import (
     resolve_for_load,
 )
 from autoshard.checkpoint_io import (
+    KIND_SAVE,
     MANIFEST,
     Publisher,
     describe_files,
@@ -46,7 +47,6 @@ from autoshard.needs import held_optimizers, returned_optimizers
 
 STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
 FORMAT_VERSION = 1
-KIND_SAVE = "autoshard save"  # the manifest's kind for a training checkpoint (fsdp2 DCP or full, autoshard-deepspeed)
 BUDGET_KEY = "budget_decision"  # in our entry: ShardingIntent(memory_budget=...)'s decision (BudgetDecision.to_dict())
 T = TypeVar("T")
 _PLAIN = (str, int, float, bool, type(None))

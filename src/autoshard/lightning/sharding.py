@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from autoshard.adapters.compile import Compile, unwrap_compiled
 from autoshard.adapters.fsdp2 import (
     FSDP2Plan,
     average_unsharded_gradients,
@@ -24,6 +25,7 @@ from autoshard.adapters.fsdp2 import (
     init_sharded_units,
     plan_fsdp2,
 )
+from autoshard.errors import IntentError
 from autoshard.init_from import InitPlan, InitReport, load_init_from
 from autoshard.intent import ShardingIntent
 from autoshard.lightning.environment import check_node_groups
@@ -32,6 +34,19 @@ from autoshard.lightning.meta_init import copy_students_into_teachers
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
 from autoshard.precision import PrecisionPlan
+
+
+def unwrap_user_compile(module: nn.Module) -> list[str]:
+    """Every ``torch.compile`` wrapper inside ``module`` replaced by the module it wraps (``adapters.compile``), said on
+    rank 0: called at setup before the needs are inspected, so that EMA pairs, the plan and every checkpoint see the
+    eager names; the plan compiles the blocks inside them in place."""
+    unwrapped = unwrap_compiled(module)
+    if unwrapped:
+        rank_zero_info(
+            f"autoshard: torch.compile wrapper(s) on {', '.join(map(repr, unwrapped))} replaced by the modules they wrap"
+            f" (parameter names without '_orig_mod.'); their blocks are compiled in place before fully_shard"
+        )
+    return unwrapped
 
 
 def shard_module(
@@ -54,6 +69,15 @@ def shard_module(
     under hybrid sharding, to check that shard groups are nodes (a collective: every rank calls this).
     """
     if sharded_by is not None:
+        # Refused rather than training eager while the user believes it compiled; a module whose blocks are compiled
+        # already (by the user, or by autoshard's plan in an earlier setup of the same module: validate after fit) passes.
+        if Compile.of(intent.compile) is Compile.BLOCKS and not needs.compiled:
+            raise IntentError(
+                f"compile=True compiles the blocks of autoshard's own plan, and the modules were sharded otherwise"
+                f" ({sharded_by.removeprefix('autoshard: ')}), so nothing would be compiled. Fix: compile each block in"
+                f" place where you shard it (block.compile() before fully_shard(block)), or drop compile=True, or let"
+                f" autoshard shard"
+            )
         rank_zero_info(sharded_by)
         average_unsharded_gradients(module, mesh)
         for pair in needs.ema_pairs:
@@ -109,4 +133,4 @@ def after_materialize(
     return report
 
 
-__all__ = ["after_materialize", "shard_module"]
+__all__ = ["after_materialize", "shard_module", "unwrap_user_compile"]

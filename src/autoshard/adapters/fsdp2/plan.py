@@ -126,6 +126,7 @@ class FSDP2Plan:
     precision: PrecisionPlan | None = None  # the run's resolved precision; None: the intent's (see plan_fsdp2)
     hsdp: tuple[int, int] | None = None  # (replicas, shard_size) for a plain DeviceMesh given to apply; None: pure FSDP
     tp_plan: TPPlan | None = None  # the model's tensor-parallel layout, applied first when tensor_parallel_size > 1
+    compiled: tuple[str, ...] = ()  # modules compiled in place before fully_shard (adapters.compile), units in unit order
 
     @property
     def whole_in_units(self) -> list[str]:
@@ -165,9 +166,17 @@ class FSDP2Plan:
             if u.checkpointed:  # a candidate block: the mode says which of them, by their order (apply_plan does the same)
                 extra += " [activation checkpointing]" if mode.applies_to(candidate) else ""
                 candidate += 1
+            extra += " [compiled]" if u.name in self.compiled else ""
             gathered = "kept" if u.reshard.keeps else "reshard"
             lines.append(f"  {u.name:<40} {u.kind.value:<8} {u.numel:>12,d} params {_mib(u.bytes):>9}  {gathered:<7} {u.why}{extra}")
         lines += _reshard_lines(self.units)
+        units = {u.name for u in self.units}
+        if self.compiled:
+            inside = [p for p in self.compiled if p not in units]
+            lines.append(
+                f"torch.compile: {len(self.compiled)} module(s) compiled in place after activation checkpointing, before"
+                f" fully_shard" + (f"; whole: {', '.join(inside)}" if inside else "")
+            )
         if self.tp_plan is not None:
             rows = self.tp_plan.rows()
             lines.append(
@@ -204,6 +213,7 @@ class FSDP2Plan:
             },
             "settings": plan_settings(self.intent, self.precision_plan),
             "notes": list(self.notes),
+            "compiled": list(self.compiled),
             **({"tensor_parallel": [{"module": m, "style": s} for m, s in self.tp_plan.rows()]} if self.tp_plan is not None else {}),
         }
 

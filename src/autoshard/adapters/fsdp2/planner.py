@@ -13,6 +13,7 @@ from torch import nn
 
 from autoshard.adapters.blocks import block_units, is_metric, outermost, param_names, subtree_roots, within
 from autoshard.adapters.checkpointing import checkpointable_blocks, nothing_to_checkpoint
+from autoshard.adapters.compile import Compile, nothing_to_compile
 from autoshard.adapters.fsdp2.ema import check_ema_structure
 from autoshard.adapters.fsdp2.plan import PARALLELIZE_FN_HINT, FSDP2Plan, Replicated, Reshard, Role, ShardUnit, UnitKind, Unsharded
 from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
@@ -133,7 +134,25 @@ def plan_fsdp2(
             raise AutoShardError(message.replace("they stay replicated with averaged gradients", "strict=True refuses to replicate them"))
         warnings.warn(message, stacklevel=2)
     buffers = {name: b.numel() * b.element_size() for name, b in module.named_buffers()}
-    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, precision=precision, tp_plan=tp_plan)
+    compiled = _compiled(module, units, intent, needs)
+    if compiled and needs.compiled:
+        user = ", ".join(f"'{p}'" for p in needs.compiled)
+        notes.append(f"compiled by the model ({user}): its blocks are compiled in place before fully_shard, names stay eager")
+    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, precision=precision, tp_plan=tp_plan, compiled=compiled)
+
+
+def _compiled(module: nn.Module, units: list[ShardUnit], intent: ShardingIntent, needs: MethodNeeds) -> tuple[str, ...]:
+    """The modules ``apply`` compiles in place (``adapters.compile``), in unit order: every block unit (the EMA teacher's
+    too) under ``compile=True`` or when the user compiled part of the model; and each module the user compiled that
+    holds no block unit and sits inside none, compiled whole. Refused when ``compile=True`` finds nothing to compile."""
+    wanted = Compile.of(intent.compile) is Compile.BLOCKS
+    if not wanted and not needs.compiled:
+        return ()
+    blocks = [u.name for u in units if u.kind is UnitKind.BLOCK]
+    if wanted and not blocks:
+        raise nothing_to_compile(module, intent.blocks)
+    whole = [p for p in needs.compiled if p and not any(within(b, {p}) or within(p, {b}) for b in blocks)]
+    return tuple([*blocks, *whole])
 
 
 def low_precision_gather(precision: PrecisionPlan) -> bool:
