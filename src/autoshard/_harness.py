@@ -2,7 +2,8 @@
 
 Shared by autoshard's tests (tests/distributed) and benchmarks, so that neither imports the other. Workers are
 launched externally (RANK/LOCAL_RANK/WORLD_SIZE set), so one process pair can run several Trainers in a row; every
-run has a hard timeout because a collective missing on one rank hangs gloo forever.
+run has a hard timeout because a collective missing on one rank hangs gloo forever, and fails, naming the worker, when
+one exits non-zero or its log shows a C++ abort (``terminate called ...``: a CI run once failed so, at a worker's exit).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def wait_for(
         except subprocess.TimeoutExpired:
             failed = f"{label} still running after {timeout:.0f} s (a collective missing on one rank?)"
         if failed is None and proc.returncode != 0:
-            failed = f"{label} exited with {proc.returncode}"
+            failed = f"{label} exited with {_exit_status(proc.returncode)}"
         if failed:
             break
     for _, proc, log in procs:
@@ -109,9 +110,46 @@ def wait_for(
             (stop or subprocess.Popen.kill)(proc)
             proc.wait()
         log.close()
+    if failed is None:  # every exit code 0: still, an abort reported in a log (a launcher's child, say) fails the run
+        failed = next((f"{label}'s log reports {line!r}: {ABORT_HINT}" for label, _, log in procs if (line := abort_line(Path(log.name)))), None)
+    else:
+        aborted = [f"{label}: {line!r}" for label, _, log in procs if (line := abort_line(Path(log.name)))]
+        if aborted:
+            failed += f"; aborted ({', '.join(aborted)}): {ABORT_HINT}"
     if failed:
         tails = "\n".join(f"--- {label} log tail ---\n" + Path(log.name).read_text()[-4000:] for label, _, log in procs)
         raise AssertionError(f"{failed}\n{tails}")
+
+
+# What a process that died in C++ prints last: std::terminate (a std::thread destroyed while joinable, typically during
+# interpreter shutdown), a C++ exception nobody caught, CPython's own fatal errors.
+ABORT_MARKERS = ("terminate called", "Fatal Python error")
+ABORT_HINT = (
+    "a worker aborted in C++, typically at exit: its process groups' threads (gloo, the TCPStore) torn down during"
+    " interpreter shutdown. Test workers end through tests.distributed.harness.worker_main (groups destroyed, then"
+    " os._exit); a worker with a main of its own must too"
+)
+
+
+def abort_line(log: Path) -> str | None:
+    """The first line of ``log`` that reports a C++ abort or a fatal interpreter error, or None."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    return next((line.strip() for line in text.splitlines() if any(m in line for m in ABORT_MARKERS)), None)
+
+
+def _exit_status(code: int) -> str:
+    """``-6 (SIGABRT)`` for a signal, the code itself otherwise."""
+    if code >= 0:
+        return str(code)
+    import signal
+
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
 
 
 def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from autoshard.activations import measure_step, measuring_callback
 from autoshard.demo import DinoLike
 from autoshard.intent import ShardingIntent
 from autoshard.precision import resolve_precision
-from tests.distributed.harness import quiet_trainer, write_result
+from tests.distributed.harness import quiet_trainer, worker_main, write_result
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -104,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -20,7 +20,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+if __name__ == "__main__":  # a worker process; never when a test module imports from it (collection)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import lightning.pytorch as pl
 import torch

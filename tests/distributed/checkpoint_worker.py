@@ -31,7 +31,7 @@ import autoshard  # noqa: F401  registers strategy="fsdp2"
 from autoshard.demo import Blobs, DinoLike, OnlineProbe
 from autoshard.errors import AutoShardError
 from autoshard.lightning import FSDP2Strategy
-from tests.distributed.harness import quiet_trainer, write_result
+from tests.distributed.harness import quiet_trainer, worker_main, write_result
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -411,8 +411,7 @@ def main() -> None:
         results[name] = fn(work, results, args.out) if name == "crash" else fn(work)
         results[name]["scenario_seconds"] = time.perf_counter() - start
         write_result(args.out, RANK, results)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -14,7 +14,8 @@ import os
 import time
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+if __name__ == "__main__":  # a worker process; never when a test module imports from it (collection)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed.deepspeed_worker import ACCUMULATE, MICRO, PG_TIMEOUT, STEPS, full_weights, make_data, make_model, sgd
-from tests.distributed.harness import JOB_WORLD_SIZE, QUIET, write_result
+from tests.distributed.harness import JOB_WORLD_SIZE, QUIET, worker_main, write_result
 
 BN_BATCH, BN_STEPS = 8, 3
 
@@ -179,9 +180,7 @@ def main() -> None:
     result["hpz"] = scenario_hpz(rank, world)
     result["seconds_total"] = time.perf_counter() - t0
     write_result(args.out, rank, result)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -18,12 +18,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+if __name__ == "__main__":  # a worker process; never when a test module imports from it (collection)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import torch
 from torch import nn
 
-from tests.distributed.harness import QUIET, write_result
+from tests.distributed.harness import QUIET, worker_main, write_result
 
 PG_TIMEOUT = timedelta(seconds=int(os.environ.get("AUTOSHARD_TEST_PG_TIMEOUT", "90")))
 IN, HIDDEN, MICRO, STEPS = 32, 64, 8, 6
@@ -275,10 +276,7 @@ def main() -> None:
     result.update({f"{method}_tight": train(method, rank, world, tight=True) for method in ("one_forward", "two_views")})
     result["lightning"] = run_lightning(rank, world)
     write_result(args.out, rank, result)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -15,12 +15,13 @@ import time
 from datetime import timedelta
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+if __name__ == "__main__":  # a worker process; never when a test module imports from it (collection)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import torch
 from torch import nn
 
-from tests.distributed.harness import write_result
+from tests.distributed.harness import worker_main, write_result
 
 PG_TIMEOUT = timedelta(seconds=int(os.environ.get("AUTOSHARD_TEST_PG_TIMEOUT", "90")))
 IN, HIDDEN = 256, 512  # HIDDEN x IN = 131072 elements: above ZeRO-3's default persistence threshold (1e5)
@@ -290,10 +291,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     result = {"engine": run_engine, "lightning": run_lightning}[args.mode](rank)
     write_result(args.out, rank, result)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

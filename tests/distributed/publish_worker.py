@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.distributed.harness import JOB_WORLD_SIZE, quiet_trainer, run_scenarios
+from tests.distributed.harness import JOB_WORLD_SIZE, quiet_trainer, run_scenarios, worker_main
 
 
 class Net(pl.LightningModule):
@@ -59,9 +59,10 @@ def scenario_rank0_failure() -> dict[str, Any]:
 
 def save_at(barrier: Any, queue: Any, path: str, width: int) -> None:
     """Train one step (a model of its own: seeded by its port), wait for the other process, save ``path`` in the
-    full-file format; report ("ok", the sum of its first weight) or the error."""
+    full-file format; report ("ok", the sum of its first weight) or the error. The report is flushed to the parent,
+    then the process leaves as every worker does (``leave``: its process group destroyed, then ``os._exit``)."""
     from autoshard.lightning import FSDP2Strategy
-    from tests.distributed.harness import QUIET, free_port
+    from tests.distributed.harness import QUIET, free_port, leave
 
     port = free_port()  # each process its own 1-rank process group
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -76,6 +77,9 @@ def save_at(barrier: Any, queue: Any, path: str, width: int) -> None:
     except Exception as exc:
         barrier.abort()
         queue.put((type(exc).__name__, str(exc)))
+    queue.close()
+    queue.join_thread()  # the report is in the pipe before the process ends
+    leave(0)
 
 
 class RunsCode:
@@ -166,7 +170,7 @@ if __name__ == "__main__":
 
     if "--deepspeed" in sys.argv:
         work = Path(sys.argv[sys.argv.index("--deepspeed") + 1])
-        (work / "result.json").write_text(json.dumps(deepspeed_round(work / "ckpt"), indent=1))
+        worker_main(lambda: (work / "result.json").write_text(json.dumps(deepspeed_round(work / "ckpt"), indent=1)))
     else:
         assert JOB_WORLD_SIZE == 2, JOB_WORLD_SIZE
         run_scenarios(SCENARIOS)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from autoshard.demo import ema_update
 from autoshard.lightning import FSDP2Strategy
-from tests.distributed.harness import JOB_WORLD_SIZE, QUIET, quiet_trainer, run_scenarios, write_result
+from tests.distributed.harness import JOB_WORLD_SIZE, QUIET, quiet_trainer, run_scenarios, worker_main, write_result
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -293,7 +293,7 @@ SCENARIOS = {
 
 if __name__ == "__main__":
     if "--cuda" in sys.argv:
-        cuda_main(sys.argv[sys.argv.index("--out") + 1])
+        worker_main(lambda: cuda_main(sys.argv[sys.argv.index("--out") + 1]))
     else:
         assert JOB_WORLD_SIZE == 2, JOB_WORLD_SIZE
         run_scenarios(SCENARIOS)

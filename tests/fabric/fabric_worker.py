@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+if __name__ == "__main__":  # a worker process; never when a test module imports from it (collection)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
 import torch
 import torch.distributed as dist
