@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: demo test lint venv bench clean spt-check
+.PHONY: demo test lint venv bench clean spt-check gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ SPT_PACKAGES := stable-pretraining==0.1.8 torchvision==0.28.0 timm kornia kornia
 spt-check: $(STAMP)
 	test -d $(SPT_SITE) || $(PY) -m pip install -q --no-deps --target $(SPT_SITE) $(SPT_PACKAGES)
 	PYTHONPATH=$(abspath $(SPT_SITE)) $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_stable_pretraining.py
+
+# The GPU evidence in one time-boxed command (about 6 minutes on one GPU): every `gpu` test in one pytest process, then
+# the benchmark configurations (benchmarks/gpu_check.py says which), results and a table under $(GPU_OUT). Runs with
+# whatever Python has torch with CUDA (GPU_PY=python3 on a machine with no venv); DeepSpeed rows need deepspeed.
+GPU_PY ?= $(PY)
+GPU_OUT ?= gpu-check-out
+
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

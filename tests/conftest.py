@@ -1,15 +1,52 @@
-"""Suite-wide rules: GPU tests skip with a reason where no CUDA device exists (CI, this machine)."""
+"""Suite-wide rules: GPU tests skip with a reason where no CUDA device exists; DeepSpeed runs on its CPU accelerator
+where there is none (set here once, never by a test module); collecting the suite changes no environment variable."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+_ENVIRON: dict[str, str | None] = {}
+# What changes how another test runs: the accelerator DeepSpeed picks, the launcher's world, the devices, the threads.
+# (Libraries set variables of their own at import, e.g. torch's PYTORCH_NVML_BASED_CUDA_CHECK: not ours to police.)
+_WATCHED = (
+    "DS_ACCELERATOR",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not torch.cuda.is_available():
+        # In-process DeepSpeed tests train on CPU. Never set by a test module at import: collecting the suite (also
+        # `pytest -m gpu`) imports every module, and DeepSpeed reads it once per process, so on a CUDA machine its
+        # engines would then place models on the CPU and broadcast them on an nccl group.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _ENVIRON.update({k: os.environ.get(k) for k in _WATCHED})
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    changed = [k for k in _WATCHED if _ENVIRON[k] != os.environ.get(k)]
+    if changed:
+        raise pytest.UsageError(
+            f"importing the test modules changed environment variable(s) {', '.join(changed)}: a module that sets one at import"
+            f" changes every other test of the run (DS_ACCELERATOR=cpu moved the GPU DeepSpeed tests' models to the CPU)."
+            f" Fix: set it inside the test (monkeypatch.setenv) or in tests/conftest.py"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run on a machine with one (the device tool), CI has none")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -193,14 +193,30 @@ def test_a_model_fake_tensors_cannot_run_is_refused_in_words_and_the_group_is_go
     assert not dist.is_initialized()  # the fake process group is destroyed on error too
 
 
-def test_a_process_group_already_running_is_refused() -> None:
+def test_beside_a_live_process_group_the_step_runs_in_this_process_and_the_live_group_is_untouched() -> None:
+    """A strategy deciding a memory budget at setup has its process group up (on a GPU, CUDA too, where a forked
+    child cannot run). The simulation parks the live registry and puts it back: same default group, same names, same
+    rank on torch's C++ side, collectives still work, and the result equals the one without a live group."""
+    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed.tensor._random as dtensor_random
+
+    intent = ShardingIntent()
+    alone = measure_step(WithExample, intent, 2, resolve_precision("32-true", intent))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        intent = ShardingIntent()
-        with pytest.raises(AutoShardError, match="already initialized.*Fix:"):
-            measure_step(WithExample, intent, 2, resolve_precision("32-true", intent))
+        live = dist.group.WORLD
+        names, count, tracker = dict(c10d._world.pg_names), c10d._world.group_count, dtensor_random._rng_tracker
+        beside = measure_step(WithExample, intent, 2, resolve_precision("32-true", intent))
+        assert dist.group.WORLD is live and dict(c10d._world.pg_names) == names and c10d._world.group_count == count
+        assert dtensor_random._rng_tracker is tracker
+        assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        ones = torch.ones(2)
+        dist.all_reduce(ones)
+        assert ones.tolist() == [1.0, 1.0]
+        c10d._resolve_process_group(names[live])  # its name still resolves in torch's C++ registry
     finally:
         dist.destroy_process_group()
+    assert beside.peak == alone.peak and beside.peak > 0
 
 
 def test_load_batch_reads_a_file_function(tmp_path: Path) -> None:

@@ -43,7 +43,6 @@ from tests.test_bad_inputs import data, isolated_process_state, trainer  # noqa:
 from tests.test_bad_inputs import refused as refused_with
 from tests.test_convert import trained_state
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*has no manifest:UserWarning"),  # stock DeepSpeed / hand-made sources
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

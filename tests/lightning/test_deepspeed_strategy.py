@@ -222,6 +222,16 @@ def test_deepspeed_accelerator_other_than_cpu_is_refused_on_cpu(monkeypatch: pyt
         make_trainer(AutoShardDeepSpeedStrategy()).fit(Net(), loader())
 
 
+def test_a_gpu_trainer_with_deepspeed_on_its_cpu_accelerator_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA stand-in: DS_ACCELERATOR=cpu left in the environment of a GPU run (it happened in our own GPU suite)
+    made DeepSpeed keep the model on the CPU and fail in an nccl broadcast ("No backend type associated with device
+    type cpu"). The strategy refuses it before Lightning's CUDA path, naming the variable."""
+    monkeypatch.setattr(AutoShardDeepSpeedStrategy, "_on_cpu", lambda self: False)  # as on a GPU Trainer
+    assert ds_lightning._deepspeed_accelerator() == "cpu"
+    with pytest.raises(IncompatibleBackendError, match=r"(?s)DeepSpeed's accelerator is 'cpu' \(DS_ACCELERATOR=cpu.*Fix: unset DS_ACCELERATOR"):
+        make_trainer(AutoShardDeepSpeedStrategy()).fit(Net(), loader())
+
+
 def test_a_lightning_without_the_hooked_members_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ds_lightning, "missing", lambda owner: ["DeepSpeedStrategy._format_config"])
     with pytest.raises(BackendUnavailableError, match=r'lacks DeepSpeedStrategy._format_config.*Fix: pip install "lightning'):

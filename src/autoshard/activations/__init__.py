@@ -16,8 +16,8 @@ workspaces and the CUDA context, and tensors created outside torch's dispatcher.
 quantity ``torch.cuda.max_memory_allocated`` approaches from below; leave headroom for the rest.
 
 The step's FLOPs (torch's FlopCounterMode, counted in the warm-up step) price activation checkpointing for
-``autoshard.budget``: its recomputation is the FLOPs it adds. A process whose process group is already live cannot
-host the fake one: ``in_detached_world`` runs the simulation in a forked child instead.
+``autoshard.budget``: its recomputation is the FLOPs it adds. Beside a live process group the fake one runs in
+this process too, the live registry parked meanwhile (``fake_world``): no child process, so CUDA keeps working.
 
 It leans on private torch members (FSDPMemTracker's hooks, the "fake" process group): tests/test_torch_compat.py
 lists each, with what it is for, so a torch upgrade that moves one fails there by name.
@@ -27,7 +27,7 @@ One module per concern, bottom to top (the import-linter contract in pyproject.t
 - ``step_memory``: ``StepMemory``, what a step reports, and the tracker's categories;
 - ``failures``: an exception raised under fake tensors, in words;
 - ``tracker`` (torch's FSDPMemTracker for a LightningModule, ``measuring_callback``), ``batch`` (``load_batch``,
-  ``call_batch``, ``describe_batch``), ``world`` (the fake process group, ``in_detached_world``, the mesh) and
+  ``call_batch``, ``describe_batch``), ``world`` (the fake process group, the parked live registry, the mesh) and
   ``stand_in`` (the stand-in Trainer of a manual-optimization step);
 - ``prepare``: the module built on meta, made fake and sharded, its optimizers and the batch;
 - ``step``: ``measure_step``, the step itself.

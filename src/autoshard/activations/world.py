@@ -1,10 +1,11 @@
 """The fake world a simulated step runs in: a fake process group of ``world_size`` ranks in this process
-(``fake_world``), a forked child when a live group is already there (``in_detached_world``), and the data-parallel
-mesh the plan shards on."""
+(``fake_world``), beside a live group too (its registry parked meanwhile), and the data-parallel mesh the plan
+shards on."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -18,34 +19,108 @@ from autoshard.intent import ShardingIntent
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks in this process (no communication), destroyed after, always."""
+    """A fake process group of ``world_size`` ranks in this process (no communication), gone after, always.
+
+    Beside a live process group (a strategy's setup deciding a memory budget, a Trainer that ran before) the live
+    registry is parked for the duration (``parked_registry``) and put back exactly: no child process, so nothing is
+    forked after CUDA started (a forked child cannot use CUDA) and nothing is pickled.
+    """
     import torch.distributed as dist
 
     if not dist.is_available():
         raise AutoShardError(
             "measuring a sharded step needs torch.distributed, which this torch build lacks. Fix: install a torch build with distributed support"
         )
-    if dist.is_initialized():
-        raise AutoShardError(
-            "measure_step runs the step on a fake process group of its own, but a process group is already initialized"
-            " in this process (a Trainer or init_process_group ran before). Fix: call it before any distributed setup,"
-            " or in a separate process (autoshard explain --batch runs in its own)"
-        )
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     excepthook = sys.excepthook  # init_process_group wraps it with a "[rank0]:" prefix, once per call
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    if _DETACHED:  # the child of in_detached_world: its registry is its own, and it never tears down
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            import torch.distributed.distributed_c10d as c10d
+
+            c10d._world = c10d._World()
+            sys.excepthook = excepthook
+        return
+    if not dist.is_initialized():  # nothing live to keep: the fake group is made and destroyed as usual
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+            sys.excepthook = excepthook
+        return
+    with parked_registry():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            sys.excepthook = excepthook
+
+
+# torch.distributed's group registry: module globals of distributed_c10d that its ``_world`` object reads through
+# properties, plus the default group's init method and backend name (all private, listed in autoshard.torch_compat).
+_REGISTRY_GLOBALS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+_REGISTRY_VALUES = ("_group_count", "_backend", "_default_pg_init_method")
+# Names of fake groups: far above any live count. A name a fake group once held was seen to stay unresolvable for
+# the live group that took it next (2 gloo ranks, a decision on rank 0 between the mesh and the sharding).
+_FAKE_NAMES = itertools.count(10**9, 10**4)
+
+
+@contextlib.contextmanager
+def parked_registry() -> Iterator[None]:
+    """An empty torch.distributed group registry inside, the one from before (live groups and all) after.
+
+    The groups made inside are shut down and dropped from torch's C++ name registry one by one (never
+    ``destroy_process_group()``, which would unregister the live groups' names too). Fake groups are named far above
+    any live count (``_FAKE_NAMES``), the live groups' names are registered again after, and the live group count is
+    put back: ranks that ran no fake world must name their next groups alike (gloo meets in its store under the
+    group's name). DTensor's random-state tracker is parked too: one made for the fake
+    mesh must not serve the live run.
+    """
+    import torch.distributed.distributed_c10d as c10d
+    import torch.distributed.tensor._random as dtensor_random
+
+    world = c10d._world
+    saved = {name: getattr(c10d, name) for name in _REGISTRY_GLOBALS + _REGISTRY_VALUES}
+    tracker = dtensor_random._rng_tracker
+    for name in _REGISTRY_GLOBALS:
+        setattr(c10d, name, {})
+    c10d._backend, c10d._default_pg_init_method = None, None
+    c10d._group_count = next(_FAKE_NAMES)  # fake groups take names no live group will ever have
+    c10d._world = c10d._World()
+    dtensor_random._rng_tracker = None
     try:
         yield
     finally:
-        if _DETACHED:  # a forked child (in_detached_world): tearing down would reach the inherited live group
-            import torch.distributed.distributed_c10d as c10d
+        for group, name in list(c10d._pg_names.items()):
+            group.shutdown()
+            c10d._unregister_process_group(name)
+        for name, value in saved.items():  # the live count too: ranks that ran no fake world name new groups alike
+            setattr(c10d, name, value)
+        for group, name in saved["_pg_names"].items():  # a fake group may have shared a live one's name: the live one wins
+            c10d._unregister_process_group(name)
+            c10d._register_process_group(name, group)
+        c10d._world = world
+        c10d._update_default_pg(world.default_pg)  # torch's C++ side keeps the default group's rank: the live one's again
+        dtensor_random._rng_tracker = tracker
+        forget_fake_meshes()
 
-            c10d._world = c10d._World()  # forget the fake group instead (the child exits with os._exit)
-        else:
-            dist.destroy_process_group()
-        sys.excepthook = excepthook
+
+def forget_fake_meshes() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans: their keys compare meshes by layout, so a fake
+    mesh equal to a live one (same ranks, dims and device type) would serve the live run its fake groups' names
+    (seen: "Could not resolve the process group registered under the name ..." in a live full_tensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 _DETACHED = False  # True in the child process of in_detached_world only

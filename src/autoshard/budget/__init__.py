@@ -23,13 +23,30 @@ from __future__ import annotations
 from autoshard.budget.advice import BudgetReport, Change, Evaluate, Option, check_budget
 from autoshard.budget.batch import batch_function, batch_rows, cut_batch
 from autoshard.budget.decide import auto_entries, decide, decide_at_fit
-from autoshard.budget.decision import BudgetDecision, BudgetRefusedError, Cost, Rates, Tried, describe_config
+from autoshard.budget.decision import (
+    CUDA_HEADROOM,
+    RATES_ENV,
+    BudgetDecision,
+    BudgetRefusedError,
+    Cost,
+    Headroom,
+    Rates,
+    Tried,
+    default_rates,
+    describe_config,
+    read_rates,
+)
 from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import MAX_RANKS, whole_nodes
 from autoshard.budget.resume import resume_decision, stored_differs
 from autoshard.budget.search import price
 
 __all__ = [
+    "CUDA_HEADROOM",
+    "RATES_ENV",
+    "default_rates",
+    "read_rates",
+    "Headroom",
     "BudgetDecision",
     "BudgetReport",
     "Change",

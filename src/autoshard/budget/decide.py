@@ -20,7 +20,17 @@ from autoshard.backends import get_backend
 from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
 from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
 from autoshard.budget.batch import batch_function, batch_rows
-from autoshard.budget.decision import DEEPSPEED_FIELDS, FREE_FIELDS, BudgetDecision, BudgetRefusedError, Rates, describe_config, free_fields
+from autoshard.budget.decision import (
+    DEEPSPEED_FIELDS,
+    FREE_FIELDS,
+    BudgetDecision,
+    BudgetRefusedError,
+    Rates,
+    default_rates,
+    describe_config,
+    free_fields,
+    headroom_for,
+)
 from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_DECISION_RANKS
 from autoshard.budget.search import largest_micro_batch, search_configs, smallest_world_size
@@ -44,6 +54,7 @@ def decide(
     rates: Rates | None = None,
     progress: Callable[[str], None] | None = None,
     backend: str = FSDP2,
+    device_type: str | None = None,
 ) -> BudgetDecision:
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
     ``world_size`` ranks: a pure function of the module's shapes, the batch's shapes, the intent and the world.
@@ -61,8 +72,16 @@ def decide(
     which something does (a search: states shrink with ranks, activations do not), or, when none does, the largest
     micro-batch that fits here.
 
-    In a process whose process group is already live, the simulated steps run in a forked child (their fake group
-    cannot coexist with a live one); the answer is the same.
+    ``device_type``: the device the run trains on ('cuda', 'cpu'; None: CUDA when this machine has it). On CUDA the
+    peak must leave ``CUDA_HEADROOM`` of the budget free (the context, NCCL, allocator fragmentation), unless
+    ``intent.memory_headroom`` says how much; the table shows it.
+
+    In a process whose process group is already live (a strategy's setup), the simulated steps run in a forked child
+    (their fake group cannot coexist with the live one), or, once CUDA is initialised (a forked child cannot use it),
+    in this process with the live registry parked meanwhile (``activations.fake_world``). Not in this process on a CPU
+    run: DTensor's strategy caches compare meshes by ranks, dims and device type, so a fake CPU mesh equal to the live
+    one served the live run its fake groups (2 gloo ranks: the trained parameters ended on the fake mesh); a CUDA
+    run's meshes never equal the simulation's CPU ones.
     """
     import torch.distributed as dist
 
@@ -70,7 +89,7 @@ def decide(
     from autoshard.precision import resolve_precision
     from autoshard.units import parse_size
 
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and not torch.cuda.is_initialized():
         args = dict(
             num_nodes=num_nodes,
             devices_per_node=devices_per_node,
@@ -80,6 +99,7 @@ def decide(
             rates=rates,
             progress=progress,
             backend=backend,
+            device_type=device_type,
         )
         return _beside_live_group(lambda: decide(module, batch, intent, world_size, **args))
 
@@ -93,9 +113,19 @@ def decide(
             f"memory_budget with tensor_parallel_size={intent.tensor_parallel_size} is not decided yet: the simulated step runs"
             f" data parallel only. Fix: drop memory_budget and set the fields yourself, or set tensor_parallel_size=1"
         )
-    backend = _check_budget_backend(intent.replace(memory_budget=budget_bytes), backend)
+    backend = _check_budget_backend(intent.replace(memory_budget=budget_bytes, memory_headroom=None), backend)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    headroom = headroom_for(intent, device_type)
+    limit = headroom.limit(budget_bytes)
+    if limit < 1:
+        raise IntentError(
+            f"memory_budget {fmt_bytes(budget_bytes)} per rank is less than the {headroom.words()} a {device_type} run keeps free"
+            f" beside its tensors (CUDA context, communication buffers, allocator fragmentation). Fix: memory_budget of the"
+            f" whole device, or memory_headroom=0 to let tensors fill the budget"
+        )
     make_batch = batch_function(batch)
-    rates = rates or Rates()
+    rates = rates or default_rates()
     precision = precision or resolve_precision(None, intent)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
         raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
@@ -108,7 +138,7 @@ def decide(
     sim = Simulator(
         meta_factory(module, callbacks),
         make_batch,
-        intent.replace(memory_budget=None, pinned=()),
+        intent.replace(memory_budget=None, memory_headroom=None, pinned=()),
         precision,
         devices_per_node,
         num_nodes,
@@ -120,13 +150,17 @@ def decide(
     free = free_fields(intent, num_nodes, backend)
     kept = _kept(intent, free, backend)
     blocks = sim.blocks() if "activation_checkpointing" in free else 0
-    chosen, cheaper, most = search_configs(sim, world_size, budget_bytes, rates, free, blocks)
+    chosen, cheaper, most = search_configs(sim, world_size, limit, rates, free, blocks)
     if chosen is not None:
-        return BudgetDecision(budget_bytes, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, described, kept, rates, num_nodes, backend)
+        return BudgetDecision(
+            budget_bytes, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, described, kept, rates, num_nodes, backend, headroom
+        )
     peak = sim.step(most, world_size)[0].device
     where = f"world size {world_size}" + (f" ({num_nodes} nodes)" if num_nodes > 1 else "")
     head = (
-        f"memory_budget {fmt_bytes(budget_bytes)} per rank cannot be met at {where}"
+        f"memory_budget {fmt_bytes(budget_bytes)} per rank"
+        + (f" (a peak of {fmt_bytes(limit)} with its {headroom.words()})" if limit != budget_bytes else "")
+        + f" cannot be met at {where}"
         + (" under DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if backend == DEEPSPEED else "")
         + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
         + (
@@ -135,16 +169,16 @@ def decide(
             else ""
         )
     )
-    smallest = smallest_world_size(sim, most, world_size, budget_bytes)
+    smallest = smallest_world_size(sim, most, world_size, limit)
     if smallest is not None:
         raise BudgetRefusedError(
             f"{head}. The smallest world size at which a configuration fits is {smallest} (found by search: model states"
             f" shrink with ranks, activations do not). Fix: run on {smallest} ranks (Trainer(devices=..., num_nodes=...)),"
-            f" or raise memory_budget to {fmt_bytes(peak)}",
+            f" or raise memory_budget to {fmt_bytes(headroom.budget_for(peak))}",
             smallest,
         )
     rows = batch_rows(make_batch)
-    smaller = largest_micro_batch(sim, most, world_size, budget_bytes, rows)
+    smaller = largest_micro_batch(sim, most, world_size, limit, rows)
     tail = f"no world size up to {MAX_DECISION_RANKS} fits: activations and what stays whole do not shrink with ranks"
     if smaller is not None:
         n, fits_at = smaller

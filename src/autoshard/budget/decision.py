@@ -4,7 +4,10 @@ printed by explain), and the refusal when nothing fits (``BudgetRefusedError``).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
@@ -39,15 +42,88 @@ class Rates:
     """What one step's extra work costs, per second, on the hardware the run is for: turns FLOPs and bytes into
     seconds so that recomputation, collectives and host copies are compared in one unit. The defaults are a nominal
     H100-class node (dense bf16 at a realistic 40% of peak, NVLink, 200 Gb/s InfiniBand per GPU, PCIe 5 x16);
-    benchmarks/budget_cost_order.py measures them on the machine at hand."""
+    benchmarks/budget_cost_order.py measures them on the machine at hand.
 
-    flops_per_s: float = 400e12
+    Calibrated on one H200 (make gpu-check, a 0.9B Llama, bf16-mixed, eager): recomputing every block cost 39.1 ms
+    for 9.35 TFLOP, so recomputation runs at about 240 TFLOP/s; selective checkpointing cost 105.5 ms for 4.67 TFLOP,
+    5.4 times as much per recomputed FLOP (its op-level policy runs in Python for every op, in forward and again in
+    the recomputation): ``selective_factor`` prices that, so that it ranks after every block, as measured."""
+
+    flops_per_s: float = 240e12
     intra_node_bytes_per_s: float = 150e9
     inter_node_bytes_per_s: float = 25e9
     host_bytes_per_s: float = 25e9
+    selective_factor: float = 5.4
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+RATES_ENV = "AUTOSHARD_RATES"  # a rates file of `autoshard calibrate`, read by every decision of the process
+
+
+def read_rates(path: str | os.PathLike[str]) -> Rates:
+    """The rates in a file ``autoshard calibrate`` wrote (JSON: nothing is unpickled), refused in words otherwise."""
+    where = f"{str(path)!r}" + (f" (named by {RATES_ENV})" if os.environ.get(RATES_ENV) == str(path) else "")
+    try:
+        data = json.loads(Path(path).read_text())
+        rates = Rates(**data["rates"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IntentError(
+            f"cannot read the rates file {where}: {type(exc).__name__}: {exc}. Fix: autoshard calibrate --out {str(path)!r}, or unset {RATES_ENV}"
+        ) from None
+    bad = [k for k, v in rates.to_dict().items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+    if bad:
+        raise IntentError(f"the rates file {where} has {', '.join(bad)} not a positive number. Fix: autoshard calibrate --out {str(path)!r}")
+    return rates
+
+
+def default_rates() -> Rates:
+    """The rates a decision prices with when none are passed: the file ``AUTOSHARD_RATES`` names, else the built-in."""
+    path = os.environ.get(RATES_ENV)
+    return read_rates(path) if path else Rates()
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Device memory a run needs beyond the tensors the simulated step counts: the CUDA context, communication
+    buffers (NCCL) and library workspaces (``fixed`` bytes), and the caching allocator's reserved-but-unused blocks
+    (``fraction`` of the peak). A budget is what the device has: the chosen configuration's peak may reach
+    ``limit(budget)``. ``CUDA_HEADROOM`` (measured: docs/benchmarks.md) is the default on CUDA; a CPU run has neither
+    a CUDA context nor its allocator (``NO_HEADROOM``); ``ShardingIntent(memory_headroom=...)`` sets it by hand."""
+
+    fixed: int = 0
+    fraction: float = 0.0
+
+    def limit(self, budget: int) -> int:
+        """The largest simulated peak that leaves this headroom within ``budget``."""
+        return int((budget - self.fixed) / (1.0 + self.fraction))
+
+    def budget_for(self, peak: int) -> int:
+        """The smallest budget whose limit admits ``peak``."""
+        return self.fixed + int(peak * (1.0 + self.fraction)) + 1
+
+    def words(self) -> str:
+        if not self.fixed and not self.fraction:
+            return "no headroom"
+        return f"headroom {fmt_bytes(self.fixed)}" + (f" + {self.fraction:.0%} of the peak" if self.fraction else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Measured on one H200 (docs/benchmarks.md, make gpu-check): outside the caching allocator (the CUDA context with
+# cuBLAS loaded, NCCL) 1.29 GiB under fsdp2 and 1.68 GiB under DeepSpeed, so 2 GiB leaves room for NCCL's buffers
+# on more ranks; the allocator's reserved over max_memory_allocated up to 9.4% (activation checkpointing), so 10%.
+CUDA_HEADROOM = Headroom(fixed=2 << 30, fraction=0.10)
+NO_HEADROOM = Headroom()
+
+
+def headroom_for(intent: ShardingIntent, device_type: str) -> Headroom:
+    """The headroom a run on ``device_type`` keeps: the user's (``memory_headroom``, bytes kept free) or the device's."""
+    if intent.memory_headroom is not None:
+        return Headroom(fixed=intent.memory_headroom)
+    return CUDA_HEADROOM if device_type == "cuda" else NO_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -59,11 +135,12 @@ class Cost:
     gather_bytes_inter: int = 0
     host_bytes: int = 0
     seconds: float = 0.0
+    selective: bool = False  # recomputed under selective checkpointing's op-level policy (Rates.selective_factor)
 
     def at(self, rates: Rates) -> float:
         """The same quantities priced at other rates (the cost-order benchmark measures this machine's)."""
         return (
-            self.recompute_flops / rates.flops_per_s
+            self.recompute_flops * (rates.selective_factor if self.selective else 1.0) / rates.flops_per_s
             + self.gather_bytes_intra / rates.intra_node_bytes_per_s
             + self.gather_bytes_inter / rates.inter_node_bytes_per_s
             + self.host_bytes / rates.host_bytes_per_s
@@ -77,7 +154,8 @@ class Cost:
 class Tried:
     """One configuration the decision looked at: its free fields, its peak per rank, its price, and why it does not
     fit (``why`` is "" for the chosen one). ``simulated=False``: its peak is a lower bound, inferred from a
-    configuration that saves at least as much in every field and already does not fit (no step simulated)."""
+    configuration that saves at least as much in every field and already does not fit (no step simulated).
+    ``runs=False``: its simulated step cannot run (``why`` says why, with a Fix); it was left out, not chosen."""
 
     config: dict[str, Any]
     peak: int
@@ -85,6 +163,7 @@ class Tried:
     fits: bool
     why: str = ""
     simulated: bool = True
+    runs: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +172,7 @@ class Tried:
             "fits": self.fits,
             "why": self.why,
             "simulated": self.simulated,
+            "runs": self.runs,
             "cost": self.cost.to_dict(),
         }
 
@@ -105,6 +185,7 @@ class Tried:
             bool(data["fits"]),
             data.get("why", ""),
             bool(data.get("simulated", True)),
+            bool(data.get("runs", True)),
         )
 
 
@@ -126,6 +207,7 @@ class BudgetDecision:
     rates: Rates = field(default_factory=Rates)
     num_nodes: int = 1
     backend: str = FSDP2  # the backend the peaks are for: fsdp2's simulated step, or DeepSpeed's estimator + activations
+    headroom: Headroom = field(default_factory=Headroom)  # kept free beside the peak: peak <= headroom.limit(budget)
 
     def intent(self, base: ShardingIntent) -> ShardingIntent:
         """``base`` with the chosen fields: what the run trains with."""
@@ -139,12 +221,19 @@ class BudgetDecision:
             + (f" on {self.num_nodes} nodes" if self.num_nodes > 1 else "")
             + (", DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if self.backend == DEEPSPEED else "")
             + (f", micro-batch {self.batch}" if self.batch else "")
+            + (
+                f"\n  {self.headroom.words()} (CUDA context, communication buffers, allocator fragmentation): the simulated"
+                f" peak may reach {fmt_bytes(self.headroom.limit(self.budget))}"
+                if self.headroom != Headroom()
+                else ""
+            )
         )
         lines = [head, f"  chosen: {describe_config(self.chosen)}", f"    peak {fmt_bytes(self.peak)} per rank; costs {_cost_words(self.cost)}"]
         if self.cheaper:
             lines.append("  cheaper, and why each does not fit (cheapest first):")
             for t in self.cheaper:
-                lines.append(f"    {describe_config(t.config):<72} peak {'>= ' if not t.simulated else ''}{fmt_bytes(t.peak):>11}  {t.why}")
+                peak = "cannot run" if not t.runs else f"{'>= ' if not t.simulated else ''}{fmt_bytes(t.peak)}"
+                lines.append(f"    {describe_config(t.config):<72} peak {peak:>11}  {t.why}")
         else:
             lines.append("  nothing cheaper: this is the cheapest configuration")
         if self.kept:
@@ -165,6 +254,7 @@ class BudgetDecision:
             "rates": self.rates.to_dict(),
             "num_nodes": self.num_nodes,
             "backend": self.backend,
+            "headroom": self.headroom.to_dict(),
         }
 
     @classmethod
@@ -181,6 +271,7 @@ class BudgetDecision:
             rates=Rates(**data.get("rates", {})),
             num_nodes=int(data.get("num_nodes", 1)),
             backend=str(data.get("backend", FSDP2)),
+            headroom=Headroom(**data.get("headroom", {})),
         )
 
 

@@ -34,7 +34,7 @@ from autoshard.backends import get_backend
 from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
 from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
 from autoshard.budget.batch import batch_function
-from autoshard.budget.decision import OFFLOAD_SAVING, Cost, Rates, Tried, describe_config
+from autoshard.budget.decision import OFFLOAD_SAVING, Cost, Rates, Tried, default_rates, describe_config
 from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import states_on_device, world_sizes_after
 from autoshard.budget.simulator import Simulator, config_key
@@ -91,8 +91,9 @@ def config_cost(sim: Simulator, config: dict[str, Any], world_size: int, flops: 
     elif offload != "none":
         reshard = config.get("reshard_after_forward", sim.base.reshard_after_forward)
         host = (states.parameters + states.ema_teacher) * (2 if reshard else 1) + states.gradients
-    cost = Cost(recompute, gathered_intra, gathered_inter, host)
-    return Cost(recompute, gathered_intra, gathered_inter, host, cost.at(rates))
+    selective = ac == SELECTIVE and recompute > 0
+    cost = Cost(recompute, gathered_intra, gathered_inter, host, selective=selective)
+    return Cost(recompute, gathered_intra, gathered_inter, host, cost.at(rates), selective)
 
 
 def price(
@@ -112,8 +113,8 @@ def price(
     recomputed FLOPs."""
     from autoshard.precision import resolve_precision
 
-    rates = rates or Rates()
-    base = intent.replace(memory_budget=None, pinned=())
+    rates = rates or default_rates()
+    base = intent.replace(memory_budget=None, memory_headroom=None, pinned=())
     sim = Simulator(
         meta_factory(module),
         batch_function(batch),
@@ -171,30 +172,70 @@ def search_configs(
         peaks[config_key(config)] = estimate.device
         return estimate.device
 
-    if simulate(cheapest) <= budget:
+    if simulate(cheapest) <= budget:  # a failure here is the step's own (nothing saved yet): it stands
         return Tried(cheapest, peaks[config_key(cheapest)], config_cost(sim, cheapest, world_size, flops, rates), True), [], most
     if simulate(most) > budget:
         return None, [], most
+    cannot: dict[Any, str] = {}  # activation-checkpointing option -> why its step cannot run (the cheapest step ran)
     if "activation_checkpointing" in free:
         for option in _ac_options(blocks, sim.backend):
-            simulate({**cheapest, "activation_checkpointing": option})
+            try:
+                simulate({**cheapest, "activation_checkpointing": option})
+            except AutoShardError as exc:
+                cannot[option] = cannot_run(sim, {"activation_checkpointing": option}, exc)
     priced = sorted(grid, key=lambda c: (config_cost(sim, c, world_size, flops, rates).seconds, changes(c)))
     tried: list[Tried] = []
     over: list[dict[str, Any]] = []
     for config in priced:
         cost = config_cost(sim, config, world_size, flops, rates)
+        failed = cannot.get(config.get("activation_checkpointing", sim.base.activation_checkpointing))
+        if failed is not None:
+            tried.append(Tried(config, 0, cost, False, failed, simulated=False, runs=False))
+            continue
         dominant = next((o for o in over if _saves_at_least(o, config)), None)
         if config_key(config) not in peaks and dominant is not None:
             bound = peaks[config_key(dominant)]
             why = f"saves no more than {describe_config(dominant)}, which peaks at {fmt_bytes(bound)} (over the budget): not simulated"
             tried.append(Tried(config, bound, cost, False, why, simulated=False))
             continue
-        peak = peaks[config_key(config)] if config_key(config) in peaks else simulate(config)
+        try:
+            peak = peaks[config_key(config)] if config_key(config) in peaks else simulate(config)
+        except AutoShardError as exc:
+            tried.append(Tried(config, 0, cost, False, cannot_run(sim, config, exc), simulated=False, runs=False))
+            continue
         if peak <= budget:
             return Tried(config, peak, cost, True), tried, most
         over.append(config)
         tried.append(Tried(config, peak, cost, False, f"{fmt_bytes(peak - budget)} over the budget"))
     return None, tried, most  # unreachable: the most saving configuration fits
+
+
+def cannot_run(sim: Simulator, config: dict[str, Any], exc: AutoShardError) -> str:
+    """Why a candidate's step cannot run, with its Fix, for the decision table: the candidate is left out and the
+    decision goes on (the cheapest configuration's step ran, so the batch and the model are fine)."""
+    cause = _first_error(str(exc))
+    selective = config.get("activation_checkpointing") == SELECTIVE
+    if selective and uses_hf_cache(sim.module):
+        fix = (
+            "set use_cache=False in the model's config (Hugging Face's own gradient checkpointing does: a cache made in"
+            " forward is not recomputed alike), or set activation_checkpointing yourself"
+        )
+    else:
+        fix = "set activation_checkpointing, offload and reshard_after_forward yourself to choose without it"
+    return f"its simulated step fails ({cause}). Fix: {fix}"
+
+
+def uses_hf_cache(module: Any) -> bool:
+    """Whether a Hugging Face model inside ``module`` keeps a key/value cache in training (``config.use_cache``)."""
+    return any(getattr(getattr(m, "config", None), "use_cache", False) is True for m in module.modules())
+
+
+def _first_error(message: str) -> str:
+    """The innermost ``SomeError: text`` of a message, up to its first sentence (the reason, without our wrapping)."""
+    import re
+
+    found = re.findall(r"\b([A-Z]\w*(?:Error|Exception): [^\n]*?)(?:\. |\.$|$)", message)
+    return found[-1] if found else message.split(". Fix:")[0]
 
 
 def smallest_world_size(sim: Simulator, config: dict[str, Any], world_size: int, budget: int) -> int | None:

@@ -4,18 +4,28 @@ The decision is made once, before anything is sharded: on rank 0, on the first b
 micro-batch ``training_step`` receives; never ``example_input_array``, whose forward alone is a lower bound of a
 step's peak, see ``autoshard.budget``), then broadcast, so every rank trains with the same configuration. Rank 0 logs
 the decision table. A checkpoint stores the decision (``lightning.checkpoint``); a resume keeps it unless the budget,
-the world or the backend changed, and says which. An impossible budget raises ``BudgetRefusedError`` on every rank,
-with the smallest world size that fits.
+the world, the backend or the micro-batch changed, and says which. An impossible budget raises ``BudgetRefusedError``
+on every rank, with the smallest world size that fits.
+
+Reading the first batch changes nothing training sees (``first_train_batch``): the generators it drew from are put
+back, and an iterable that does not restart gets the batch back (``hand_back``, the strategies' ``process_dataloader``).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
+import random
+import sys
+import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from autoshard.budget import BudgetDecision, decide_at_fit, resume_decision
+from autoshard.activations import describe_batch
+from autoshard.budget import BudgetDecision, batch_function, decide_at_fit, resume_decision
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.lightning.checkpoint import on_rank0, rng_state, set_rng_state, stored_budget_decision
@@ -32,10 +42,119 @@ def _lightning_data_source(trainer: pl.Trainer) -> Any:
     return trainer.fit_loop._data_source
 
 
-def first_train_batch(trainer: pl.Trainer) -> Any:
+class HandedBack:
+    """A train DataLoader (or any iterable) whose first iteration starts with the batch the budget's peek read from it,
+    then goes on where the peek stopped: for an iterable that a second ``iter()`` does not restart (a one-shot
+    ``IterableDataset`` whose ``__iter__`` returns one generator, a generator passed as the DataLoader), so training
+    sees every batch it would have seen without a budget. Later iterations (the next epochs) are the loader's own;
+    anything else is read from the loader."""
+
+    def __init__(self, loader: Any, first: Any, rest: Iterator[Any]) -> None:
+        self.loader = loader
+        self.pending: tuple[Any, Iterator[Any]] | None = (first, rest)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.pending is None:
+            return iter(self.loader)
+        first, rest = self.pending
+        self.pending = None
+        return itertools.chain([first], rest)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # only for names the wrapper lacks: the loader's sampler, dataset, ...
+        if name == "loader":  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+# strategy -> {id(what holds the iteration's state): (that object, the HandedBack to give training)}; rank 0 only
+_HANDED_BACK: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, HandedBack]]] = weakref.WeakKeyDictionary()
+
+
+def _state_holder(loader: Any) -> Any:
+    """What a fresh iteration of ``loader`` starts from: its dataset for a DataLoader, else the iterable itself."""
+    from torch.utils.data import DataLoader
+
+    return loader.dataset if isinstance(loader, DataLoader) else loader
+
+
+def _continues(loader: Any) -> bool:
+    """Whether a second ``iter()`` of ``loader`` goes on where the first stopped instead of starting again: an iterable
+    whose ``__iter__`` returns the same iterator each time (one generator held by an IterableDataset, a generator
+    passed as the loader). A map-style dataset restarts from its sampler; a generator-function ``__iter__`` restarts."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
+        return False
+    holder = _state_holder(loader)
+    try:
+        return iter(holder) is iter(holder)
+    except TypeError:
+        return False
+
+
+def _random_states(loaders: list[Any]) -> list[tuple[Any, Any]]:
+    """(generator, its state) of every random number generator a DataLoader draws from besides the global ones: its
+    own ``generator``, its sampler's and batch sampler's (a shuffling ``RandomSampler(generator=g)``), its dataset's,
+    found among their attributes (torch, numpy and python generators)."""
+    import numbers
+
+    from torch.utils.data import DataLoader, Dataset, Sampler
+
+    found: dict[int, tuple[Any, Any]] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 3:
+            return
+        seen.add(id(obj))
+        state = _get_random_state(obj)
+        if state is not None:
+            found[id(obj)] = (obj, state)
+            return
+        if isinstance(obj, (DataLoader, Sampler, Dataset)) or depth == 0:
+            for value in getattr(obj, "__dict__", {}).values():
+                if not isinstance(value, (str, bytes, numbers.Number, torch.Tensor)):
+                    visit(value, depth + 1)
+
+    for loader in loaders:
+        visit(loader, 0)
+    return list(found.values())
+
+
+def _get_random_state(obj: Any) -> Any:
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if isinstance(obj, random.Random):
+        return obj.getstate()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.random.Generator):
+        return obj.bit_generator.state
+    if numpy is not None and isinstance(obj, numpy.random.RandomState):
+        return obj.get_state()
+    return None
+
+
+def _set_random_state(obj: Any, state: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif isinstance(obj, random.Random):
+        obj.setstate(state)
+    elif hasattr(obj, "bit_generator"):
+        obj.bit_generator.state = state
+    else:
+        obj.set_state(state)
+
+
+def first_train_batch(trainer: pl.Trainer, strategy: Any = None) -> Any:
     """One micro-batch as ``training_step`` receives it: the first of the train DataLoader(s), combined as Lightning
-    combines them, or None when there is none. The RNG states are put back afterwards, so a shuffling sampler or the
-    workers' seeds draw the same numbers as in a run without a budget (the same losses as the configuration set by hand).
+    combines them, or None when there is none. Training then sees the very batches, in the same order, as without a
+    budget: every random number generator the peek drew from is put back (the global ones, and a DataLoader's,
+    sampler's or dataset's own ``generator``), so a shuffling sampler and the workers' seeds draw the same numbers;
+    and an iterable that a second ``iter()`` does not restart (a one-shot ``IterableDataset``) gets the peeked batch
+    back in front of its next iteration (``strategy.process_dataloader``: ``hand_back``), so none is lost.
     """
     from lightning.pytorch.utilities import CombinedLoader
 
@@ -43,21 +162,60 @@ def first_train_batch(trainer: pl.Trainer) -> Any:
     if not source.is_defined():
         return None
     state = rng_state()
+    own: list[tuple[Any, Any]] = []
     try:
         loaders = source.dataloader()
         if loaders is None:
             return None
-        combined = CombinedLoader(loaders, "max_size_cycle")
-        iterator = iter(combined)
-        try:
-            batch, _, _ = next(iterator)
-        except StopIteration:
-            return None
-        finally:
-            combined.reset()
+        combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "max_size_cycle")
+        own = _random_states(combined.flattened)
+        firsts, handed = [], {}
+        for loader in combined.flattened:
+            continues = _continues(loader)
+            iterator = iter(loader)
+            try:
+                first = next(iterator)
+            except StopIteration:
+                return None
+            firsts.append(first)
+            if continues:
+                holder = _state_holder(loader)
+                handed[id(holder)] = (holder, HandedBack(loader, first, iterator))
+            else:  # training starts its own iteration: no worker started here stays (persistent ones would keep their seeds)
+                del iterator
+                CombinedLoader(loader).reset()
+        if strategy is not None and handed:
+            _HANDED_BACK[strategy] = handed
+        shape = CombinedLoader(combined.iterables, "max_size_cycle")  # the first batches, combined as Lightning combines them
+        shape.flattened = [[first] for first in firsts]
+        batch, _, _ = next(iter(shape))
         return batch
     finally:
+        for generator, saved in own:
+            _set_random_state(generator, saved)
         set_rng_state(state)
+
+
+def _training(strategy: Any) -> bool:
+    """Whether the strategy's Trainer is preparing the train DataLoader (not the validation of the sanity check)."""
+    try:
+        return bool(strategy.lightning_module.trainer.training)
+    except (AttributeError, RuntimeError):  # no module, or a module not attached to a Trainer
+        return False
+
+
+def hand_back(strategy: Any, dataloader: Any) -> Any:
+    """``Strategy.process_dataloader`` for the train DataLoader of a fit: the one the budget's peek read from, with the
+    peeked batch in front, when a fresh iteration would not give it again (``first_train_batch``); else unchanged."""
+    handed = _HANDED_BACK.get(strategy)
+    if not handed or not _training(strategy):
+        return dataloader
+    entry = handed.pop(id(_state_holder(dataloader)), None)
+    if entry is None or entry[0] is not _state_holder(dataloader):
+        return dataloader
+    back = entry[1]
+    back.loader = dataloader
+    return back
 
 
 def resuming_from(trainer: pl.Trainer) -> tuple[Any, bool | None]:
@@ -84,10 +242,10 @@ def resuming_from(trainer: pl.Trainer) -> tuple[Any, bool | None]:
 def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, backend: str) -> BudgetDecision:
     """The decision this fit trains with, the same on every rank, made before anything is sharded.
 
-    On rank 0: the checkpoint's decision when the fit resumes with the same budget, world and backend (``said``
+    On rank 0: the checkpoint's decision when the fit resumes with the same budget, world, backend and micro-batch (``said``
     says it was kept, or why it was decided again); else ``decide`` on the module (copied to meta, never changed),
     the first train batch, the strategy's precision and the callbacks that hold optimizers (probes), the simulated
-    steps in a forked child beside the live process group. The answer is broadcast; a refusal is raised on every rank
+    steps in this process beside the live process group (its registry parked meanwhile). The answer is broadcast; a refusal is raised on every rank
     (``on_rank0``: same type, same text). Rank 0 logs the table: the choice with its peak, then every cheaper
     configuration with its peak and why it does not fit.
     """
@@ -97,9 +255,10 @@ def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, b
     def on_zero() -> dict[str, Any]:
         path, weights_only = resuming_from(trainer)
         stored = stored_budget_decision(path, trust_pickle=weights_only is False) if path else None
-        decision, said = resume_decision(stored, intent, world, backend)
+        # Read even when a decision is stored: it is kept only for the same micro-batch (shapes and dtypes)
+        batch = first_train_batch(trainer, strategy)
+        decision, said = resume_decision(stored, intent, world, backend, batch=None if batch is None else describe_batch(batch))
         if decision is None:
-            batch = first_train_batch(trainer)
             if batch is None:
                 raise IntentError(
                     f"memory_budget is decided on the first batch of the train DataLoader (the micro-batch training_step"
@@ -110,13 +269,14 @@ def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, b
                 )
             decision = decide_at_fit(
                 module,
-                batch,
+                batch_function(batch, origin="the first batch of the train DataLoader"),
                 intent,
                 world,
                 num_nodes=strategy.num_nodes,
                 precision=strategy.precision_plan,
                 callbacks=[c for c in trainer.callbacks if held_optimizers(c)],
                 backend=backend,
+                device_type=strategy.root_device.type,
             )
         return {"decision": decision.to_dict(), "said": said}
 
@@ -129,4 +289,4 @@ def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, b
     return decision
 
 
-__all__ = ["decide_for_fit", "first_train_batch", "resuming_from"]
+__all__ = ["HandedBack", "decide_for_fit", "first_train_batch", "hand_back", "resuming_from"]

@@ -333,10 +333,17 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
 
     # -- Lightning hooks --------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
+        accelerator = _deepspeed_accelerator()
         if not self._on_cpu():
+            if accelerator == "cpu":  # its engine would keep the model on the CPU and broadcast it on the nccl group
+                raise IncompatibleBackendError(
+                    f"Trainer(accelerator='{self.parallel_devices[0].type if self.parallel_devices else 'gpu'}') with DeepSpeed, but"
+                    f" DeepSpeed's accelerator is 'cpu' (DS_ACCELERATOR=cpu in this process's environment): its engine"
+                    f" would place the model on the CPU and fail in its first broadcast on the GPU process group."
+                    f" Fix: unset DS_ACCELERATOR before Python starts (DeepSpeed then picks CUDA), or Trainer(accelerator='cpu')"
+                )
             super().setup_environment()  # Lightning's CUDA path, unchanged
             return
-        accelerator = _deepspeed_accelerator()
         if accelerator != "cpu":
             cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
             raise IncompatibleBackendError(

@@ -13,7 +13,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, is_sharded, per_shard_random_init, sync_buffers
+from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, is_sharded, per_shard_random_init, sync_buffers, to_device_keeping_offloaded
 from autoshard.backends import fsdp2 as fsdp2_backend
 from autoshard.backends.matrix import cell
 from autoshard.batchnorm import convert_sync_batchnorm
@@ -26,7 +26,7 @@ from autoshard.lightning.checkpoint import CheckpointMixin
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
 from autoshard.lightning.guarantees import ExplainMixedDTensor, track_forwards
 from autoshard.lightning.meta_init import check_meta_init, configure_model_counted_as_overridden
-from autoshard.lightning.sharding import after_materialize, shard_module
+from autoshard.lightning.sharding import after_materialize, shard_module, unwrap_user_compile
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import MethodNeeds, inspect_needs, recount_optimizers
 from autoshard.precision import Precision, PrecisionPlan, normalize_precision
@@ -157,6 +157,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         # No user hook is called to inspect the method (stable-pretraining's probes assert configure_optimizers runs
         # once): fsdp2 runs any number of optimizers, so the sharding is decided without counting them, and they
         # are counted from Lightning's own call below, for the printed decision.
+        unwrap_user_compile(module)  # before the needs: EMA pairs, the plan and checkpoints see the eager names
         self.needs = inspect_needs(module, trainer, call_hooks=False)
         self.decision = self._decide(self.needs)
         if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
@@ -201,6 +202,14 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         # Lightning's setup replaced parameters (meta materialization) or swapped their contents (Module.to on a
         # DTensor): the gradient hooks follow what the module holds now; then init_from, teachers, broadcasts, lazy init.
         self.init_report = after_materialize(module, self._mesh(), init, on_meta, self.needs.ema_pairs)
+
+    def model_to_device(self) -> None:
+        """Lightning moves the whole module to the device after materializing it; with ``offload='params'`` the
+        shards stay on the host (FSDP2 refuses them on the device: measured on an H200)."""
+        if self.intent.offload == "none" or self.model is None:
+            super().model_to_device()
+            return
+        to_device_keeping_offloaded(self.model, self.root_device)
 
     def _decide_budget(self, module: torch.nn.Module, trainer: pl.Trainer) -> None:
         """ShardingIntent(memory_budget=...) decided on rank 0 and broadcast (``autoshard.lightning.budget``); the intent

@@ -44,6 +44,7 @@ from autoshard.adapters.fsdp2.runtime import (
     init_sharded_units,
     spans_data_parallel,
     sync_buffers,
+    to_device_keeping_offloaded,
 )
 
 __all__ = [
@@ -83,5 +84,6 @@ __all__ = [
     "settings_in_words",
     "spans_data_parallel",
     "sync_buffers",
+    "to_device_keeping_offloaded",
     "tensor_parallel_plan",
 ]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autoshard.adapters.blocks import outermost
+from autoshard.adapters.compile import compile_in_place
 from autoshard.adapters.fsdp2.api import fsdp2_api
 from autoshard.adapters.fsdp2.ema import check_ema_alignment
 from autoshard.adapters.fsdp2.runtime import average_unsharded_gradients
@@ -25,8 +26,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def policies(precision: PrecisionPlan, intent: ShardingIntent) -> tuple[Any, Any]:
+def policies(precision: PrecisionPlan, intent: ShardingIntent, device_type: str) -> tuple[Any, Any]:
     """FSDP2 MixedPrecisionPolicy for the precision and offload policy for the intent (offload 'optimizer' offloads params too).
+
+    Offloaded shards are pinned only for a CUDA mesh (``device_type``: the mesh's): pinning speeds host-to-device
+    copies and nothing else, and a simulated step (a CPU mesh under fake tensors, also on a CUDA machine) cannot pin.
 
     fully_shard keeps the weights in ``precision.master`` (Lightning converts the module for "-true"); a dtype
     that needs no cast is passed as None, so that FSDP2 does not cast every unit's inputs to the dtype they have.
@@ -39,7 +43,7 @@ def policies(precision: PrecisionPlan, intent: ShardingIntent) -> tuple[Any, Any
         return mp, offload_policy()
     if intent.offload_device != "cpu":
         raise IntentError("fsdp2 can offload to CPU memory only. Fix: use offload_device='cpu', or strategy='autoshard-deepspeed' for NVMe")
-    return mp, cpu_offload_policy(pin_memory=torch.cuda.is_available())
+    return mp, cpu_offload_policy(pin_memory=device_type == "cuda")
 
 
 def data_parallel_mesh(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
@@ -69,6 +73,7 @@ class PlanToApply(Protocol):
     intent: ShardingIntent
     hsdp: tuple[int, int] | None
     tp_plan: Any
+    compiled: tuple[str, ...]
 
     @property
     def precision_plan(self) -> PrecisionPlan: ...
@@ -94,9 +99,16 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
     if plan.tp_plan is not None and parallel.dims.tp > 1:
         assert parallel.tp is not None
         plan.tp_plan.apply(module, parallel.tp)
-    mp_policy, offload_policy = policies(plan.precision_plan, plan.intent)
+    mp_policy, offload_policy = policies(plan.precision_plan, plan.intent, parallel.shard.device_type)
+    if plan.intent.offload != "none":  # FSDP2 keeps offloaded shards on the host and refuses parameters elsewhere
+        for p in module.parameters():
+            if p.device.type not in ("cpu", "meta"):  # a module built on the GPU (measured: "should be materialized on CPU")
+                p.data = p.data.to("cpu")
     whole = {id(module.get_parameter(name)) for name in plan.whole_in_units}
     names = {u.name for u in plan.units}
+    for path in plan.compiled:  # a module the user compiled that is no unit: compiled whole (its unit's hooks are outside)
+        if path not in names:
+            compile_in_place(module.get_submodule(path))
     checkpointed = 0
     for unit in plan.units:
         sub = module.get_submodule(unit.name)
@@ -105,6 +117,8 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
         if unit.checkpointed:  # the intent's mode decides which of the checkpointed blocks, by their order
             apply_checkpointing(sub, plan.intent.activation_checkpointing, checkpointed)
             checkpointed += 1
+        if unit.name in plan.compiled:  # torchtitan's order: checkpointing, compile, fully_shard; in place, hooks kept
+            compile_in_place(sub)
         ignored = {p for p in sub.parameters() if id(p) in whole}  # inside the unit, left whole by the plan
         fully_shard(
             sub,

@@ -373,3 +373,14 @@ def init_sharded_units(module: nn.Module) -> int:
         for p in frozen:
             p.requires_grad_(False)
     return len(roots)
+
+
+def to_device_keeping_offloaded(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for a module whose units offload parameters (``offload='params'``): the sharded
+    parameters (DTensors) stay on the host, or go back there when they were materialized on the device, since FSDP2
+    copies them in for each all-gather and refuses them elsewhere ("FSDP parameters should be materialized on CPU",
+    measured on an H200 after Lightning's ``model_to_device``); buffers and parameters left whole go to ``device``.
+    Through ``Module._apply``, as ``Module.to``: a parameter keeps its identity wherever torch can swap its data."""
+    from torch.distributed.tensor import DTensor
+
+    module._apply(lambda t: t.to("cpu") if isinstance(t, DTensor) else t.to(device))

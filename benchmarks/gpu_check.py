@@ -1,0 +1,181 @@
+"""``make gpu-check``: the GPU evidence in one time-boxed command (one GPU, about 6 minutes).
+
+Stages, each with its own time box, results to files under ``--out``:
+  0. ``rates.json``: ``autoshard calibrate`` on this GPU (the rates stage 3 prices with);
+  1. ``gpu-tests.log``: every ``gpu``-marked test in ONE pytest process (the suite must pass as one run);
+  2. ``<config>.json``: the benchmark configurations (benchmarks/gpu_worker.py), each in a fresh process, one after
+     the other on the GPU: plain Lightning, auto-shard, a hand-written fully_shard plan (eager and compiled per
+     layer), compile=True, activation checkpointing (every block, selective), a memory budget decided at fit,
+     autoshard-deepspeed and a hand-tuned ZeRO-3 config;
+  3. ``simulated.json``, beside stage 2 on the CPU (no CUDA in that process): the simulated peak and the estimated
+     price of the fsdp2 configurations (``autoshard.budget.price``), for the table's simulated-vs-measured columns
+     and the price order;
+  4. ``gpu-check.md``: the table (step time, tokens/s, MFU, peak allocated and reserved, simulated peak), the
+     headroom measured (outside the allocator; reserved over allocated) and the measured vs predicted order.
+
+    python benchmarks/gpu_check.py --out gpu-check-out [--deadline 345] [--only auto-shard,plain] [--skip-tests]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CONFIGS = [
+    ("plain", 90),
+    ("auto-shard", 90),
+    ("hand-written", 90),
+    ("ac-true", 90),
+    ("ac-selective", 90),
+    ("budget-20GiB", 150),
+    ("deepspeed", 120),
+    ("deepspeed-tuned", 120),
+    ("hand-written-compiled", 180),
+    ("compile", 180),
+]
+PRICED = {"auto-shard": False, "ac-true": True, "ac-2": 2, "ac-selective": "selective"}  # activation_checkpointing of each
+GIB = 2**30
+
+
+def stage(command: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    start = time.perf_counter()
+    with log.open("w") as out:
+        try:
+            rc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=max(timeout, 1), cwd=ROOT, env=env).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return {"rc": rc, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def simulate(out: Path) -> None:
+    """Stage 3, in a CPU-only process: simulated peak and price of each fsdp2 configuration (world size 1)."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from gpu_worker import module_class
+
+    from autoshard.budget import price
+    from autoshard.intent import ShardingIntent
+    from autoshard.precision import resolve_precision
+
+    args = argparse.Namespace(layers=16, hidden=2048, ffn=5632, heads=16, kv_heads=8, vocab=32000, seq=2048, micro_batch=4, meta=True)
+    ids = torch.zeros(args.micro_batch, args.seq, dtype=torch.long)
+    intent = ShardingIntent()
+    configs = [{"activation_checkpointing": ac} for ac in PRICED.values()]
+    start = time.perf_counter()
+    priced = price(module_class(args), [ids], intent, 1, configs, precision=resolve_precision("bf16-mixed", intent))
+    result = {
+        name: {"simulated_peak": peak, "predicted_s": cost.seconds, "recompute_flops": cost.recompute_flops}
+        for name, (peak, cost) in zip(PRICED, priced)
+    }
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    (out / "simulated.json").write_text(json.dumps(result, indent=1))
+
+
+def table(out: Path, names: list[str]) -> str:
+    simulated = json.loads((out / "simulated.json").read_text()) if (out / "simulated.json").exists() else {}
+    rows = [
+        "| configuration | step ms | tokens/s | MFU | peak allocated GiB | peak reserved GiB | simulated peak GiB | simulated / allocated |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    results = {}
+    for name in names:
+        path = out / f"{name}.json"
+        r = json.loads(path.read_text()) if path.exists() else {"error": "not run (time box)"}
+        results[name] = r
+        if "error" in r:
+            rows.append(f"| {name} | {r['error'][:160]} | | | | | | |")
+            continue
+        sim = (simulated.get(name) or {}).get("simulated_peak") or r.get("decided_peak")
+        ratio = f"{sim / r['peak_allocated']:.3f}" if sim else ""
+        rows.append(
+            f"| {name}{' -> ' + json.dumps(r['chosen']) if r.get('chosen') else ''} | {r['step_ms']} | {r['tokens_per_s']:,} |"
+            f" {r['mfu']:.1%} | {r['peak_allocated'] / GIB:.2f} | {r['peak_reserved'] / GIB:.2f} | {sim / GIB if sim else 0:.2f} | {ratio} |"
+        )
+    ran = [r for r in results.values() if "error" not in r]
+    lines = ["\n".join(rows), ""]
+    if ran:
+        outside = max(r["outside_allocator"] for r in ran)
+        frag = max((r["peak_reserved"] / r["peak_allocated"] - 1 for r in ran if not r["config"].startswith("deepspeed")), default=0.0)
+        lines.append(f"Headroom measured: outside the caching allocator up to {outside / GIB:.2f} GiB (CUDA context, NCCL, libraries);")
+        lines.append(f"reserved over max allocated up to {frag:.1%} (fsdp2 and plain configurations).")
+    timed = {n: results[n]["step_ms"] for n in PRICED if n in results and "error" not in results[n]}
+    predicted = {n: simulated[n]["predicted_s"] for n in PRICED if n in simulated}
+    both = [n for n in timed if n in predicted]
+    if len(both) > 1:
+        measured_order = sorted(both, key=lambda n: timed[n])
+        predicted_order = sorted(both, key=lambda n: predicted[n])
+        lines.append(f"Price order: measured {' < '.join(measured_order)}; predicted {' < '.join(predicted_order)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--out", default="gpu-check-out")
+    parser.add_argument("--deadline", type=float, default=345.0, help="seconds for every stage together")
+    parser.add_argument("--only", default="", help="comma-separated configurations (default: all)")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--simulate-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.simulate_only:
+        simulate(out)
+        return
+    start = time.perf_counter()
+    left = lambda: args.deadline - (time.perf_counter() - start)  # noqa: E731
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    # The device's own rates first (autoshard calibrate): the simulated stage prices the candidates with them.
+    summary: dict[str, Any] = {
+        "calibrate": stage(
+            [sys.executable, "-m", "autoshard", "calibrate", "--out", str((out / "rates.json").resolve())], out / "calibrate.log", 60, env
+        )
+    }
+    print("calibrate:", summary["calibrate"], flush=True)
+    cpu_env = dict(
+        env, CUDA_VISIBLE_DEVICES="", **({"AUTOSHARD_RATES": str((out / "rates.json").resolve())} if (out / "rates.json").exists() else {})
+    )
+    sim_log = (out / "simulated.log").open("w")
+    sim = subprocess.Popen(
+        [sys.executable, __file__, "--out", str(out), "--simulate-only"], stdout=sim_log, stderr=subprocess.STDOUT, cwd=ROOT, env=cpu_env
+    )
+    if not args.skip_tests:
+        summary["tests"] = stage(
+            [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs", "tests"],
+            out / "gpu-tests.log",
+            min(170, left()),
+            env,
+        )
+        print("gpu tests:", summary["tests"], flush=True)
+    names = [n for n, _ in CONFIGS if not args.only or n in args.only.split(",")]
+    for name, box in CONFIGS:
+        if name not in names:
+            continue
+        if left() < 20:
+            summary[name] = {"rc": "not run (time box)"}
+            continue
+        command = [sys.executable, str(HERE / "gpu_worker.py"), name, "--out", str(out / f"{name}.json")]
+        summary[name] = stage(command, out / f"{name}.log", min(box, left()), env)
+        print(name, summary[name], flush=True)
+    try:
+        sim.wait(timeout=max(left(), 5))
+    except subprocess.TimeoutExpired:
+        sim.kill()
+    sim_log.close()
+    summary["total_s"] = round(time.perf_counter() - start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    text = table(out, names)
+    (out / "gpu-check.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
