@@ -21,9 +21,9 @@ from autoshard.intent import ShardingIntent
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """A fake process group of ``world_size`` ranks in this process (no communication), gone after, always.
 
-    Beside a live process group (a strategy's setup deciding a memory budget, a Trainer that ran before) the live
-    registry is parked for the duration (``parked_registry``) and put back exactly: no child process, so nothing is
-    forked after CUDA started (a forked child cannot use CUDA) and nothing is pickled.
+    Three cases: no live group (made and destroyed as usual); the child of ``in_detached_world`` (its registry is its
+    own); beside a live process group in this process (a strategy's setup on CUDA, where a forked child cannot use
+    CUDA): the live registry is parked for the duration (``parked_registry``) and put back.
     """
     import torch.distributed as dist
 
@@ -111,9 +111,10 @@ def parked_registry() -> Iterator[None]:
 
 
 def forget_fake_meshes() -> None:
-    """Empty DTensor's caches of sharding and redistribution plans: their keys compare meshes by layout, so a fake
-    mesh equal to a live one (same ranks, dims and device type) would serve the live run its fake groups' names
-    (seen: "Could not resolve the process group registered under the name ..." in a live full_tensor)."""
+    """Empty DTensor's caches of sharding and redistribution plans reachable from Python: their keys compare meshes by
+    ranks, dims and device type, so a fake mesh equal to a live one could serve the live run its fake groups. Not
+    enough on its own (some caches are out of reach): a live CPU mesh can equal the simulation's, so ``budget.decide``
+    keeps the forked child there and parks in this process only once CUDA is initialised (its meshes are CUDA's)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor._redistribute import _gen_transform_infos
