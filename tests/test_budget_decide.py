@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.activations import measure_step
-from autoshard.budget import BudgetDecision, Rates, decide, decide_at_fit, describe_config, resume_decision
+from autoshard.budget import BudgetDecision, Rates, decide, describe_config, resume_decision
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import estimate_memory, with_step
@@ -120,7 +120,7 @@ def test_a_module_instance_is_copied_to_meta_never_changed_and_decided_beside_a_
     budget = peak_of(reshard_after_forward=False) + 1
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        decision = decide_at_fit(module, batch(), ShardingIntent(memory_budget=budget), 2)
+        decision = decide(module, batch(), ShardingIntent(memory_budget=budget), 2)
         ones = torch.ones(2)
         dist.all_reduce(ones)  # the live group still works
     finally:
@@ -145,7 +145,7 @@ def test_once_cuda_is_initialised_the_decision_beside_a_live_group_forks_nothing
     budget = peak_of(reshard_after_forward=False) + 1
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        decision = decide_at_fit(Small(), batch(), ShardingIntent(memory_budget=budget), 2, device_type="cpu")
+        decision = decide(Small(), batch(), ShardingIntent(memory_budget=budget), 2, device_type="cpu")
         ones = torch.ones(2)
         dist.all_reduce(ones)
     finally:

@@ -208,16 +208,6 @@ def dp_mesh(mesh: ParallelMesh | DeviceMesh) -> DeviceMesh:
     return mesh.dp if isinstance(mesh, ParallelMesh) else ParallelMesh.of(mesh).dp
 
 
-def shard_mesh(mesh: ParallelMesh) -> DeviceMesh:
-    """What ``fully_shard`` takes."""
-    return mesh.shard
-
-
-def tp_mesh(mesh: ParallelMesh) -> DeviceMesh | None:
-    """The tensor-parallel group (None without a tensor-parallel dim)."""
-    return mesh.tp
-
-
 __all__ = [
     "DATA_PARALLEL",
     "HYBRID_DIMS",
@@ -229,6 +219,4 @@ __all__ = [
     "ParallelMesh",
     "build_mesh",
     "dp_mesh",
-    "shard_mesh",
-    "tp_mesh",
 ]

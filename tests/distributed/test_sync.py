@@ -123,7 +123,14 @@ def test_tensor_parallel_builds_a_trainer_with_or_without_a_parallelize_fn() -> 
 
     from autoshard.lightning import FSDP2Strategy
 
-    pl.Trainer(strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}), accelerator="cpu", devices=2, logger=False)
-    pl.Trainer(
-        strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}, parallelize_fn=lambda m, mesh: None), accelerator="cpu", devices=2, logger=False
-    )
+    def layout(module: object, mesh: object) -> None:
+        return None
+
+    for fn in (None, layout):
+        trainer = pl.Trainer(
+            strategy=FSDP2Strategy(intent={"tensor_parallel_size": 2}, parallelize_fn=fn), accelerator="cpu", devices=2, logger=False
+        )
+        strategy = trainer.strategy
+        assert isinstance(strategy, FSDP2Strategy) and strategy.parallelize_fn is fn
+        mesh = strategy.describe_mesh()
+        assert (mesh["data_parallel_size"], mesh["tensor_parallel_size"], mesh["world_size"]) == (1, 2, 2)  # all of it tensor parallel

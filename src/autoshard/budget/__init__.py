@@ -14,7 +14,7 @@ One module per concern, bottom to top (the import-linter contract in pyproject.t
 - ``batch`` and ``meta``: what a decision is made on (one micro-batch, the module copied to meta);
 - ``simulator``: model states and simulated steps for one module and batch, cached;
 - ``search``: the price of a configuration and the search for the cheapest that fits (``price``);
-- ``advice`` (``check_budget``: ``explain --budget``), ``decide`` (``decide``, ``decide_at_fit``, ``auto_entries``)
+- ``advice`` (``check_budget``: ``explain --budget``), ``decide`` (``decide``, ``auto_entries``)
   and ``resume`` (``resume_decision``, ``stored_differs``).
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from autoshard.budget.advice import BudgetReport, Change, Evaluate, Option, check_budget
 from autoshard.budget.batch import batch_function, batch_rows, cut_batch
-from autoshard.budget.decide import auto_entries, decide, decide_at_fit
+from autoshard.budget.decide import auto_entries, decide
 from autoshard.budget.decision import (
     CUDA_HEADROOM,
     RATES_ENV,
@@ -63,7 +63,6 @@ __all__ = [
     "batch_rows",
     "cut_batch",
     "decide",
-    "decide_at_fit",
     "describe_config",
     "meta_factory",
     "price",

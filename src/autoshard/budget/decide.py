@@ -1,6 +1,6 @@
 """``ShardingIntent(memory_budget=...)``: ``decide``, the cheapest configuration whose simulated peak fits (the cost
-order is in ``autoshard.budget.search``), or a refusal naming what would fit; ``decide_at_fit`` as a strategy calls
-it; ``auto_entries`` for ``explain --budget --json``."""
+order is in ``autoshard.budget.search``), or a refusal naming what would fit (a strategy calls it at setup);
+``auto_entries`` for ``explain --budget --json``."""
 
 # The decision is made on one micro-batch, as ``training_step`` receives it: a function returning it, or the batch
 # itself (at fit: the first batch of the train dataloader). Never on ``example_input_array``: it is forward's input,
@@ -211,12 +211,6 @@ def _kept(intent: ShardingIntent, free: list[str], backend: str) -> tuple[str, .
     """The fields the decision leaves as the user set them (under DeepSpeed, those it has no say in are not named)."""
     fields = DEEPSPEED_FIELDS if backend == DEEPSPEED else FREE_FIELDS
     return tuple(f for f in fields if f not in free and (f != "shard_size" or intent.shard_size is not None))
-
-
-def decide_at_fit(module: Any, batch: Any, intent: ShardingIntent, world_size: int, *, num_nodes: int = 1, **kwargs: Any) -> BudgetDecision:
-    """``decide`` as a strategy calls it at setup, on rank 0, before anything is sharded (then it broadcasts
-    ``to_dict()`` to the other ranks). The same function: named for the call site."""
-    return decide(module, batch, intent, world_size, num_nodes=num_nodes, **kwargs)
 
 
 def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:

@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from autoshard.activations import describe_batch
-from autoshard.budget import BudgetDecision, batch_function, decide_at_fit, resume_decision
+from autoshard.budget import BudgetDecision, batch_function, decide, resume_decision
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.lightning.checkpoint import on_rank0, rng_state, set_rng_state, stored_budget_decision
@@ -267,7 +267,7 @@ def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, b
                     f" DataLoader with at least one batch, or drop memory_budget and set the fields yourself (autoshard"
                     f" explain --budget shows each configuration's peak)"
                 )
-            decision = decide_at_fit(
+            decision = decide(
                 module,
                 batch_function(batch, origin="the first batch of the train DataLoader"),
                 intent,

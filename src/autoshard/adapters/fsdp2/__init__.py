@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from autoshard.adapters.blocks import MIN_BLOCK_FRACTION, STAGE_FRACTION
 from autoshard.adapters.fsdp2.api import fsdp2_api, is_sharded
-from autoshard.adapters.fsdp2.apply import HSDP_DIMS, apply_plan, clone_view_outputs, data_parallel_mesh, hsdp_mesh, policies
+from autoshard.adapters.fsdp2.apply import HSDP_DIMS, apply_plan, clone_view_outputs, hsdp_mesh, policies
 from autoshard.adapters.fsdp2.ema import check_ema_alignment, check_ema_structure
 from autoshard.adapters.fsdp2.plan import (
     PARALLELIZE_FN_HINT,
@@ -71,7 +71,6 @@ __all__ = [
     "check_ema_alignment",
     "check_ema_structure",
     "clone_view_outputs",
-    "data_parallel_mesh",
     "fsdp2_api",
     "grad_buckets",
     "init_sharded_units",

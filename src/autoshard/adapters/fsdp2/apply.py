@@ -18,7 +18,7 @@ from autoshard.adapters.fsdp2.ema import check_ema_alignment
 from autoshard.adapters.fsdp2.runtime import average_unsharded_gradients
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.mesh import HYBRID_DIMS, ParallelMesh, dp_mesh
+from autoshard.mesh import HYBRID_DIMS, ParallelMesh
 from autoshard.needs import EMAPair
 from autoshard.precision import PrecisionPlan
 
@@ -44,12 +44,6 @@ def policies(precision: PrecisionPlan, intent: ShardingIntent, device_type: str)
     if intent.offload_device != "cpu":
         raise IntentError("fsdp2 can offload to CPU memory only. Fix: use offload_device='cpu', or strategy='autoshard-deepspeed' for NVMe")
     return mp, cpu_offload_policy(pin_memory=device_type == "cuda")
-
-
-def data_parallel_mesh(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
-    """Every data-parallel rank of ``mesh`` (``autoshard.mesh.ParallelMesh.dp``): its ``data_parallel`` dim, or a 1-D
-    mesh itself."""
-    return dp_mesh(mesh)
 
 
 HSDP_DIMS = HYBRID_DIMS
@@ -152,4 +146,4 @@ def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if is_view(t) else t, output)
 
 
-__all__ = ["HSDP_DIMS", "PlanToApply", "apply_plan", "clone_view_outputs", "data_parallel_mesh", "hsdp_mesh", "policies"]
+__all__ = ["HSDP_DIMS", "PlanToApply", "apply_plan", "clone_view_outputs", "hsdp_mesh", "policies"]
