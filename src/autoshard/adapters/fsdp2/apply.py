@@ -94,10 +94,6 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
         assert parallel.tp is not None
         plan.tp_plan.apply(module, parallel.tp)
     mp_policy, offload_policy = policies(plan.precision_plan, plan.intent, parallel.shard.device_type)
-    if plan.intent.offload != "none":  # FSDP2 keeps offloaded shards on the host and refuses parameters elsewhere
-        for p in module.parameters():
-            if p.device.type not in ("cpu", "meta"):  # a module built on the GPU (measured: "should be materialized on CPU")
-                p.data = p.data.to("cpu")
     whole = {id(module.get_parameter(name)) for name in plan.whole_in_units}
     names = {u.name for u in plan.units}
     for path in plan.compiled:  # a module the user compiled that is no unit: compiled whole (its unit's hooks are outside)
