@@ -269,7 +269,8 @@ def test_155_a_stale_local_rank_is_refused_before_any_process_waits(tmp_path: Pa
 
 def test_156_a_slurm_number_set_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     """``SLURM_NTASKS=abc`` gave Lightning's bare "invalid literal for int()" while it picked the cluster environment;
-    refused by name in the Trainer. A node count autoshard's launch check reads is refused the same way, in Fabric too."""
+    refused by name in the Trainer and in Fabric (the same guard around each connector, for any strategy). A node count
+    autoshard's launch check reads is refused the same way, in Fabric too."""
     import lightning.pytorch as pl
     from lightning.fabric import Fabric
 
@@ -284,6 +285,13 @@ def test_156_a_slurm_number_set_by_hand(monkeypatch: pytest.MonkeyPatch) -> None
         "SLURM_NTASKS='abc' is not a whole number",
         "Fix: `unset SLURM_NTASKS` (or set it to the number it stands for)",
     )
+    for strategy in ("fsdp2", "ddp"):
+        refused(
+            ValueError,
+            lambda strategy=strategy: Fabric(accelerator="cpu", devices=2, strategy=strategy),
+            "SLURM_NTASKS='abc' is not a whole number",
+            "Fix: `unset SLURM_NTASKS` (or set it to the number it stands for)",
+        )
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
     monkeypatch.setenv("SLURM_NNODES", "1 node")
@@ -331,9 +339,11 @@ def test_158_whole_floats_and_numpy_ints_are_bytes() -> None:
 
 def test_159_lightning_cli_intent_values(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """In a LightningCLI YAML, ``intent: {memory_budget: 8.0e+10}`` (YAML's float) was refused inside
-    jsonargparse's union error; now it is that many bytes. Intent fields straight under ``init_args`` are refused by
-    jsonargparse itself, before autoshard runs (the strategies take them as ``**intent_fields``, which jsonargparse
-    does not expand), naming the option; the guide's YAML nests them under ``intent:``."""
+    jsonargparse's union error; now it is that many bytes. Intent fields straight under ``init_args`` were refused
+    by jsonargparse before autoshard ran ("Option 'memory_budget' is not accepted"); now LightningCLI reads them from
+    the strategy's signature (``as_intent`` builds a ``ShardingIntent(**fields)``), so they are the same request as
+    under ``intent:``, the defaults it passes for the others undo nothing ``intent:`` set, and a bad value gets
+    autoshard's own message."""
     from lightning.pytorch.cli import LightningCLI
 
     from tests.test_bad_inputs import Net
@@ -349,6 +359,12 @@ def test_159_lightning_cli_intent_values(tmp_path: Path, capsys: pytest.CaptureF
         return LightningCLI(Net, run=False, save_config_callback=None, args=["--config", str(config)]).trainer.strategy
 
     assert strategy("intent:\n  memory_budget: 8.0e+10\n").intent.memory_budget == 80_000_000_000
-    with pytest.raises(SystemExit):
-        strategy("memory_budget: 80GB\n")
-    assert "Option 'memory_budget' is not accepted" in capsys.readouterr().err
+    assert strategy("memory_budget: 80GB\n").intent.memory_budget == 80_000_000_000
+    assert strategy("memory_budget: 8.0e+10\n").intent.memory_budget == 80_000_000_000
+    both = strategy("intent:\n  offload: params\n  activation_checkpointing: true\nmemory_budget: 80GB\n").intent
+    assert (both.offload, both.activation_checkpointing, both.memory_budget) == ("params", True, 80_000_000_000)
+    with pytest.raises(ValueError, match=r"unknown offload 'parms' \(did you mean 'params'\?\).*Fix: offload='params'"):
+        strategy("offload: parms\n")
+    with pytest.raises(SystemExit):  # a misspelt field name: jsonargparse's own refusal, naming it
+        strategy("memry_budget: 80GB\n")
+    assert "Option 'memry_budget' is not accepted" in capsys.readouterr().err

@@ -263,8 +263,8 @@ class ShardingIntent:
     shard_size: int | str | None = None
     strict: bool = False
     init_from: str | Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
-    memory_budget: int | str | None = None
-    memory_headroom: int | str | None = None
+    memory_budget: int | float | str | None = None  # float: YAML writes 8.0e+10; a whole number of bytes
+    memory_headroom: int | float | str | None = None
     pinned: tuple[str, ...] = ()
     compile: bool | str = False
 
@@ -424,11 +424,15 @@ def as_intent(value: ShardingIntent | Mapping[str, Any] | None, **fields: Any) -
     """Accept an intent, a dict of its fields, or nothing (all defaults); ``fields`` given as keywords override it.
 
     Strategies take intent fields as keywords too (``FSDP2Strategy(offload='params')``): a misspelt one is refused
-    by name here instead of surfacing as Python's bare TypeError.
+    by name here instead of surfacing as Python's bare TypeError. A keyword equal to the field's default asks for
+    nothing: LightningCLI passes every field it reads from this signature (so a YAML may put them straight under
+    ``init_args``), and those defaults must not undo what ``intent`` set.
     """
     if fields:
         ShardingIntent.from_dict(fields)  # unknown or invalid keywords are refused by name, with the fix
-        return as_intent(value).replace(**fields)
+        asked, default = ShardingIntent(**fields), ShardingIntent()  # the call LightningCLI reads the fields from
+        changed = {name: value for name, value in fields.items() if getattr(asked, name) != getattr(default, name)}
+        return as_intent(value).replace(**changed)
     if isinstance(value, ShardingIntent):
         return value
     if value is None or isinstance(value, Mapping):

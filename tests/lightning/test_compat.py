@@ -59,6 +59,12 @@ def _fit_loop() -> Any:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit_loop
 
 
+def _fabric_connector() -> Any:
+    from lightning.fabric.connector import _Connector
+
+    return _Connector(accelerator="cpu", devices=1)
+
+
 def _throughput_monitor() -> Any:
     from lightning.pytorch.callbacks import ThroughputMonitor
 
@@ -69,6 +75,7 @@ def _throughput_monitor() -> Any:
 INSTANCES: dict[str, Callable[[], Any]] = {
     "lightning.pytorch.loops.fit_loop._FitLoop": _fit_loop,
     "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector": _connector,
+    "lightning.fabric.connector._Connector": _fabric_connector,
     "lightning.pytorch.core.optimizer.LightningOptimizer": _lightning_optimizer,
     "lightning.pytorch.LightningModule": _module,
     "lightning.pytorch.strategies.ModelParallelStrategy": _model_parallel,

@@ -30,6 +30,7 @@ SUPPORTED_LIGHTNING = ">=2.6,<2.7"  # the minor release the members below are ve
 PIN = f'pip install "lightning{SUPPORTED_LIGHTNING}"'
 
 _CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
+_FABRIC_CONNECTOR = "lightning.fabric.connector._Connector"
 _DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
 _MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 _LEFT_DEEPSPEED = (
@@ -79,6 +80,14 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         without="a SLURM number that is not one (SLURM_NTASKS=abc) gets Lightning's own ValueError",
     ),
     Private(_CONNECTOR, "_cluster_environment_flag", "lightning/guards.py", "read: a cluster environment the user passed", on_instance=True),
+    Private(
+        _FABRIC_CONNECTOR,
+        "_choose_and_init_cluster_environment",
+        "lightning/guards.py",
+        "wrapped as the Trainer's: Fabric(...) reads SLURM's numbers with the same bare int()",
+        without="under Fabric, a SLURM number that is not one (SLURM_NTASKS=abc) gets Lightning's own ValueError",
+    ),
+    Private(_FABRIC_CONNECTOR, "_cluster_environment_flag", "lightning/guards.py", "read: a cluster environment the user passed", on_instance=True),
     Private(_CONNECTOR, "_strategy_flag", "lightning/guards.py", "read: the strategy the user passed", on_instance=True),
     Private(_CONNECTOR, "_precision_flag", "lightning/guards.py", "read: the precision the user passed", on_instance=True),
     Private(

@@ -78,11 +78,12 @@ def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[
 
 def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], None]) -> None:
     """Idempotent: where a Trainer is configured, refuse FSDP1 (a name or an object), a precision fsdp2 cannot run,
-    and a SLURM number Lightning would read with a bare ``int()``.
+    and (where a Trainer or Fabric is configured) a SLURM number Lightning would read with a bare ``int()``.
 
     ``fsdp2_class`` / ``refuse_precision``: autoshard's fsdp2 strategy and its precision check, passed in by
     ``autoshard.lightning.register`` (this module sits below the strategies).
     """
+    from lightning.fabric.connector import _Connector as FabricConnector
     from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
     from lightning.pytorch.strategies import FSDPStrategy
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
@@ -129,13 +130,14 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
 
         return choose
 
-    _wrap(
-        _AcceleratorConnector,
-        "_choose_and_init_cluster_environment",
-        check_cluster_environment,
-        "under SLURM, a task count or rank that is not a number (SLURM_NTASKS=abc, set by hand) is refused by name with"
-        " the fix, before Lightning's bare int() error",
-    )
+    for connector in (_AcceleratorConnector, FabricConnector):  # Trainer(...) and Fabric(...) pick it alike
+        _wrap(
+            connector,
+            "_choose_and_init_cluster_environment",
+            check_cluster_environment,
+            "under SLURM, a task count or rank that is not a number (SLURM_NTASKS=abc, set by hand) is refused by name"
+            " with the fix, before Lightning's bare int() error",
+        )
     _wrap(
         _AcceleratorConnector,
         "_validate_precision_choice",
