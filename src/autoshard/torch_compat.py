@@ -94,6 +94,20 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     ),
     Member("torch.nn", "Module._compiled_call_impl", "autoshard.needs", "a module compiled in place (module.compile()) by the user"),
     Member("torch.nn", "Module._compiled_call_impl", "autoshard.adapters.compile", "a block compiled in place already is left as it is"),
+    Member(
+        "torch._functorch.aot_autograd",
+        "aot_function",
+        "autoshard.activations.compiled",
+        "a block's forward and backward traced as one joint graph on fake tensors, to count what a compiled forward keeps",
+    ),
+    Member(
+        "torch._functorch.partitioners",
+        "min_cut_rematerialization_partition",
+        "autoshard.activations.compiled",
+        "inductor's partitioner: what the compiled forward saves for backward, and what it recomputes",
+    ),
+    Member("torch.utils._pytree", "tree_flatten", "autoshard.activations.compiled", "a block's captured inputs as a flat list of tensors"),
+    Member("torch.utils._pytree", "tree_unflatten", "autoshard.activations.compiled", "and back into its args and kwargs"),
     # -- checkpoints ----------------------------------------------------------------------------------------------
     Member(
         "torch.distributed.checkpoint.state_dict_loader",
