@@ -56,3 +56,53 @@ def test_the_saving_grows_with_the_batch_and_leaves_parameters_and_inputs_out() 
     assert 0 < two.saved < four.saved < six.saved
     weights = sum(p.numel() * 2 for p in layer.parameters())
     assert saving(layer, 1, 1, 256, 64).eager < weights / 10  # one token: the weights are not in it
+
+
+def tiny_llama_module() -> type:
+    import lightning.pytorch as pl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(config)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    return LM
+
+
+def test_the_simulated_step_of_compiled_blocks_peaks_lower_by_what_each_block_keeps_less() -> None:
+    """compile=True: the simulated step (eager on fake tensors) peaks lower than eager by what the two decoder layers'
+    compiled graphs keep less, and says so; checkpointed blocks keep only their input, compiled or not: no change."""
+    from autoshard import ShardingIntent
+    from autoshard.activations import measure_step
+    from autoshard.precision import resolve_precision
+
+    module = tiny_llama_module()
+
+    def step(**fields: object) -> object:
+        intent = ShardingIntent(precision="bf16-mixed", **fields)
+        return measure_step(module, intent, 1, resolve_precision(None, intent), make_batch=lambda: torch.zeros(4, 128, dtype=torch.long))
+
+    eager, compiled = step(), step(compile=True)
+    layer = saving(module().model.model.layers[0].to("meta"), 4, 128, 256, 64)
+    assert eager.peak - compiled.peak == eager.activations - compiled.activations == 2 * layer.saved > 0
+    assert any(note.startswith("compile: 2 block(s) compiled in place") for note in compiled.notes)
+    assert step(activation_checkpointing=True, compile=True).peak == step(activation_checkpointing=True).peak

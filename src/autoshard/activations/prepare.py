@@ -3,6 +3,7 @@ plan on the fake world, its optimizers and schedulers, and the batch."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from autoshard.activations.batch import call_batch
 from autoshard.activations.failures import describe_failure
 from autoshard.activations.stand_in import StandInTrainer, returned_schedulers
 from autoshard.activations.world import data_parallel_mesh
+from autoshard.adapters.checkpointing import is_checkpointed
+from autoshard.adapters.compile import Compile, is_compiled_in_place
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
 from autoshard.needs import held_optimizers, inspect_needs, returned_optimizers
@@ -29,6 +32,23 @@ class Run:
     batch: Any
     notes: list[str] = field(default_factory=list)
     manual: bool = False  # automatic_optimization = False: the step is the user's (self.optimizers(), manual_backward)
+    compiled: dict[str, nn.Module] = field(default_factory=dict)  # compiled, unchecked blocks -> an eager meta copy of one alike
+
+
+def _may_compile(module: nn.Module, intent: ShardingIntent) -> bool:
+    return Compile.of(intent.compile) is Compile.BLOCKS or any(is_compiled_in_place(m) for m in module.modules())
+
+
+def _first_of_each_class(module: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
+    """Each name -> the first of ``names`` whose module has the same class (one count per kind of block)."""
+    first: dict[type, nn.Module] = {}
+    return {name: first.setdefault(type(module.get_submodule(name)), module.get_submodule(name)) for name in names}
+
+
+def _compiled_blocks(module: nn.Module, eager: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """The blocks the plan compiled that keep their activations (a checkpointed block keeps only its input, compiled
+    or not), each with the eager copy of the first of its class: ``activations.compiled`` counts on it."""
+    return {name: block for name, block in eager.items() if not is_checkpointed(module.get_submodule(name))}
 
 
 def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torch.dtype | None) -> None:
@@ -96,6 +116,7 @@ def prepare_run(
             f" Fix: return the module unsharded and let strategy='auto-shard' shard it"
         )
     convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
+    unsharded = copy.deepcopy(module) if _may_compile(module, intent) else None  # on meta: what compiled blocks are counted on
     with mode:
         _fake_parameters(module, callbacks, convert)
     needs = inspect_needs(module, callbacks=callbacks, call_hooks=False)
@@ -104,7 +125,9 @@ def prepare_run(
         warnings.simplefilter("always")
         plan = plan_fsdp2(module, intent, needs, precision)
         plan.hsdp = intent.hsdp_sizes(world_size, num_nodes)
+        eager = _first_of_each_class(unsharded, plan.compiled) if unsharded is not None else {}
         plan.apply(module, mesh)  # outside the fake mode: it reads the mesh's real rank tensor
+    compiled = _compiled_blocks(module, eager)
     if intent.offload != "none":
         notes.append(
             f"offload={intent.offload!r}: everything here is CPU memory, so the offloaded states are inside this peak;"
@@ -135,7 +158,7 @@ def prepare_run(
     manual = getattr(module, "automatic_optimization", True) is False
     if manual:  # attach the optimizers as Lightning does, on this copy only: the user's step calls them itself
         module.trainer = StandInTrainer(module, own, schedulers, world_size, rank)
-    return Run(module, callbacks, optimizers, batch, notes, manual)
+    return Run(module, callbacks, optimizers, batch, notes, manual, compiled)
 
 
 def _configure_model(module: nn.Module) -> list[str]:

@@ -7,11 +7,13 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from autoshard.activations.batch import describe_batch, step_failure
+from autoshard.activations.compiled import block_saving
 from autoshard.activations.failures import describe_failure, reads_values
 from autoshard.activations.prepare import Run, fake_example, prepare_run
 from autoshard.activations.step_memory import StepMemory
@@ -50,6 +52,48 @@ def _train_step(run: Run, precision: PrecisionPlan) -> None:
                     f"{type(owner).__name__}.on_train_batch_end stopped on fake tensors: {describe_failure(exc)}; what it does after that is not measured"
                 )
     del out
+
+
+@contextlib.contextmanager
+def _block_inputs(run: Run) -> Iterator[dict[int, tuple[Any, Any]]]:
+    """The first call's (args, kwargs) of each compiled block class (keyed by its eager copy), captured in the warm-up
+    step only: what the measured step holds must not grow by them."""
+    inputs: dict[int, tuple[Any, Any]] = {}
+    handles = []
+    for name, eager in run.compiled.items():
+
+        def capture(_: Any, args: Any, kwargs: Any, key: int = id(eager)) -> None:
+            inputs.setdefault(key, (args, kwargs))
+
+        handles.append(run.module.get_submodule(name).register_forward_pre_hook(capture, with_kwargs=True))
+    try:
+        yield inputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _compiled_saving(run: Run, inputs: dict[int, tuple[Any, Any]], precision: PrecisionPlan) -> int:
+    """Bytes the compiled blocks keep less than eager over one forward (``activations.compiled``); 0 without any."""
+    saving: dict[int, int] = {}
+    for eager in {id(block): block for block in run.compiled.values()}.values():
+        if id(eager) in inputs:
+            args, kwargs = inputs[id(eager)]
+            with _autocast(precision):
+                saving[id(eager)] = block_saving(eager, args, kwargs, precision.gather.torch).saved
+    return sum(saving.get(id(block), 0) for block in run.compiled.values())
+
+
+def _less_when_compiled(memory: StepMemory, saved: int, blocks: int) -> StepMemory:
+    """The eager step's peak less what compiled blocks do not keep, when the peak is in the forward or backward,
+    where their activations are alive (the simulated step runs eager)."""
+    if not saved or not memory.at.startswith(("forward", "backward")):
+        return memory
+    note = (
+        f"compile: {blocks} block(s) compiled in place; their activations are counted from the compiled graph (inductor's"
+        f" min-cut partition), {saved / 2**20:.1f} MiB less than eager"
+    )
+    return replace(memory, peak=memory.peak - saved, activations=memory.activations - saved, notes=(*memory.notes, note))
 
 
 def _autocast(precision: PrecisionPlan) -> Any:
@@ -128,15 +172,17 @@ def measure_step(
             run = prepare_run(factory, intent, world_size, precision, make_batch, mode, num_nodes, rank)
             try:
                 with mode:
-                    with _flop_counter() as counter:  # the warm-up runs the same ops: counted there, not in the peak's step
+                    with _flop_counter() as counter, _block_inputs(run) as inputs:  # the warm-up runs the same ops
                         _train_step(run, precision)  # warm-up: optimizer states and lazy FSDP state exist after it
                     extra["flops"] = int(counter.get_total_flops()) if counter is not None else 0
+                    saved = _compiled_saving(run, inputs, precision)
+                    del inputs
                     gc.collect()
                     tracker = step_tracker(run.module, run.optimizers)
                     tracker.track_inputs((run.batch,))
                     with tracker:
                         _train_step(run, precision)
-                return tracker.step_memory(world_size, rank, False, run.notes, **extra)
+                return _less_when_compiled(tracker.step_memory(world_size, rank, False, run.notes, **extra), saved, len(run.compiled))
             except AutoShardError:
                 raise
             except Exception as exc:

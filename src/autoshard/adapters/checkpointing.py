@@ -157,7 +157,7 @@ def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMod
         return False
     from torch.distributed._composable import checkpoint
 
-    if _already(block):
+    if is_checkpointed(block):
         raise IntentError(
             f"{type(block).__name__} is already activation-checkpointed (torch.distributed._composable.checkpoint was"
             f" applied to it before). Fix: checkpoint each block once: leave it to ShardingIntent(activation_checkpointing=...)"
@@ -245,7 +245,8 @@ def _checkpoint_forward(block: nn.Module) -> None:
     block.forward = forward  # type: ignore[method-assign]
 
 
-def _already(block: nn.Module) -> bool:
+def is_checkpointed(block: nn.Module) -> bool:
+    """Activation-checkpointed already (the composable API, or this module's selective forward)."""
     from torch.distributed._composable import checkpoint
 
     if getattr(block.forward, "autoshard_checkpointed", False):
@@ -258,6 +259,7 @@ def _already(block: nn.Module) -> bool:
 
 __all__ = [
     "CheckpointMode",
+    "is_checkpointed",
     "Checkpointing",
     "apply_checkpointing",
     "checkpoint_blocks",
