@@ -73,6 +73,15 @@ class HandShardedResharding(HandShardedStepModel):
     reshard_after_forward = True
 
 
+class HandCompiled(HandShardedResharding):
+    """torchtitan's order by hand: each block compiled in place (``block.compile()``), then ``fully_shard``-ed."""
+
+    def configure_model(self) -> None:
+        for block in self.blocks:
+            block.compile()
+        super().configure_model()
+
+
 class BigModel(pl.LightningModule):
     """About 151 MB of fp32 weights (9 x 2048x2048 linears): large enough that building it whole shows in RSS."""
 

@@ -1,4 +1,4 @@
-"""autoshard benchmarks, one command: ``python benchmarks/run.py [--quick] [--only step,comm,plans,plan,rss] [--json out.json]``.
+"""autoshard benchmarks, one command: ``python benchmarks/run.py [--quick] [--only step,compile,comm,plans,plan,rss] [--json out.json]``.
 
 Every ratio is measured in this run (never against a number from elsewhere): step time of strategy="fsdp2" vs a
 hand-written fully_shard of the same model, per-rank model-state bytes vs total / N, bytes all-gathered and
@@ -28,8 +28,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from autoshard._harness import run_workers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-GOALS = {"step_ratio": 1.03, "state_ratio": 1.02, "plan_10k_s": 1.0}
-BENCHES = ("step", "comm", "rss", "plans", "plan")  # rss before plan: the plan trees grow this process
+GOALS = {"compile_ratio": 1.02, "step_ratio": 1.03, "state_ratio": 1.02, "plan_10k_s": 1.0}
+BENCHES = ("step", "compile", "comm", "rss", "plans", "plan")  # rss before plan: the plan trees grow this process
 
 
 def machine() -> dict[str, Any]:
@@ -110,6 +110,30 @@ def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
                 f" ({100 * abs(estimate - held) / held:.2f}% off)"
             )
     return {"ranks": ranks, "ratios": ratios, "median_ratios": med, "states": states}, lines
+
+
+def bench_compile(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
+    """compile=True against the blocks compiled by hand before fully_shard (torchtitan's order), same model, same run."""
+    steps, rounds = (8, 2) if quick else (20, 4)
+    args = ["--steps", str(steps), "--rounds", str(rounds), "--compile"]
+    r0 = run_workers(HERE / "step_worker.py", args, work / "compile", nprocs=2, timeout=1800)[0]
+    per_round: dict[int, dict[str, tuple[float, float]]] = {}
+    for r, name, w, c in r0["per_round_median_s"]:
+        per_round.setdefault(r, {})[name] = (w, c)
+    pairs = (("autoshard_compile", "hand_compile"), ("autoshard_compile_again", "autoshard_compile"))
+    ratios = {f"{a}/{b}/{kind}": _paired(per_round, a, b, i) for a, b in pairs for i, kind in enumerate(("wall", "cpu"))}
+    med = {k: statistics.median(v) for k, v in ratios.items()}
+    wall, cpu = r0["median_step_s"], r0["median_step_cpu_s"]
+    lines = [
+        f"compiled step time, the same {r0['step_model']['parameters']:,d}-parameter MLP stack, fp32, rank 0, inductor on CPU;"
+        f" {rounds} rotating rounds x {steps} timed steps:",
+        f"  compile=True                                   wall {wall['autoshard_compile'] * 1e3:8.2f} ms  CPU {cpu['autoshard_compile'] * 1e3:8.2f} ms",
+        f"  each block .compile()d by hand, then fully_shard wall {wall['hand_compile'] * 1e3:8.2f} ms  CPU {cpu['hand_compile'] * 1e3:8.2f} ms",
+        f"  compile=True / hand-compiled: wall {med['autoshard_compile/hand_compile/wall']:.3f}  CPU {med['autoshard_compile/hand_compile/cpu']:.3f}"
+        f"  (goal <= {GOALS['compile_ratio']}: CPU {verdict(med['autoshard_compile/hand_compile/cpu'], GOALS['compile_ratio'])});"
+        f"  A/A control: wall {med['autoshard_compile_again/autoshard_compile/wall']:.3f}  CPU {med['autoshard_compile_again/autoshard_compile/cpu']:.3f}",
+    ]
+    return {"ratios": ratios, "median_ratios": med, "median_step_s": wall, "median_step_cpu_s": cpu}, lines
 
 
 def bench_comm(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
@@ -213,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             if name == "step":
                 results[name], lines = bench_step(args.quick, work)
+            elif name == "compile":
+                results[name], lines = bench_compile(args.quick, work)
             elif name == "comm":
                 results[name], lines = bench_comm(args.quick, work)
             elif name == "plans":

@@ -29,9 +29,10 @@ import autoshard  # noqa: E402,F401  registers strategy="fsdp2"
 from autoshard._harness import write_result  # noqa: E402
 from autoshard.demo import Blobs, DinoLike, OnlineProbe  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
+from autoshard.lightning import FSDP2Strategy  # noqa: E402
 from autoshard.memory import estimate_memory  # noqa: E402
 from autoshard.needs import inspect_needs  # noqa: E402
-from benchmarks.models import HandShardedResharding, HandShardedStepModel, StepModel  # noqa: E402
+from benchmarks.models import HandCompiled, HandShardedResharding, HandShardedStepModel, StepModel  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -99,9 +100,10 @@ def run_variant(name: str, steps: int) -> tuple[list[float], list[float], int]:
     pl.seed_everything(0, verbose=False)
     timer, held = StepTimer(), Held()
     if name.startswith("autoshard"):
-        model, strategy = StepModel(), "fsdp2"
+        model, strategy = StepModel(), FSDP2Strategy(compile="compile" in name)
     else:
-        model = HandShardedResharding() if name == "hand_reshard" else HandShardedStepModel()
+        hand = {"hand_reshard": HandShardedResharding, "hand_default": HandShardedStepModel, "hand_compile": HandCompiled}
+        model = hand[name]()
         strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     trainer(strategy, steps, [timer, held]).fit(model, step_data(steps))
     return timer.times[WARMUP:], timer.cpu[WARMUP:], held.bytes
@@ -127,11 +129,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--compile", action="store_true", help="compile=True against each block compiled by hand")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    # "autoshard_again" is the same as "autoshard": its ratio to it is the noise floor of this machine, this run.
-    names = ("autoshard", "hand_reshard", "hand_default", "autoshard_again")
+    # "..._again" is the same as the first: its ratio to it is the noise floor of this machine, this run.
+    names = (
+        ("autoshard_compile", "hand_compile", "autoshard_compile_again")
+        if args.compile
+        else ("autoshard", "hand_reshard", "hand_default", "autoshard_again")
+    )
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     held: dict[str, int] = {}
@@ -162,7 +169,7 @@ def main() -> None:
                 "ideal": estimate.ideal,
                 "parameters": sum(p.numel() for p in twin.parameters()),
             },
-            "dino": model_states_dino(),
+            **({} if args.compile else {"dino": model_states_dino()}),
         },
     )
 
