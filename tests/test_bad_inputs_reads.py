@@ -26,14 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 import autoshard  # noqa: F401  registers the strategies
-from autoshard import checkpoint as ckpt
 from autoshard._harness import child_env
-from autoshard.checkpoint import (
-    CheckpointFormatError,
-    UntrustedPickleError,
-    load_torch_file,
-    resolve_for_load,
-)
+from autoshard.checkpoint import trust as ckpt
+from autoshard.checkpoint.resume import resolve_for_load
+from autoshard.checkpoint.trust import CheckpointFormatError, UntrustedPickleError, load_torch_file
 from autoshard.cli import main as cli
 from autoshard.consolidate import consolidate
 from autoshard.convert import ConvertError, convert, write_dcp

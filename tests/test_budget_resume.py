@@ -12,7 +12,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from autoshard.checkpoint import DCP_METADATA, LIGHTNING_META, UntrustedPickleError
+from autoshard.checkpoint.formats import LIGHTNING_META
+from autoshard.checkpoint.trust import DCP_METADATA, UntrustedPickleError
 from autoshard.lightning.budget import resuming_from
 from autoshard.lightning.checkpoint import BUDGET_KEY, STATE_KEY, stored_budget_decision
 

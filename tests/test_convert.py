@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.checkpoint import CheckpointFormatError, Format, detect_format
+from autoshard.capability import Format
+from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.trust import CheckpointFormatError
 from autoshard.convert import ConvertError, OptimizerState, TrainingState, convert, parse_size, read_checkpoint, write_dcp
 from autoshard.errors import IntentError
 from autoshard.init_from import InitFromError, load_init_from, plan_init_from

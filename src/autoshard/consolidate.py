@@ -1,7 +1,7 @@
 """``autoshard consolidate CKPT OUT.pt``: one plain ``{name: tensor}`` file of full weights from any checkpoint.
 
-Apart from ``checkpoint.py`` because it is a command of its own: it reads a whole checkpoint (DeepSpeed's through
-its zero_to_fp32) and writes a new file, where ``checkpoint.py`` only tells what a path holds.
+A command on top of the ``checkpoint`` package: it reads a whole checkpoint (DeepSpeed's through its zero_to_fp32)
+with the package's reader and writes a new file through its publish protocol.
 """
 
 from __future__ import annotations
@@ -20,22 +20,13 @@ from typing import Any, TextIO
 
 import torch
 
-from autoshard import deepspeed_files
 from autoshard.capability import Format
-from autoshard.checkpoint import (
-    CONSOLIDATE,
-    CheckpointFormatError,
-    dcp_keys,
-    describe,
-    detect_format,
-    flat_tensors,
-    load_dcp_entries,
-    load_torch_file,
-    model_entry,
-    open_checkpoint,
-    weights_only_loads,
-)
-from autoshard.checkpoint_io import Clash, Publisher, output_clash
+from autoshard.checkpoint import deepspeed_layout
+from autoshard.checkpoint.formats import describe, detect_format
+from autoshard.checkpoint.publish import Clash, Publisher, output_clash
+from autoshard.checkpoint.readers import dcp_keys, flat_tensors, load_dcp_entries, model_entry
+from autoshard.checkpoint.resume import CONSOLIDATE, open_checkpoint
+from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file, weights_only_loads
 
 KIND_CONSOLIDATE = "autoshard consolidate"  # the kind in OUT.pt's sidecar manifest: what --force may replace
 
@@ -93,12 +84,12 @@ def _load_deepspeed(path: Path, tag: str, trust_pickle: bool = False) -> dict[st
             f"{str(path)!r} is a DeepSpeed checkpoint and deepspeed is needed to convert it ({exc}). Fix: pip install"
             f' "autoshard[deepspeed]" (no GPU needed), then run `{CONSOLIDATE.format(path=path)}` again'
         ) from None
-    deepspeed_files.check_version()
+    deepspeed_layout.check_version()
     for f in sorted((path / tag).glob("*.pt")):
         load_torch_file(f, action="consolidate", trust_pickle=trust_pickle)
     with weights_only_loads(trust_pickle):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
-    return {k.removeprefix(deepspeed_files.LIGHTNING_PREFIX): v for k, v in state.items()}
+    return {k.removeprefix(deepspeed_layout.LIGHTNING_PREFIX): v for k, v in state.items()}
 
 
 def consolidate(
@@ -114,7 +105,7 @@ def consolidate(
     Runs in one CPU process whatever world size wrote the checkpoint; ``model.load_state_dict(torch.load(out))``
     on the unsharded module then passes with ``strict=True``. The checkpoint's files are checked against its manifest
     first, and unpickled without running code unless ``trust_pickle`` (``checkpoint.load_torch_file``). An existing output is never touched without ``force``; with it, only a file consolidate wrote (its
-    sidecar manifest says so) is replaced, and only by the complete new one (checkpoint_io's publish protocol).
+    sidecar manifest says so) is replaced, and only by the complete new one (checkpoint.publish's publish protocol).
     """
     start = time.perf_counter()
     out = Path(out_path)
@@ -155,7 +146,7 @@ def consolidate(
 
 def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
     """Refuse, before reading the checkpoint (and again under the lock, before the rename): a directory, then what
-    ``checkpoint_io.output_clash`` refuses for every offline writer (the checkpoint itself or a path inside it, a
+    ``publish.output_clash`` refuses for every offline writer (the checkpoint itself or a path inside it, a
     place nothing can be written, an existing file, unless ``force`` and consolidate wrote it: its sidecar manifest
     says so), in consolidate's words."""
     if out.is_dir():
@@ -188,7 +179,7 @@ def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
 
 
 def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source: Path) -> None:
-    """checkpoint_io's publish protocol: under ``out``'s lock, staged under this writer's own name and fsynced with
+    """checkpoint.publish's publish protocol: under ``out``'s lock, staged under this writer's own name and fsynced with
     its sidecar manifest, ``out`` checked again (another writer may have published meanwhile), then renamed. A
     failure at any point leaves ``out`` as it was and removes the staging."""
     with Publisher(out) as publisher:

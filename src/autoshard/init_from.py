@@ -31,18 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.checkpoint import (
-    CONSOLIDATE,
-    DCP_METADATA,
-    TRUST_PICKLE,
-    CheckpointFormatError,
-    dcp_entries,
-    is_torch_file,
-    load_torch_file,
-    model_entry,
-    model_mismatch,
-    torn_shard,
-)
+from autoshard.checkpoint.formats import is_torch_file, torn_shard
+from autoshard.checkpoint.readers import dcp_entries, model_entry
+from autoshard.checkpoint.resume import CONSOLIDATE, model_mismatch
+from autoshard.checkpoint.trust import DCP_METADATA, TRUST_PICKLE, CheckpointFormatError, load_torch_file
 from autoshard.errors import AutoShardError
 from autoshard.needs import EMAPair, eager_name
 

@@ -9,7 +9,7 @@ One module per concern:
 
 - ``state``: the neutral form, and what readers and writers share (named optimizer state, tied weights);
 - ``dcp``, ``deepspeed``, ``torch_file``, ``safetensors``: one layout each, read and / or written;
-- ``output``: the check of DST and the publish step (``checkpoint_io``'s protocol), in convert's words;
+- ``output``: the check of DST and the publish step (``checkpoint.publish``'s protocol), in convert's words;
 - ``pipeline``: ``convert`` itself: read with the one checkpoint reader, check the target, write, publish;
 - ``cli``: the ``autoshard convert`` command.
 

@@ -9,7 +9,7 @@ cut them; the tests check the weights against ``zero_to_fp32`` and the moments a
 one file per parameter fragment through a temporary directory and a process pool, writes ``latest_universal`` into the
 *parent* of its output, drops each parameter's ``step``, and its output loads only with ``checkpoint.load_universal``
 in the resuming config (which skips the module's buffers). File names, partition rules and the engine's keys are
-``autoshard.deepspeed_files``'s.
+``autoshard.checkpoint.deepspeed_layout``'s.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from typing import Any
 
 import torch
 
-from autoshard import deepspeed_files
-from autoshard.checkpoint import Format, deepspeed_tag, detect_format, load_torch_file
-from autoshard.checkpoint_io import fsync_file
+from autoshard.capability import Format
+from autoshard.checkpoint import deepspeed_layout
+from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.resume import deepspeed_tag
+from autoshard.checkpoint.staging import fsync_file
+from autoshard.checkpoint.trust import load_torch_file
 from autoshard.convert.state import ConvertError, OptimizerState, TrainingState, require_trainer, tied_aliases
 
 
@@ -37,7 +40,7 @@ def require_deepspeed(path: Path) -> Any:
             f"{str(path)!r}: DeepSpeed checkpoints hold DeepSpeed objects (the loss scaler), so deepspeed is needed to"
             f' read or write them ({exc}). Fix: pip install "autoshard[deepspeed]" (no GPU needed)'
         ) from None
-    deepspeed_files.check_version()
+    deepspeed_layout.check_version()
     return deepspeed
 
 
@@ -46,7 +49,7 @@ def _rank_files(folder: Path) -> tuple[list[Path], list[Path]]:
     model: dict[int, Path] = {}
     optim: dict[int, Path] = {}
     for f in folder.iterdir():
-        for pattern, found in ((deepspeed_files.ZERO3_MODEL_FILE, model), (deepspeed_files.ZERO3_OPTIM_FILE, optim)):
+        for pattern, found in ((deepspeed_layout.ZERO3_MODEL_FILE, model), (deepspeed_layout.ZERO3_OPTIM_FILE, optim)):
             m = pattern.match(f.name)
             if m:
                 if int(m.group(2)) != 0:
@@ -56,9 +59,9 @@ def _rank_files(folder: Path) -> tuple[list[Path], list[Path]]:
                         f" the weights with DeepSpeed's ds_to_universal, or train data parallel only"
                     )
                 found[int(m.group(1))] = f
-    if not model and any(folder.glob(deepspeed_files.ZERO12_MODEL_FILES)):
+    if not model and any(folder.glob(deepspeed_layout.ZERO12_MODEL_FILES)):
         raise ConvertError(
-            f"cannot convert {str(folder)!r}: a DeepSpeed ZeRO stage 1/2 checkpoint ({deepspeed_files.ZERO12_MODEL_FILES}); only ZeRO-3"
+            f"cannot convert {str(folder)!r}: a DeepSpeed ZeRO stage 1/2 checkpoint ({deepspeed_layout.ZERO12_MODEL_FILES}); only ZeRO-3"
             f" (strategy='autoshard-deepspeed') keeps every parameter partitioned the way this converter reads. Fix: take the"
             f" weights with `autoshard consolidate {folder.parent} weights.pt`"
         )
@@ -79,9 +82,9 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
     require_deepspeed(path)  # its files pickle DeepSpeed objects (the loss scaler)
     tag = tag or deepspeed_tag(detect_format(path, verify=False), None, "convert")  # 'latest', never a guess
     folder = path / tag
-    if (folder / deepspeed_files.NVME_SWAP_DIR).exists():
+    if (folder / deepspeed_layout.NVME_SWAP_DIR).exists():
         raise ConvertError(
-            f"cannot convert {str(path)!r}: its optimizer state lives in NVMe swap files ({deepspeed_files.NVME_SWAP_DIR}/), which only the"
+            f"cannot convert {str(path)!r}: its optimizer state lives in NVMe swap files ({deepspeed_layout.NVME_SWAP_DIR}/), which only the"
             f" engine that wrote them reads. Fix: resume it once without NVMe offload and save, then convert that checkpoint"
         )
     model_files, optim_files = _rank_files(folder)
@@ -99,7 +102,7 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
         raise ConvertError(
             f"cannot convert {str(path)!r}: it records dp_world_size={recorded_world} but holds {world} ranks' files. Fix: copy every rank's files"
         )
-    prefix = deepspeed_files.LIGHTNING_PREFIX
+    prefix = deepspeed_layout.LIGHTNING_PREFIX
 
     def strip(name: str) -> str:
         return name.removeprefix(prefix)
@@ -135,7 +138,7 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
         offset = 0
         for name, shape in shapes.items():
             numel = int(math.prod(shape))
-            part = deepspeed_files.partition_numel(numel, world)
+            part = deepspeed_layout.partition_numel(numel, world)
             cut = {key: torch.cat([f[offset : offset + part] for f in parts])[:numel].view(shape).clone() for key, parts in flats.items()}
             offset += part
             tensors[strip(name)] = cut.pop("fp32")
@@ -162,7 +165,7 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
     aliases = {strip(a): strip(n) for a, n in (head.get("shared_params") or {}).items()}
     for alias, name in aliases.items():
         tensors[alias] = tensors[name]
-    trainer = {k: v for k, v in head.items() if k not in deepspeed_files.ENGINE_KEYS}
+    trainer = {k: v for k, v in head.items() if k not in deepspeed_layout.ENGINE_KEYS}
     scaler = optims[0].get("loss_scaler")
     fp16 = bool(optims[0].get("dynamic_loss_scale")) or getattr(scaler, "cur_scale", 1.0) != 1.0
     state = TrainingState(
@@ -175,7 +178,7 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
         buffers=set(buffer_names),
         frozen={strip(n) for n in frozen_shapes},
         aliases=aliases,
-        precision="bf16-mixed" if optim_files[0].name.startswith(deepspeed_files.BF16_PREFIX) else "16-mixed" if fp16 else "32-true",
+        precision="bf16-mixed" if optim_files[0].name.startswith(deepspeed_layout.BF16_PREFIX) else "16-mixed" if fp16 else "32-true",
         loss_scaler=scaler,
     )
     scale = getattr(scaler, "cur_scale", getattr(scaler, "loss_scale", 1.0))
@@ -191,7 +194,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def write_deepspeed(
-    state: TrainingState, staged: Path, world_size: int, precision: str, sub_group_size: int = deepspeed_files.SUB_GROUP_SIZE
+    state: TrainingState, staged: Path, world_size: int, precision: str, sub_group_size: int = deepspeed_layout.SUB_GROUP_SIZE
 ) -> dict[str, Any]:
     """Per-rank ZeRO-3 files for ``world_size`` ranks, the layout DeepSpeed's own ``load_checkpoint`` reads (no
     universal-checkpoint config needed): fp32 flat partitions and optimizer state per sub-group, module buffers,
@@ -249,7 +252,7 @@ def write_deepspeed(
     per_group: list[list[list[str]]] = []
     for group in opt.groups:
         names = [n for n in group["params"] if n in numels]
-        per_group.append(deepspeed_files.sub_groups(names, numels, world_size, sub_group_size) if names else [])
+        per_group.append(deepspeed_layout.sub_groups(names, numels, world_size, sub_group_size) if names else [])
     flat_groups = [sg for groups in per_group for sg in groups]
     stateless = [n for n in trained if not opt.state.get(n)]
     for n in trained:
@@ -273,7 +276,7 @@ def write_deepspeed(
                     f" '{key}' per flat group of parameters. Fix: resume it with strategy='fsdp2', or convert the weights alone"
                     f" with --to safetensors"
                 )
-    folder = staged / deepspeed_files.LIGHTNING_TAG
+    folder = staged / deepspeed_layout.LIGHTNING_TAG
     folder.mkdir(parents=True)
     version = str(deepspeed.__version__)
     global_step = int(state.global_step or 0)
@@ -281,7 +284,7 @@ def write_deepspeed(
     group_of: list[int] = [g for g, groups in enumerate(per_group) for _ in groups]
     placeholders = {n: torch.empty(0, dtype=state.tensors[n].dtype) for n in state.tensors if n not in buffers}
     for rank in range(world_size):
-        fp32 = [torch.cat([deepspeed_files.rank_slice(state.tensors[n].float(), rank, world_size) for n in names]) for names in flat_groups]
+        fp32 = [torch.cat([deepspeed_layout.rank_slice(state.tensors[n].float(), rank, world_size) for n in names]) for names in flat_groups]
         inner_state: dict[int, dict[str, Any]] = {}
         for i, names in enumerate(flat_groups):
             entry: dict[str, Any] = {}
@@ -292,7 +295,7 @@ def write_deepspeed(
                 sample = opt.state[holders[0]][key]
                 if _elementwise(sample, state.tensors[holders[0]]):
                     parts = [
-                        deepspeed_files.rank_slice(
+                        deepspeed_layout.rank_slice(
                             opt.state[n][key] if key in opt.state.get(n, {}) else torch.zeros_like(state.tensors[n]), rank, world_size
                         )
                         for n in names
@@ -320,7 +323,7 @@ def write_deepspeed(
             "ds_config": {},
             "ds_version": version,
         }
-        torch.save(optim, folder / deepspeed_files.optim_states_name(rank, bf16))
+        torch.save(optim, folder / deepspeed_layout.optim_states_name(rank, bf16))
         module = {n: (state.tensors[n] if n in buffers else placeholders[n]) for n in state.tensors}
         model = {
             "module": module,
@@ -329,7 +332,7 @@ def write_deepspeed(
             "param_shapes": param_shapes,
             "frozen_param_shapes": OrderedDict((n, torch.Size(state.tensors[n].shape)) for n in frozen),
             "shared_params": {a: n for a, n in aliases.items() if n in numels},
-            "frozen_param_fragments": OrderedDict((n, deepspeed_files.rank_slice(state.tensors[n], rank, world_size).clone()) for n in frozen),
+            "frozen_param_fragments": OrderedDict((n, deepspeed_layout.rank_slice(state.tensors[n], rank, world_size).clone()) for n in frozen),
             "lr_scheduler": None,
             "data_sampler": None,
             "random_ltd": None,
@@ -342,13 +345,13 @@ def write_deepspeed(
             "ds_version": version,
             **state.trainer,
         }
-        torch.save(model, folder / deepspeed_files.model_states_name(rank))
+        torch.save(model, folder / deepspeed_layout.model_states_name(rank))
     for f in folder.iterdir():
         fsync_file(f)
-    (staged / deepspeed_files.LATEST).write_text(deepspeed_files.LIGHTNING_TAG)
-    script = deepspeed_files.recovery_script(deepspeed.__file__)
+    (staged / deepspeed_layout.LATEST).write_text(deepspeed_layout.LIGHTNING_TAG)
+    script = deepspeed_layout.recovery_script(deepspeed.__file__)
     if script.is_file():  # DeepSpeed copies its recovery script next to every checkpoint (_copy_recovery_script); so does this
-        shutil.copyfile(script, staged / deepspeed_files.RECOVERY_SCRIPT)
+        shutil.copyfile(script, staged / deepspeed_layout.RECOVERY_SCRIPT)
     notes = []
     if buffers and state.buffers is None:
         shown = ", ".join(sorted(buffers)[:4]) + (", ..." if len(buffers) > 4 else "")

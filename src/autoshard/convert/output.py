@@ -1,5 +1,5 @@
 """Where ``convert`` writes: the check of DST (before the source is read, and again under the lock), the record of
-what an output came from, and the publish step, all through ``checkpoint_io``'s protocol (the one every autoshard
+what an output came from, and the publish step, all through ``checkpoint.publish``'s protocol (the one every autoshard
 writer follows); only the words of the refusals are convert's own."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from autoshard.checkpoint import detect_format
-from autoshard.checkpoint_io import Clash, Publisher, output_clash
+from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.publish import Clash, Publisher, output_clash
 from autoshard.convert.state import ConvertError
 
 RECORD = "autoshard-convert.json"  # inside a converted checkpoint: what it came from
@@ -35,7 +35,7 @@ def beside(path: Path, suffix: str) -> Path:
 
 
 def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -> None:
-    """What ``checkpoint_io.output_clash`` refuses for every offline writer, in convert's words: the source itself,
+    """What ``publish.output_clash`` refuses for every offline writer, in convert's words: the source itself,
     a DST that holds it or lies inside it, a place nothing can be written, and an existing DST unless ``force`` and
     DST is an output of ``convert --to {to}`` holding nothing else (its manifest says so). --force never deletes what
     autoshard did not write."""

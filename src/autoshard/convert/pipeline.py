@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
-from autoshard import deepspeed_files
-from autoshard.checkpoint import Format, detect_format, open_checkpoint
-from autoshard.checkpoint_io import Publisher
+from autoshard.capability import Format
+from autoshard.checkpoint import deepspeed_layout
+from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.publish import Publisher
+from autoshard.checkpoint.resume import open_checkpoint
 from autoshard.convert.dcp import read_dcp, write_dcp
 from autoshard.convert.deepspeed import read_deepspeed, write_deepspeed
 from autoshard.convert.output import check_output, publish, write_record
@@ -116,7 +118,7 @@ def convert(
     max_shard_size: str | int = MAX_SHARD_SIZE,
     module: str | None = None,
     precision: str | None = None,
-    sub_group_size: int = deepspeed_files.SUB_GROUP_SIZE,
+    sub_group_size: int = deepspeed_layout.SUB_GROUP_SIZE,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
     trust_pickle: bool = False,
@@ -169,7 +171,7 @@ def convert(
         if state.precision is None:
             _missing_precision(state.source)
         precision = state.precision
-    with Publisher(out) as publisher:  # checkpoint_io's publish protocol: DST's lock, a staging of this writer's own
+    with Publisher(out) as publisher:  # checkpoint.publish's publish protocol: DST's lock, a staging of this writer's own
         for stale in publisher.clear_stale():
             say(f"removed {str(stale)!r}, the staging of a convert to {str(out)!r} that did not finish (its writer is gone)")
         staged = publisher.staged

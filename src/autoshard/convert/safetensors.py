@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autoshard.checkpoint_io import fsync_file, honour_umask
+from autoshard.checkpoint.staging import fsync_file, honour_umask
 from autoshard.convert.state import ConvertError, TrainingState, tied_aliases
 from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 from autoshard.units import parse_size as memory_size

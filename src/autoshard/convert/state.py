@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from autoshard.checkpoint import CheckpointFormatError, Format
+from autoshard.capability import Format
+from autoshard.checkpoint.trust import CheckpointFormatError
 
 
 class ConvertError(CheckpointFormatError):

@@ -1,5 +1,5 @@
 """``fabric.save`` / ``fabric.load`` under autoshard's Fabric fsdp2 strategies: the crash-safe writer of the Trainer
-path (``checkpoint_io.Publisher``: lock, staging of this save's own, manifest of every file, rename), the same layout
+path (``checkpoint.publish.Publisher``: lock, staging of this save's own, manifest of every file, rename), the same layout
 (a DCP directory with ``meta.pt``; ``checkpoint='full'``: one torch file with its sidecar manifest), so ``autoshard
 consolidate`` / ``convert`` read it, and a load that checks every file first and restores each rank's RNG state.
 
@@ -22,19 +22,14 @@ from torch import nn
 
 from autoshard.adapters.fsdp2 import sync_buffers
 from autoshard.capability import Format
-from autoshard.checkpoint import (
-    LIGHTNING_META,
-    CheckpointFormatError,
-    check_replaceable,
-    dcp_entries,
-    detect_format,
-    load_torch_file,
-    model_mismatch,
-    resolve_for_load,
-    saved_entries,
-    saved_shapes,
-)
-from autoshard.checkpoint_io import Publisher, fsync_file, stage_sidecar, staging_path, unverified_warning, writer_token
+from autoshard.checkpoint.formats import LIGHTNING_META, detect_format
+from autoshard.checkpoint.manifest import stage_sidecar, unverified_warning
+from autoshard.checkpoint.publish import Publisher
+from autoshard.checkpoint.readers import dcp_entries, saved_entries, saved_shapes
+from autoshard.checkpoint.resume import model_mismatch, resolve_for_load
+from autoshard.checkpoint.saves import check_replaceable
+from autoshard.checkpoint.staging import fsync_file, staging_path, writer_token
+from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file
 from autoshard.lightning.checkpoint import (
     FORMAT_VERSION,
     KIND_SAVE,

@@ -26,8 +26,8 @@ from autoshard.adapters.checkpointing import checkpoint_blocks
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
-from autoshard.checkpoint import resolve_for_load
-from autoshard.checkpoint_io import unverified_warning
+from autoshard.checkpoint.manifest import unverified_warning
+from autoshard.checkpoint.resume import resolve_for_load
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module
@@ -189,7 +189,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
         """DeepSpeed's engine writes every rank's files into a staging of this save's own; each rank hashes its own; rank 0
-        writes the manifest and renames the staging in, holding the destination's lock (checkpoint_io's protocol)."""
+        writes the manifest and renames the staging in, holding the destination's lock (checkpoint.publish's protocol)."""
         if storage_options is not None or filter is not None:
             super().save_checkpoint(path, state, storage_options, filter)  # Lightning's refusals
             return

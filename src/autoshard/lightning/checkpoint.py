@@ -14,35 +14,26 @@ from typing import Any, TypeVar
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from autoshard import deepspeed_files
 from autoshard.budget import BudgetDecision, stored_differs
 from autoshard.capability import Format
-from autoshard.checkpoint import (
-    LIGHTNING_META,
-    check_replaceable,
-    corrupted,
-    detect_format,
-    load_failure,
-    load_torch_file,
-    prepare_staging,
-    resolve_for_load,
-)
-from autoshard.checkpoint_io import (
+from autoshard.checkpoint import deepspeed_layout
+from autoshard.checkpoint.formats import LIGHTNING_META, detect_format
+from autoshard.checkpoint.manifest import (
     KIND_SAVE,
     MANIFEST,
-    Publisher,
+    corrupted,
     describe_files,
-    fsync_dir,
-    fsync_file,
     integrity_problems,
-    remove,
     sidecar_path,
     stage_sidecar,
-    staging_path,
     unverified_warning,
     write_manifest,
-    writer_token,
 )
+from autoshard.checkpoint.publish import Publisher
+from autoshard.checkpoint.resume import load_failure, resolve_for_load
+from autoshard.checkpoint.saves import check_replaceable, prepare_staging
+from autoshard.checkpoint.staging import fsync_dir, fsync_file, remove, staging_path, writer_token
+from autoshard.checkpoint.trust import load_torch_file
 from autoshard.needs import held_optimizers, returned_optimizers
 
 STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
@@ -204,7 +195,7 @@ def stored_budget_decision(path: Any, trust_pickle: bool = False) -> dict[str, A
     elif info.format is Format.FULL:
         file = info.path
     elif info.format is Format.DEEPSPEED and info.tag is not None:
-        file = info.path / info.tag / deepspeed_files.model_states_name(0)
+        file = info.path / info.tag / deepspeed_layout.model_states_name(0)
         if not file.is_file():
             return None
     else:
@@ -307,7 +298,7 @@ class CheckpointMixin:
         if self.budget_decision is not None:
             extra[BUDGET_KEY] = self.budget_decision.to_dict()
         callback_states = {f"callback_optimizer_{n}": self._optimizer_state(opt, full) for n, (_, _, opt) in enumerate(entries)}
-        # The publish protocol (checkpoint_io): rank 0 holds the lock from here to the rename; every rank writes
+        # The publish protocol (checkpoint.publish): rank 0 holds the lock from here to the rename; every rank writes
         # under rank 0's staging name, unique to this save.
         token = self.broadcast(writer_token())  # type: ignore[attr-defined]
         staged = staging_path(path, token)
