@@ -22,10 +22,9 @@ from torch import nn
 from autoshard.checkpoint.manifest import MANIFEST, check_integrity, describe_files, foreign_content, sidecar_path, stage_sidecar, write_manifest
 from autoshard.checkpoint.publish import Publisher, unwritable
 from autoshard.checkpoint.resume import finish_interrupted_commit, resolve_for_load
-from autoshard.checkpoint.saves import prepare_staging
+from autoshard.checkpoint.saves import RankZeroTraceback, error_payload, on_rank0, prepare_staging, rebuild_error
 from autoshard.checkpoint.staging import aside_path, lock_path, staged_siblings, staging_path, token_of
 from autoshard.checkpoint.trust import CheckpointFormatError
-from autoshard.lightning.checkpoint import RankZeroTraceback, error_payload, on_rank0, rebuild_error
 from tests.test_checkpoint_formats import as_autoshard_save
 
 pytestmark = [

@@ -13,6 +13,9 @@ from autoshard.checkpoint import deepspeed_layout
 from autoshard.checkpoint.trust import DCP_METADATA, UntrustedPickleError, read_dcp_metadata
 
 LIGHTNING_META = "meta.pt"  # Lightning's trainer state (loops, callbacks, schedulers) next to the DCP shards
+STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
+FORMAT_VERSION = 1
+BUDGET_KEY = "budget_decision"  # in our entry: ShardingIntent(memory_budget=...)'s decision (BudgetDecision.to_dict())
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 from autoshard.backends import get_backend
 from autoshard.capability import Format
 from autoshard.checkpoint import deepspeed_layout
-from autoshard.checkpoint.formats import CheckpointInfo, describe, detect_format
+from autoshard.checkpoint.formats import BUDGET_KEY, LIGHTNING_META, STATE_KEY, CheckpointInfo, describe, detect_format
 from autoshard.checkpoint.manifest import MANIFEST, check_integrity, orphan_sidecar, sidecar_path, unverified_warning
 from autoshard.checkpoint.readers import saved_shapes
 from autoshard.checkpoint.staging import aside_path, fsync_dir, staged_siblings
@@ -342,3 +342,26 @@ def deepspeed_tag(info: CheckpointInfo, tag: str | None, action: str) -> str:
         else "copy the whole checkpoint directory again"
     )
     raise CheckpointFormatError(f"cannot {action}: {describe(info)}; autoshard reads the tag 'latest' names and never guesses another. Fix: {choose}")
+
+
+def stored_budget_decision(path: Any, trust_pickle: bool = False) -> dict[str, Any] | None:
+    """The memory-budget decision a checkpoint holds (``BudgetDecision.to_dict()``), None when it holds none, read
+    before anything is sharded and cheaply: a DCP directory's meta.pt (the trainer state, no tensor of the model), a
+    full file memory-mapped, a DeepSpeed tag's rank-0 model states (``client_state``, where Lightning's DeepSpeed
+    saves put the checkpoint dict). A path that is none of these is left to the load, which refuses it in words.
+    ``trust_pickle``: the fit's ``weights_only=False`` (the user trusts the file)."""
+    info = detect_format(path, verify=False)
+    if info.format is Format.DCP:
+        file = info.path / LIGHTNING_META
+    elif info.format is Format.FULL:
+        file = info.path
+    elif info.format is Format.DEEPSPEED and info.tag is not None:
+        file = info.path / info.tag / deepspeed_layout.model_states_name(0)
+        if not file.is_file():
+            return None
+    else:
+        return None
+    loaded = load_torch_file(file, action="resume", trust_pickle=trust_pickle)
+    extra = loaded.get(STATE_KEY) if isinstance(loaded, Mapping) else None
+    stored = extra.get(BUDGET_KEY) if isinstance(extra, Mapping) else None
+    return dict(stored) if isinstance(stored, Mapping) else None

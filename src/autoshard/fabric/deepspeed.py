@@ -28,15 +28,15 @@ from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
 from autoshard.checkpoint.manifest import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
+from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module
 from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
 from autoshard.fabric.strategies import FabricBackend
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.checkpoint import verify_on_every_rank
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.deepspeed import publish_deepspeed_save, require_deepspeed, restore_functional_linear, zero_dim_parameters
+from autoshard.lightning.deepspeed import require_deepspeed, restore_functional_linear, zero_dim_parameters
 from autoshard.precision import PrecisionPlan, resolve_precision
 
 BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"

@@ -13,7 +13,7 @@ import dataclasses
 import importlib.util
 import pickle
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -31,18 +31,15 @@ from autoshard.adapters.deepspeed import deepspeed_config, precision_config, pro
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.budget import BudgetDecision, stored_differs
 from autoshard.capability import Feature
-from autoshard.checkpoint import deepspeed_layout
-from autoshard.checkpoint.manifest import MANIFEST, unverified_warning, write_manifest
-from autoshard.checkpoint.publish import Publisher
+from autoshard.checkpoint.formats import BUDGET_KEY, STATE_KEY
+from autoshard.checkpoint.manifest import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
-from autoshard.checkpoint.saves import check_replaceable
-from autoshard.checkpoint.staging import fsync_dir, staging_path, writer_token
+from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.checkpoint.trust import WEIGHTS_ONLY_REFUSAL, untrusted, weights_only_loads
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.budget import decide_for_fit
-from autoshard.lightning.checkpoint import BUDGET_KEY, KIND_SAVE, STATE_KEY, begin_save, hash_on_every_rank, on_rank0, verify_on_every_rank
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
 from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
@@ -440,35 +437,6 @@ _PASS_THROUGH = {
     "exclude_frozen_parameters",
     "remote_device",
 }
-
-
-def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: int, world: int, broadcast: Callable[[Any], Any]) -> None:
-    """A DeepSpeed engine's save (``write(staging)``: every rank writes its files) through checkpoint.publish's publish
-    protocol, for the Trainer and Fabric strategies alike: rank 0 holds the destination's lock; the engine writes into
-    a staging of this save's own; each rank fsyncs and hashes the files it wrote; rank 0 writes the manifest fsdp2
-    saves write too, and renames the staging in. A crash leaves the previous checkpoint whole, and a resume checks
-    every file before DeepSpeed reads one."""
-    deepspeed_layout.check_version()  # the shares below follow DeepSpeed's file names
-    path = Path(broadcast(filepath))
-    token = broadcast(writer_token())
-    staged = staging_path(path, token)
-    held: list[Publisher] = []
-    try:
-        on_rank0(lambda: begin_save(path, token, held), rank, world, broadcast)
-        write(staged)  # returns after DeepSpeed's last barrier: all files are in
-        names = [f.relative_to(staged).as_posix() for f in staged.rglob("*") if f.is_file()]
-        mine = [name for name in names if deepspeed_layout.writer_rank(name) % world == rank]
-        files = hash_on_every_rank(staged, mine, rank, sync=True)  # DeepSpeed does not fsync its files
-
-        def publish() -> None:
-            write_manifest(staged / MANIFEST, files, KIND_SAVE)
-            fsync_dir(staged)
-            held[0].publish(check_replaceable)
-
-        on_rank0(publish, rank, world, broadcast)
-    finally:
-        for publisher in held:  # a failed save's staging stays for the next save to clear
-            publisher.release()
 
 
 def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
