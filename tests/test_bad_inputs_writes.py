@@ -32,7 +32,7 @@ from autoshard.checkpoint.staging import aside_path, staging_path  # noqa: E402
 from autoshard.checkpoint.trust import CheckpointFormatError  # noqa: E402
 from autoshard.cli import main  # noqa: E402
 from autoshard.consolidate import consolidate  # noqa: E402
-from autoshard.convert import ConvertError, convert  # noqa: E402
+from autoshard.convert import ConvertError, ConvertOptions, convert  # noqa: E402
 from autoshard.lightning import FSDP2Strategy  # noqa: E402
 
 pytestmark = [
@@ -124,7 +124,7 @@ def test_35_convert_into_a_project_directory(tmp_path: Path) -> None:
         "autoshard did not write it (no autoshard-manifest.json in it)",
     )
     assert "--force" in text and not text.rstrip().endswith("to replace it")  # the fix is not --force: refused too
-    refused(ConvertError, lambda: convert(source, project, "safetensors", force=True), "even with --force")
+    refused(ConvertError, lambda: convert(source, project, "safetensors", ConvertOptions(force=True)), "even with --force")
     assert tree(project) == before
     done = convert(source, tmp_path / "weights", "safetensors")  # works instead: a new path
     assert (done.out_path / "model.safetensors").is_file()
@@ -149,12 +149,12 @@ def test_37_convert_force_over_an_output_of_another_kind(tmp_path: Path) -> None
     before = tree(out)
     refused(
         ConvertError,
-        lambda: convert(source, out, "deepspeed", force=True, world_size=1, precision="32-true"),
+        lambda: convert(source, out, "deepspeed", ConvertOptions(force=True, world_size=1, precision="32-true")),
         "even with --force",
         "it was written by 'autoshard convert --to safetensors', not by 'autoshard convert --to deepspeed'",
     )
     assert tree(out) == before
-    convert(source, out, "safetensors", force=True)  # works: the same kind
+    convert(source, out, "safetensors", ConvertOptions(force=True))  # works: the same kind
     assert json.loads((out / MANIFEST).read_text())["kind"] == "autoshard convert --to safetensors"
 
 
@@ -165,7 +165,7 @@ def test_38_convert_force_over_its_own_output_holding_a_file_of_yours(tmp_path: 
     (out / "config.json").write_text("{}")  # the user completed the Hugging Face directory
     refused(
         ConvertError,
-        lambda: convert(source, out, "safetensors", force=True),
+        lambda: convert(source, out, "safetensors", ConvertOptions(force=True)),
         "it also holds config.json, which its autoshard-manifest.json does not list",
     )
     assert (out / "config.json").read_text() == "{}"

@@ -24,7 +24,7 @@ from autoshard.convert.cli import HELP, cmd_convert, register_cli
 from autoshard.convert.dcp import read_dcp, write_dcp
 from autoshard.convert.deepspeed import read_deepspeed, write_deepspeed
 from autoshard.convert.output import RECORD, beside, check_output, output_kind
-from autoshard.convert.pipeline import RESUME_HINT, TARGETS, Converted, convert, read_checkpoint
+from autoshard.convert.pipeline import RESUME_HINT, TARGETS, Converted, ConvertOptions, convert, read_checkpoint
 from autoshard.convert.safetensors import MAX_SHARD_SIZE, parse_size, write_safetensors
 from autoshard.convert.state import ConvertError, OptimizerState, TrainingState, tied_aliases
 from autoshard.convert.torch_file import read_full
@@ -36,6 +36,7 @@ __all__ = [
     "RESUME_HINT",
     "TARGETS",
     "ConvertError",
+    "ConvertOptions",
     "Converted",
     "OptimizerState",
     "TrainingState",

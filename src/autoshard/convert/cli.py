@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TextIO
 
-from autoshard.convert.pipeline import TARGETS, convert
+from autoshard.convert.pipeline import TARGETS, ConvertOptions, convert
 from autoshard.convert.safetensors import MAX_SHARD_SIZE
 
 
@@ -23,15 +23,17 @@ def cmd_convert(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         args.src,
         args.dst,
         args.to,
-        world_size=args.world_size,
-        tag=args.tag,
-        frozen=args.frozen or (),
-        max_shard_size=args.max_shard_size,
-        module=args.module,
-        precision=args.precision,
-        force=args.force,
-        progress=None if args.quiet else progress,
-        trust_pickle=args.trust_pickle,
+        ConvertOptions(
+            world_size=args.world_size,
+            tag=args.tag,
+            frozen=args.frozen or (),
+            max_shard_size=args.max_shard_size,
+            module=args.module,
+            precision=args.precision,
+            force=args.force,
+            progress=None if args.quiet else progress,
+            trust_pickle=args.trust_pickle,
+        ),
     )
     print(json.dumps(result.to_json(), indent=1) if args.json else result.describe(), file=stream or sys.stdout)
     return 0
