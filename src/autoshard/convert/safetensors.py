@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from autoshard.checkpoint.readers import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 from autoshard.checkpoint.staging import fsync_file, honour_umask
 from autoshard.convert.state import ConvertError, TrainingState, tied_aliases
-from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 from autoshard.units import parse_size as memory_size
 
 MAX_SHARD_SIZE = "5GB"  # Hugging Face's save_pretrained default
