@@ -27,8 +27,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import autoshard  # noqa: E402, F401  registers the strategies
-from autoshard.checkpoint.manifest import MANIFEST, check_integrity, sidecar_path  # noqa: E402
-from autoshard.checkpoint.staging import aside_path, staging_path  # noqa: E402
+from autoshard.checkpoint.publish import MANIFEST, aside_path, sidecar_path, staging_path
+from autoshard.checkpoint.resume import check_integrity
 from autoshard.checkpoint.trust import CheckpointFormatError  # noqa: E402
 from autoshard.cli import main  # noqa: E402
 from autoshard.consolidate import consolidate  # noqa: E402
@@ -225,7 +225,7 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
 def corrupted_source(tmp_path: Path) -> Path:
     """A checkpoint whose reading fails loudly (a changed shard): a refusal that names the destination instead proves
     the destination was checked first, before anything was read."""
-    from autoshard.checkpoint.manifest import describe_files, write_manifest
+    from autoshard.checkpoint.publish import describe_files, write_manifest
 
     source = lightning_dcp(tmp_path / "last.ckpt")
     write_manifest(source / MANIFEST, describe_files(source, [p.name for p in source.iterdir()]))
@@ -471,8 +471,7 @@ def test_49_a_save_killed_between_its_renames_still_resumes(tmp_path: Path) -> N
 def test_130_a_lock_file_that_cannot_be_opened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A lock file another user's crashed writer left (here: a directory in its place, as root reads any file) used
     to end the save in a raw OSError; it is refused naming the lock file, and nothing is written."""
-    from autoshard.checkpoint.publish import CheckpointWriteError, Publisher
-    from autoshard.checkpoint.staging import lock_path
+    from autoshard.checkpoint.publish import CheckpointWriteError, Publisher, lock_path
 
     source = lightning_dcp(tmp_path / "last.ckpt")
     weights = tmp_path / "weights.pt"

@@ -24,11 +24,9 @@ from torch import nn
 
 from autoshard.capability import Format
 from autoshard.checkpoint.formats import detect_format
-from autoshard.checkpoint.manifest import check_integrity, describe_files, integrity_problems, stage_sidecar, write_manifest
-from autoshard.checkpoint.publish import commit
-from autoshard.checkpoint.resume import finish_interrupted_commit, load_failure, resolve_for_load
+from autoshard.checkpoint.publish import aside_path, commit, describe_files, integrity_problems, stage_sidecar, staging_path, write_manifest
+from autoshard.checkpoint.resume import check_integrity, finish_interrupted_commit, load_failure, resolve_for_load
 from autoshard.checkpoint.saves import check_replaceable, prepare_staging
-from autoshard.checkpoint.staging import aside_path, staging_path
 from autoshard.checkpoint.trust import CheckpointFormatError
 from autoshard.cli import main
 from autoshard.consolidate import cmd_consolidate, consolidate, register_cli
@@ -60,7 +58,7 @@ def write_lightning_dcp(path: Path, net: nn.Module, step: int = 3, with_meta: bo
 def as_autoshard_save(path: Path) -> Path:
     """The manifest autoshard's own save writes with a checkpoint (kind "autoshard save"): a save replaces only such a
     checkpoint (docs/bad-inputs.md row 141), so a hand-made one standing for an earlier save needs it."""
-    from autoshard.checkpoint.manifest import KIND_SAVE, MANIFEST, describe_files, sidecar_path, write_manifest
+    from autoshard.checkpoint.publish import KIND_SAVE, MANIFEST, describe_files, sidecar_path, write_manifest
 
     if path.is_dir():
         write_manifest(path / MANIFEST, describe_files(path, [p.name for p in path.iterdir() if p.is_file()]), KIND_SAVE)

@@ -19,11 +19,23 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.checkpoint.manifest import MANIFEST, check_integrity, describe_files, foreign_content, sidecar_path, stage_sidecar, write_manifest
-from autoshard.checkpoint.publish import Publisher, unwritable
-from autoshard.checkpoint.resume import finish_interrupted_commit, resolve_for_load
+from autoshard.checkpoint.publish import (
+    MANIFEST,
+    Publisher,
+    aside_path,
+    describe_files,
+    foreign_content,
+    lock_path,
+    sidecar_path,
+    stage_sidecar,
+    staged_siblings,
+    staging_path,
+    token_of,
+    unwritable,
+    write_manifest,
+)
+from autoshard.checkpoint.resume import check_integrity, finish_interrupted_commit, resolve_for_load
 from autoshard.checkpoint.saves import RankZeroTraceback, error_payload, on_rank0, prepare_staging, rebuild_error
-from autoshard.checkpoint.staging import aside_path, lock_path, staged_siblings, staging_path, token_of
 from autoshard.checkpoint.trust import CheckpointFormatError
 from tests.test_checkpoint_formats import as_autoshard_save
 

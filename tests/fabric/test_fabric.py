@@ -211,8 +211,7 @@ def test_fabric_load_in_new_processes_continues_bit_for_bit(ranks: list[dict[str
 
 @pytest.mark.timeout(600)
 def test_the_checkpoint_is_published_whole_and_read_by_consolidate_and_convert(shared: Path, ranks: list[dict[str, Any]], tmp_path: Path) -> None:
-    from autoshard.checkpoint.manifest import MANIFEST
-    from autoshard.checkpoint.staging import staged_siblings
+    from autoshard.checkpoint.publish import MANIFEST, staged_siblings
     from autoshard.consolidate import consolidate
     from autoshard.convert import ConvertError, ConvertOptions, convert
 

@@ -1,27 +1,25 @@
-"""Checkpoints on disk: one package, one module per concern, each layer using only those below it.
+"""Checkpoints on disk: one package, one module per concern, each using only those listed after it.
 
 - ``saves``: a training save on every rank (Trainer and Fabric, fsdp2 and DeepSpeed): what may be replaced, rank 0's
   steps with their errors raised everywhere, the files each rank hashes, the DeepSpeed publish, RNG states;
-- ``resume``: the one reader, from a path to a complete checkpoint (an interrupted save recovered), and every refusal
-  of a resume, convert or consolidate, with its fix;
-- ``publish``: the publish protocol every writer follows (lock, staging of its own, fsync, check, rename) and the
-  check of an offline writer's output path; ``readers``: what a checkpoint holds, read in one process (DCP entries,
-  the module's weights, safetensors headers), shared by ``convert``, ``consolidate`` and ``init_from``;
-- ``formats``: what a path holds, by its files alone; ``manifest``: every file's size and sha256, written and checked;
-- ``trust``: unpickling without running code (``TRUSTED_TYPES``); ``staging``: the hidden names beside a destination,
-  fsyncs, removal;
+- ``resume``: the one reader, from a path to a complete checkpoint (an interrupted save recovered, the manifest
+  checked), and every refusal of a resume, convert or consolidate, with its fix;
+- ``readers``: what a checkpoint holds, read in one process (DCP entries, the module's weights, safetensors headers),
+  shared by ``convert``, ``consolidate`` and ``init_from``; ``formats``: what a path holds, by its files alone;
+- ``publish``: the protocol every writer follows (lock, staging of its own, fsync, check, rename), manifests and
+  hashes, and the check of an offline writer's output path;
+- ``trust``: unpickling without running code (``TRUSTED_TYPES``);
 - ``deepspeed_layout``: DeepSpeed's file names, partitions and private members, pinned to the releases checked.
 
-Everything here runs in one process without a GPU, except ``saves``, which every rank of a run calls. The commands on
-top (``autoshard consolidate``, ``autoshard convert``) and ``ShardingIntent(init_from=...)`` are modules of their own.
+Only ``saves`` runs on every rank of a run; the rest runs in one process without a GPU. The commands on top
+(``autoshard consolidate``, ``autoshard convert``) and ``ShardingIntent(init_from=...)`` are modules of their own.
 """
 
 from __future__ import annotations
 
 from autoshard.capability import Format
 from autoshard.checkpoint.formats import CheckpointInfo, detect_format
-from autoshard.checkpoint.manifest import check_integrity
-from autoshard.checkpoint.resume import locate_checkpoint, open_checkpoint, resolve_for_load
+from autoshard.checkpoint.resume import check_integrity, locate_checkpoint, open_checkpoint, resolve_for_load
 from autoshard.checkpoint.trust import TRUSTED_TYPES, CheckpointFormatError, UntrustedPickleError, load_torch_file, weights_only_loads
 
 __all__ = [

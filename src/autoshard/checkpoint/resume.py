@@ -19,9 +19,19 @@ from autoshard.backends import get_backend
 from autoshard.capability import Format
 from autoshard.checkpoint import deepspeed_layout
 from autoshard.checkpoint.formats import BUDGET_KEY, LIGHTNING_META, STATE_KEY, CheckpointInfo, describe, detect_format
-from autoshard.checkpoint.manifest import MANIFEST, check_integrity, orphan_sidecar, sidecar_path, unverified_warning
+from autoshard.checkpoint.publish import (
+    DIGEST,
+    MANIFEST,
+    aside_path,
+    fsync_dir,
+    integrity_problems,
+    listing,
+    orphan_sidecar,
+    sidecar_path,
+    staged_siblings,
+    unverified_warning,
+)
 from autoshard.checkpoint.readers import saved_shapes
-from autoshard.checkpoint.staging import aside_path, fsync_dir, staged_siblings
 from autoshard.checkpoint.trust import CheckpointFormatError, UntrustedPickleError, load_torch_file
 
 CONSOLIDATE = "autoshard consolidate {path} weights.pt"
@@ -240,10 +250,6 @@ def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
     return recovered
 
 
-def _names(names: list[str], limit: int = 6) -> str:
-    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
-
-
 def _reshaped(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[str, tuple[int, ...]]) -> list[str]:
     return sorted(k for k in set(model) & set(saved) if saved[k] is not None and tuple(saved[k] or ()) != tuple(model[k]))
 
@@ -255,12 +261,12 @@ def model_mismatch(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[s
     reshaped = _reshaped(saved, model)
     parts = []
     if missing:
-        parts.append(f"{len(missing)} missing from the checkpoint: {_names(missing)}")
+        parts.append(f"{len(missing)} missing from the checkpoint: {listing(missing)}")
     if unexpected:
-        parts.append(f"{len(unexpected)} in the checkpoint but not in the model: {_names(unexpected)}")
+        parts.append(f"{len(unexpected)} in the checkpoint but not in the model: {listing(unexpected)}")
     if reshaped:
         shown = [f"{k} (checkpoint {tuple(saved[k] or ())}, model {tuple(model[k])})" for k in reshaped]
-        parts.append(f"{len(reshaped)} with another shape: {_names(shown, 3)}")
+        parts.append(f"{len(reshaped)} with another shape: {listing(shown, 3)}")
     return "; ".join(parts) or None
 
 
@@ -282,7 +288,7 @@ def load_failure(path: Path, model_name: str, model: Mapping[str, tuple[int, ...
         )
         skipped = (
             f" (strict=False skips missing and unexpected names only; this leaves out the {len(reshaped)} tensor(s) of"
-            f" another shape, {_names(reshaped, 3)}, which keep their initial values)"
+            f" another shape, {listing(reshaped, 3)}, which keep their initial values)"
             if reshaped
             else ""
         )
@@ -365,3 +371,23 @@ def stored_budget_decision(path: Any, trust_pickle: bool = False) -> dict[str, A
     extra = loaded.get(STATE_KEY) if isinstance(loaded, Mapping) else None
     stored = extra.get(BUDGET_KEY) if isinstance(extra, Mapping) else None
     return dict(stored) if isinstance(stored, Mapping) else None
+
+
+def corrupted(path: str | os.PathLike[str], problems: list[str]) -> CheckpointFormatError:
+    """The refusal for a checkpoint whose files differ from what the save recorded."""
+    return CheckpointFormatError(
+        f"{str(path)!r} is corrupted: {'; '.join(problems)}. autoshard recorded every file's {DIGEST} when it saved"
+        f" this checkpoint, so loading it would bring back different weights or state without an error."
+        f" Fix: restore the checkpoint from a backup, or use the previous checkpoint"
+    )
+
+
+def check_integrity(path: str | os.PathLike[str]) -> bool:
+    """Every file of ``path`` against its manifest, in this process: CheckpointFormatError naming the bad file.
+
+    False (nothing checked) when there is no manifest; the caller warns once.
+    """
+    problems = integrity_problems(path)
+    if problems:
+        raise corrupted(path, problems)
+    return problems is not None

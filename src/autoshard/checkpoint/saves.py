@@ -20,20 +20,25 @@ import torch
 from autoshard.capability import Format
 from autoshard.checkpoint import deepspeed_layout
 from autoshard.checkpoint.formats import LIGHTNING_META, detect_format
-from autoshard.checkpoint.manifest import (
+from autoshard.checkpoint.publish import (
     KIND_SAVE,
     MANIFEST,
-    corrupted,
+    Publisher,
+    aside_path,
     describe_files,
     foreign_content,
+    fsync_dir,
+    fsync_file,
     integrity_problems,
+    remove,
     sidecar_path,
     stage_sidecar,
+    staged_siblings,
+    staging_path,
     write_manifest,
+    writer_token,
 )
-from autoshard.checkpoint.publish import Publisher
-from autoshard.checkpoint.resume import finish_interrupted_commit
-from autoshard.checkpoint.staging import aside_path, fsync_dir, fsync_file, remove, staged_siblings, staging_path, writer_token
+from autoshard.checkpoint.resume import corrupted, finish_interrupted_commit
 from autoshard.checkpoint.trust import CheckpointFormatError
 
 

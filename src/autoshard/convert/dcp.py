@@ -12,8 +12,8 @@ import torch
 
 from autoshard.capability import Format
 from autoshard.checkpoint.formats import LIGHTNING_META
+from autoshard.checkpoint.publish import fsync_file
 from autoshard.checkpoint.readers import dcp_entries, flat_tensors, load_dcp_entries, model_entry
-from autoshard.checkpoint.staging import fsync_file
 from autoshard.checkpoint.trust import load_torch_file
 from autoshard.convert.state import TrainingState, named_optimizer, require_trainer
 

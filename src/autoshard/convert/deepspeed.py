@@ -26,8 +26,8 @@ import torch
 from autoshard.capability import Format
 from autoshard.checkpoint import deepspeed_layout
 from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.publish import fsync_file
 from autoshard.checkpoint.resume import deepspeed_tag
-from autoshard.checkpoint.staging import fsync_file
 from autoshard.checkpoint.trust import load_torch_file
 from autoshard.convert.state import ConvertError, OptimizerState, TrainingState, require_trainer, tied_aliases
 

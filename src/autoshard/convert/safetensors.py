@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from autoshard.checkpoint.publish import fsync_file, honour_umask
 from autoshard.checkpoint.readers import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
-from autoshard.checkpoint.staging import fsync_file, honour_umask
 from autoshard.convert.state import ConvertError, TrainingState, tied_aliases
 from autoshard.units import parse_size as memory_size
 

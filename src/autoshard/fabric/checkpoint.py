@@ -23,7 +23,7 @@ from torch import nn
 from autoshard.adapters.fsdp2 import sync_buffers
 from autoshard.capability import Format
 from autoshard.checkpoint.formats import FORMAT_VERSION, LIGHTNING_META, STATE_KEY, detect_format
-from autoshard.checkpoint.manifest import unverified_warning
+from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.readers import dcp_entries, saved_entries, saved_shapes
 from autoshard.checkpoint.resume import model_mismatch, resolve_for_load
 from autoshard.checkpoint.saves import publish_save, restore_rng, rng_state, verify_on_every_rank, write_full, write_sharded

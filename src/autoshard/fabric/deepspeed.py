@@ -26,7 +26,7 @@ from autoshard.adapters.checkpointing import checkpoint_blocks
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
-from autoshard.checkpoint.manifest import unverified_warning
+from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
 from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autoshard.budget import BudgetDecision, stored_differs
 from autoshard.checkpoint.formats import BUDGET_KEY, FORMAT_VERSION, STATE_KEY
-from autoshard.checkpoint.manifest import sidecar_path, unverified_warning
+from autoshard.checkpoint.publish import remove, sidecar_path, unverified_warning
 from autoshard.checkpoint.resume import load_failure, resolve_for_load
 from autoshard.checkpoint.saves import (
     all_gather_object,
@@ -25,7 +25,6 @@ from autoshard.checkpoint.saves import (
     write_full,
     write_sharded,
 )
-from autoshard.checkpoint.staging import remove
 from autoshard.needs import held_optimizers, returned_optimizers
 
 T = TypeVar("T")

@@ -32,7 +32,7 @@ from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.budget import BudgetDecision, stored_differs
 from autoshard.capability import Feature
 from autoshard.checkpoint.formats import BUDGET_KEY, STATE_KEY
-from autoshard.checkpoint.manifest import unverified_warning
+from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
 from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.checkpoint.trust import WEIGHTS_ONLY_REFUSAL, untrusted, weights_only_loads
