@@ -22,8 +22,8 @@ import torch
 
 from autoshard.capability import Format
 from autoshard.checkpoint import deepspeed_layout
-from autoshard.checkpoint.formats import describe, detect_format
-from autoshard.checkpoint.publish import Clash, Publisher, output_clash
+from autoshard.checkpoint.formats import describe
+from autoshard.checkpoint.publish import Clash, Publisher, output_clash, output_refusal
 from autoshard.checkpoint.readers import dcp_keys, flat_tensors, load_dcp_entries, model_entry
 from autoshard.checkpoint.resume import CONSOLIDATE, open_checkpoint
 from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file, weights_only_loads
@@ -144,6 +144,19 @@ def consolidate(
     )
 
 
+REFUSALS = {  # of OUT, in consolidate's words (``publish.output_refusal``)
+    Clash.SAME: "refusing to write {out!r}: it is the checkpoint being consolidated. Fix: choose another output path",
+    Clash.INSIDE: "refusing to write {out!r}: it is inside the checkpoint being consolidated ({source!r}), which would"
+    " then hold a file its save did not write (and the next save to it, which replaces it whole, would delete it). Fix:"
+    " choose an output path outside it, e.g. {weights!r}",
+    Clash.EXISTS: "refusing to overwrite {out!r}: it already exists ({what}), and consolidate would replace it with"
+    " weights only. Fix: choose another output path, or pass --force (force=True) to replace it",
+    Clash.FOREIGN: "refusing to overwrite {out!r}{even}: it already exists ({what}), and {detail}: --force replaces only"
+    " a file consolidate wrote. Fix: choose another output path, or move {out!r} away first",
+}
+REFUSALS[Clash.HOLDS] = REFUSALS[Clash.INSIDE]  # HOLDS needs a directory at OUT, refused first
+
+
 def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
     """Refuse, before reading the checkpoint (and again under the lock, before the rename): a directory, then what
     ``publish.output_clash`` refuses for every offline writer (the checkpoint itself or a path inside it, a
@@ -152,30 +165,9 @@ def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
     if out.is_dir():
         raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
     found = output_clash(out, source, KIND_CONSOLIDATE, force=force)
-    if found is None:
-        return
-    if found.clash is Clash.SAME:
-        raise CheckpointFormatError(f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path")
-    if found.clash in (Clash.INSIDE, Clash.HOLDS):  # HOLDS needs a directory at OUT, refused above
-        assert source is not None
-        raise CheckpointFormatError(
-            f"refusing to write {str(out)!r}: it is inside the checkpoint being consolidated ({str(source)!r}), which"
-            f" would then hold a file its save did not write (and the next save to it, which replaces it whole,"
-            f" would delete it). Fix: choose an output path outside it, e.g. {str(source.parent / 'weights.pt')!r}"
-        )
-    if found.clash is Clash.UNWRITABLE:
-        raise CheckpointFormatError(found.detail)
-    what = detect_format(out, verify=False).detail
-    if found.clash is Clash.EXISTS:
-        raise CheckpointFormatError(
-            f"refusing to overwrite {str(out)!r}: it already exists ({what}), and consolidate would replace it with"
-            f" weights only. Fix: choose another output path, or pass --force (force=True) to replace it"
-        )
-    even = " even with --force" if force else ""
-    raise CheckpointFormatError(
-        f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {found.detail}: --force replaces"
-        f" only a file consolidate wrote. Fix: choose another output path, or move {str(out)!r} away first"
-    )
+    if found is not None:
+        weights = str(source.parent / "weights.pt") if source is not None else ""
+        raise CheckpointFormatError(output_refusal(found, out, source, force, REFUSALS, weights=weights))
 
 
 def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source: Path) -> None:
@@ -240,9 +232,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result (or the refusal) as one JSON object")
     parser.set_defaults(func=cmd_consolidate)
-
-
-__all__ = ["Consolidated", "consolidate", "refuse_module_run", "register_cli"]
 
 
 if __name__ == "__main__":

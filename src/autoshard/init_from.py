@@ -535,16 +535,3 @@ def _io_read() -> int | None:
             return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
     except (OSError, StopIteration, ValueError):
         return None
-
-
-__all__ = [
-    "InitFromError",
-    "InitPlan",
-    "InitReport",
-    "WeightsFile",
-    "load_init_from",
-    "open_weights",
-    "plan_everywhere",
-    "plan_init_from",
-    "sources_of",
-]

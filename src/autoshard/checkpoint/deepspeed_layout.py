@@ -267,26 +267,3 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
 def missing() -> list[Member]:
     """The listed members the installed DeepSpeed lacks (imports deepspeed)."""
     return [member for member in PRIVATE_MEMBERS if not member.exists()]
-
-
-__all__ = [
-    "ENGINE_KEYS",
-    "LATEST",
-    "LIGHTNING_PREFIX",
-    "LIGHTNING_TAG",
-    "PICKLED_TYPES",
-    "PRIVATE_MEMBERS",
-    "SUPPORTED_DEEPSPEED",
-    "check_version",
-    "latest_tag",
-    "layout",
-    "missing",
-    "model_states_name",
-    "optim_states_name",
-    "partition_numel",
-    "rank_slice",
-    "sub_groups",
-    "tags",
-    "writer_rank",
-    "zero3_world_size",
-]

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from autoshard.checkpoint.formats import detect_format
 from autoshard.errors import AutoShardError
 
 STAGING_SUFFIX = ".autoshard-tmp"  # a save in progress (or interrupted): never under the final name
@@ -605,3 +606,13 @@ def output_clash(
     if foreign is not None:
         return OutputClash(Clash.FOREIGN, foreign)
     return None if force else OutputClash(Clash.EXISTS)
+
+
+def output_refusal(found: OutputClash, out: Path, source: Path | None, force: bool, words: Mapping[Clash, str], **fill: str) -> str:
+    """An offline writer's refusal of its output path, in its own ``words``: one template per Clash, filled with
+    ``out``, ``source``, ``what`` is there, the clash's ``detail``, ``even`` (" even with --force") and ``fill``."""
+    if found.clash is Clash.UNWRITABLE:
+        return found.detail
+    what = detect_format(out, verify=False).detail if found.clash in (Clash.EXISTS, Clash.FOREIGN) else ""
+    even = " even with --force" if force else ""
+    return words[found.clash].format(out=str(out), source=str(source), what=what, detail=found.detail, even=even, **fill)

@@ -96,6 +96,3 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(func=cmd_convert)
-
-
-__all__ = ["HELP", "cmd_convert", "register_cli"]

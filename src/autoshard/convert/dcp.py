@@ -69,6 +69,3 @@ def write_dcp(state: TrainingState, staged: Path) -> dict[str, Any]:
     torch.save(state.trainer, staged / LIGHTNING_META)
     fsync_file(staged / LIGHTNING_META)
     return {}
-
-
-__all__ = ["read_dcp", "write_dcp"]

@@ -444,6 +444,3 @@ def _elementwise(value: Any, param: torch.Tensor) -> bool:
 
 def _show(value: Any) -> str:
     return f"{value.item():g}" if isinstance(value, torch.Tensor) and value.numel() == 1 else repr(value)
-
-
-__all__ = ["read_deepspeed", "require_deepspeed", "write_deepspeed"]

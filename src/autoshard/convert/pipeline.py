@@ -336,6 +336,3 @@ def _check_target(state: TrainingState, to: str) -> None:
             f" which fsdp2 resumes as is at any world size. Fix: pass it as ckpt_path with strategy='fsdp2', or convert to"
             f" deepspeed or safetensors"
         )
-
-
-__all__ = ["RESUME_HINT", "TARGETS", "ConvertOptions", "Converted", "convert", "read_checkpoint"]

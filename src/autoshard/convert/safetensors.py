@@ -64,6 +64,3 @@ def write_safetensors(state: TrainingState, staged: Path, max_shard_size: int) -
         else []
     )
     return {"notes": notes, "tensors": len(tensors)}
-
-
-__all__ = ["MAX_SHARD_SIZE", "parse_size", "write_safetensors"]

@@ -115,6 +115,3 @@ def tied_aliases(state: TrainingState) -> dict[str, str]:
                 found[name] = other
                 break
     return found
-
-
-__all__ = ["ConvertError", "OptimizerState", "TrainingState", "named_optimizer", "require_trainer", "tied_aliases"]

@@ -40,6 +40,3 @@ def read_full(path: Path, trust_pickle: bool = False, weights_only: bool = False
         world_size=extra.get("world_size"),
         callback_optimizers=len(extra.get("callback_optimizers", ())),
     )
-
-
-__all__ = ["read_full"]
