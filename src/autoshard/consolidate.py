@@ -208,28 +208,33 @@ def refuse_module_run(command: str, usage: str, argv: Sequence[str]) -> int:
     return 2
 
 
+def command_parser(subparsers: argparse._SubParsersAction, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """``autoshard NAME``'s parser (abbreviated options refused, as every autoshard command refuses them)."""
+    return subparsers.add_parser(name, allow_abbrev=False, help=help, description=description)
+
+
+def add_writer_flags(parser: argparse.ArgumentParser, force: str, source: str, trusted: str) -> None:
+    """--force (``force``: what it replaces) and --trust-pickle (what it unpickles), for consolidate and convert."""
+    parser.add_argument("--force", action="store_true", help=force)
+    trust = f"unpickle {source} as torch.load(weights_only=False) does, running any code it holds: only for {trusted} you trust"
+    parser.add_argument("--trust-pickle", action="store_true", help=trust)
+
+
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``autoshard consolidate CKPT_DIR OUT.pt`` to the ``autoshard`` command."""
-    parser = subparsers.add_parser(
-        "consolidate",
-        allow_abbrev=False,
-        help="turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights",
-        description=(
-            "Read a checkpoint written by strategy='fsdp2'/'auto-shard' (torch.distributed.checkpoint directory),"
-            " by DeepSpeed ZeRO (through DeepSpeed's zero_to_fp32), or a full Lightning file, and write one plain"
-            " {name: tensor} file: model.load_state_dict(torch.load(OUT)) works on the unsharded model. One CPU"
-            " process, any world size at save time, no GPU."
-        ),
+    description = (
+        "Read a checkpoint written by strategy='fsdp2'/'auto-shard' (torch.distributed.checkpoint directory), by DeepSpeed"
+        " ZeRO (through DeepSpeed's zero_to_fp32), or a full Lightning file, and write one plain {name: tensor} file:"
+        " model.load_state_dict(torch.load(OUT)) works on the unsharded model. One CPU process, any world size at save"
+        " time, no GPU."
+    )
+    parser = command_parser(
+        subparsers, "consolidate", "turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights", description
     )
     parser.add_argument("ckpt", metavar="CKPT_DIR", help="the checkpoint directory (or file), e.g. checkpoints/last.ckpt")
     parser.add_argument("out", metavar="OUT.pt", help="the file to write")
     parser.add_argument("--tag", default=None, help="DeepSpeed only: the tag directory (default: the one in 'latest')")
-    parser.add_argument("--force", action="store_true", help="replace OUT.pt if consolidate wrote it (only once the new file is complete)")
-    parser.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="unpickle the checkpoint as torch.load(weights_only=False) does, running any code it holds: only for a file you trust",
-    )
+    add_writer_flags(parser, "replace OUT.pt if consolidate wrote it (only once the new file is complete)", "the checkpoint", "a file")
     parser.add_argument("--json", action="store_true", help="print the result (or the refusal) as one JSON object")
     parser.set_defaults(func=cmd_consolidate)
 
