@@ -124,8 +124,15 @@ def _read_into(handle: Any, offset: int, out: torch.Tensor) -> int:
 
 
 def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
-    """Names and shapes of what ``path`` holds, reading headers only; refuses what it cannot read, with the fix."""
-    p = Path(path)
+    """Names and shapes of what ``path`` holds, reading headers only; refuses what it cannot read, with the fix (the
+    checkpoint readers' refusals too, as InitFromError)."""
+    try:
+        return _open_weights(Path(path))
+    except CheckpointFormatError as exc:
+        raise InitFromError(str(exc)) from None
+
+
+def _open_weights(p: Path) -> WeightsFile:
     if not p.exists():
         raise InitFromError(
             f"init_from={str(p)!r} does not exist. Fix: pass the path of a safetensors file, a Hugging Face model directory, a torch state dict file or a DCP directory, as every rank sees it"
@@ -134,11 +141,11 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
         if (p / SAFETENSORS_INDEX).is_file():
             index = json.loads((p / SAFETENSORS_INDEX).read_text())
             files = sorted({p / name for name in index.get("weight_map", {}).values()})
-            shapes, where, tied, dtypes = safetensors_header(files, InitFromError)
+            shapes, where, tied, dtypes = safetensors_header(files)
             tied = {**tied, **(index.get("metadata") or {}).get(TIED_METADATA, {})}
             return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
         if (p / SAFETENSORS_SINGLE).is_file():
-            shapes, where, tied, dtypes = safetensors_header([p / SAFETENSORS_SINGLE], InitFromError)
+            shapes, where, tied, dtypes = safetensors_header([p / SAFETENSORS_SINGLE])
             return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
         if (p / DCP_METADATA).is_file():
             return _open_dcp(p)
@@ -152,7 +159,7 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
     with open(p, "rb") as f:
         head = f.read(8)
     if p.suffix == ".safetensors" or (len(head) == 8 and int.from_bytes(head, "little") < p.stat().st_size and not is_torch_file(p)):
-        shapes, where, tied, dtypes = safetensors_header([p], InitFromError)
+        shapes, where, tied, dtypes = safetensors_header([p])
         return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
     if is_torch_file(p):
         return _open_torch(p)
@@ -165,10 +172,7 @@ def _open_torch(p: Path) -> WeightsFile:
     # Storages memory-mapped, no page read yet; never code: objects beside the weights (a .ckpt's hyper-parameters)
     # that weights_only refuses are written out by consolidate, with the user's explicit trust.
     fix = f"write the weights alone with `{CONSOLIDATE.format(path=p)} {TRUST_PICKLE.split()[0]}` if you trust the file, and pass weights.pt"
-    try:
-        loaded = load_torch_file(p, action="load init_from", untrusted_fix=fix)
-    except CheckpointFormatError as exc:
-        raise InitFromError(str(exc)) from None
+    loaded = load_torch_file(p, action="load init_from", untrusted_fix=fix)
     entry = "state_dict" if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping) else None
     state = loaded[entry] if entry else loaded
     if not isinstance(state, Mapping):
@@ -179,11 +183,8 @@ def _open_torch(p: Path) -> WeightsFile:
 
 
 def _open_dcp(p: Path) -> WeightsFile:
-    try:
-        torn = torn_shard(p)  # a shard cut short would fail on the ranks that read it only, at load
-        entries = dcp_entries(p)
-    except CheckpointFormatError as exc:
-        raise InitFromError(str(exc)) from None
+    torn = torn_shard(p)  # a shard cut short would fail on the ranks that read it only, at load
+    entries = dcp_entries(p)
     if torn is not None:
         raise InitFromError(
             f"init_from={str(p)!r} is a distributed checkpoint whose {torn}. Nothing was loaded or sharded yet. Fix: use a complete checkpoint (copy it again, or an earlier one)"

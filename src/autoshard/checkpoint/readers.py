@@ -112,26 +112,25 @@ class Stored:
     shape: tuple[int, ...]
 
 
-def safetensors_header(
-    files: Iterable[Path], error: type[Exception] = CheckpointFormatError
-) -> tuple[dict[str, tuple[int, ...]], dict[str, Stored], dict[str, str], dict[str, str]]:
+def safetensors_header(files: Iterable[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, Stored], dict[str, str], dict[str, str]]:
     """The JSON header of each file (8-byte length, then JSON): names, dtypes, shapes, byte offsets; no tensor read.
     A file shorter than its header says is refused here, at planning, so every rank refuses it (a rank reading past
-    the end only at load time would fail alone while the others wait in the next collective). ``error``: the type
-    each refusal is raised as (``init_from``'s own)."""
+    the end only at load time would fail alone while the others wait in the next collective)."""
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, Stored] = {}
     tied: dict[str, str] = {}
     dtypes: dict[str, str] = {}
     for f in files:
         if not f.is_file():
-            raise error(f"init_from: {str(f)!r}, which the index names, does not exist. Fix: download or copy every shard the index lists")
+            raise CheckpointFormatError(
+                f"init_from: {str(f)!r}, which the index names, does not exist. Fix: download or copy every shard the index lists"
+            )
         with open(f, "rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
             try:
                 header = json.loads(handle.read(length))
             except ValueError:
-                raise error(
+                raise CheckpointFormatError(
                     f"init_from: {str(f)!r} has no readable safetensors header. Fix: pass a file written by safetensors (save_pretrained, save_file)"
                 ) from None
         meta = header.pop("__metadata__", None) or {}
@@ -140,7 +139,7 @@ def safetensors_header(
         end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
         size = f.stat().st_size
         if size < 8 + length + end:
-            raise error(
+            raise CheckpointFormatError(
                 f"init_from: {str(f)!r} is truncated: it holds {size:,d} bytes where its safetensors header says"
                 f" {8 + length + end:,d}. Nothing was loaded or sharded yet. Fix: download or copy the file again"
             )

@@ -262,10 +262,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def recording_writer(path: Path) -> Any:
-    """DCP's FileSystemWriter that remembers (``.written``) the files this rank wrote, so this rank hashes exactly
-    those. Built on first use: importing torch.distributed.checkpoint costs every ``import autoshard`` otherwise."""
-    from torch.distributed.checkpoint import FileSystemWriter
+def write_shards(state: dict[str, Any], staged: Path) -> list[str]:
+    """Every rank writes its DCP shards; DCP writes .metadata last, once all ranks' files are synced. Returns the
+    files this rank wrote, relative to ``staged`` (a FileSystemWriter that records them: this rank hashes exactly
+    those; built here, since importing torch.distributed.checkpoint would cost every ``import autoshard``)."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
 
     class RecordingWriter(FileSystemWriter):
         written: tuple[str, ...] = ()
@@ -275,15 +276,7 @@ def recording_writer(path: Path) -> Any:
             self.written = tuple(sorted({result.storage_data.relative_path for result in future.wait()}))
             return future
 
-    return RecordingWriter(str(path), sync_files=True)
-
-
-def write_shards(state: dict[str, Any], staged: Path) -> list[str]:
-    """Every rank writes its DCP shards; DCP writes .metadata last, once all ranks' files are synced. Returns the
-    files this rank wrote, relative to ``staged``."""
-    from torch.distributed.checkpoint import save
-
-    writer = recording_writer(staged)
+    writer = RecordingWriter(str(staged), sync_files=True)
     save(state, storage_writer=writer)
     return list(writer.written)
 
