@@ -25,7 +25,8 @@ from autoshard.adapters.fsdp2 import plan_fsdp2
 from autoshard.backends import Availability, require
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.backends import fsdp2 as fsdp2_backend
-from autoshard.checkpoint import CheckpointFormatError, resolve_for_load
+from autoshard.checkpoint.resume import resolve_for_load
+from autoshard.checkpoint.trust import CheckpointFormatError
 from autoshard.demo import Blobs, DinoLike, OnlineProbe
 from autoshard.errors import AutoShardError
 from autoshard.lightning import FSDP2Strategy

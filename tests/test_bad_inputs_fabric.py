@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import autoshard  # noqa: F401  registers Fabric's strategy names
-from autoshard.checkpoint import CheckpointFormatError
+from autoshard.checkpoint.trust import CheckpointFormatError
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.fabric import FSDP2Strategy, auto_shard
 from tests.test_bad_inputs import refused

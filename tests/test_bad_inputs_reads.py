@@ -26,17 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 import autoshard  # noqa: F401  registers the strategies
-from autoshard import checkpoint as ckpt
 from autoshard._harness import child_env
-from autoshard.checkpoint import (
-    CheckpointFormatError,
-    UntrustedPickleError,
-    load_torch_file,
-    resolve_for_load,
-)
+from autoshard.checkpoint import trust as ckpt
+from autoshard.checkpoint.resume import resolve_for_load
+from autoshard.checkpoint.trust import CheckpointFormatError, UntrustedPickleError, load_torch_file
 from autoshard.cli import main as cli
 from autoshard.consolidate import consolidate
-from autoshard.convert import ConvertError, convert, write_dcp
+from autoshard.convert import ConvertError, ConvertOptions, convert, write_dcp
 from autoshard.init_from import InitFromError, load_init_from, plan_init_from
 from tests.distributed.harness import free_port
 from tests.test_bad_inputs import data, isolated_process_state, trainer  # noqa: F401  (an autouse fixture)
@@ -274,7 +270,7 @@ def test_54_stale_deepspeed_latest(tmp_path: Path, lightning_deepspeed: Path) ->
         f"Fix: write the tag to resume into it, e.g. `echo global_step1 > {str(ds / 'latest')!r}`",
     )
     assert "--tag" in text and not (tmp_path / "hf").exists()
-    assert convert(ds, tmp_path / "hf", "safetensors", tag="checkpoint").tensors == 5  # the Fix
+    assert convert(ds, tmp_path / "hf", "safetensors", ConvertOptions(tag="checkpoint")).tensors == 5  # the Fix
     assert consolidate(ds, tmp_path / "w.pt", tag="global_step1").tensors == 5
     (ds / "latest").write_text("global_step1")
     assert resolve_for_load(ds, "deepspeed_zero3") == ds
@@ -283,7 +279,7 @@ def test_54_stale_deepspeed_latest(tmp_path: Path, lightning_deepspeed: Path) ->
 def test_55_deepspeed_tag_that_does_not_exist(tmp_path: Path, lightning_deepspeed: Path) -> None:
     ds = stock_copy(lightning_deepspeed, tmp_path / "run.ckpt")
     for run in (
-        lambda: convert(ds, tmp_path / "hf", "safetensors", tag="global_step2"),
+        lambda: convert(ds, tmp_path / "hf", "safetensors", ConvertOptions(tag="global_step2")),
         lambda: consolidate(ds, tmp_path / "w.pt", tag="global_step2"),
     ):
         refused(
@@ -372,7 +368,7 @@ def test_60_deepspeed_checkpoint_for_3_ranks_resumed_on_2(tmp_path: Path, dcp: P
     from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
     three = tmp_path / "ds3"
-    convert(dcp, three, "deepspeed", world_size=3, precision="32-true")
+    convert(dcp, three, "deepspeed", ConvertOptions(world_size=3, precision="32-true"))
     text = refused(
         CheckpointFormatError,
         lambda: resolve_for_load(three, "deepspeed_zero3", world_size=2),
@@ -391,13 +387,13 @@ def test_61_convert_module_names_a_buffer(tmp_path: Path, dcp: Path) -> None:
     """'centre' is a buffer at the top level: it used to be offered as a submodule to pass."""
     text = refused(
         ConvertError,
-        lambda: convert(dcp, tmp_path / "hf", "safetensors", module="centre"),
+        lambda: convert(dcp, tmp_path / "hf", "safetensors", ConvertOptions(module="centre")),
         "--module 'centre' names a buffer of",
         "not a submodule",
         "Fix: pass one of its submodules: 'body', 'head'",
     )
     assert "'centre'" not in text.split("Fix:")[1]
-    assert convert(dcp, tmp_path / "hf", "safetensors", module="body").tensors == 2  # the Fix
+    assert convert(dcp, tmp_path / "hf", "safetensors", ConvertOptions(module="body")).tensors == 2  # the Fix
 
 
 # -- 62-63: init_from ---------------------------------------------------------------------------------------------
@@ -451,7 +447,7 @@ def test_ddp_checkpoint_to_safetensors_needs_no_optimizer_names(tmp_path: Path, 
     done = convert(lightning_ckpt, tmp_path / "hf", "safetensors")
     assert done.tensors == 4 and any("keyed by position" in note for note in done.notes)
     with pytest.raises(ConvertError, match="keyed by position"):
-        convert(lightning_ckpt, tmp_path / "ds", "deepspeed", world_size=1, precision="32-true")
+        convert(lightning_ckpt, tmp_path / "ds", "deepspeed", ConvertOptions(world_size=1, precision="32-true"))
 
 
 # -- the types a pickle may build, one test each -------------------------------------------------------------------

@@ -30,8 +30,8 @@ from torch import nn
 
 import autoshard  # noqa: F401  registers the strategies
 from autoshard._harness import child_env
-from autoshard.checkpoint import CheckpointFormatError
-from autoshard.checkpoint_io import CheckpointWriteError, staging_path
+from autoshard.checkpoint.publish import CheckpointWriteError, staging_path
+from autoshard.checkpoint.trust import CheckpointFormatError
 from autoshard.cli import main
 from autoshard.convert import ConvertError, convert
 from autoshard.init_from import InitFromError, plan_init_from

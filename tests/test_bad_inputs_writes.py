@@ -27,11 +27,12 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import autoshard  # noqa: E402, F401  registers the strategies
-from autoshard.checkpoint import CheckpointFormatError, check_integrity  # noqa: E402
-from autoshard.checkpoint_io import MANIFEST, aside_path, sidecar_path, staging_path  # noqa: E402
+from autoshard.checkpoint.publish import MANIFEST, aside_path, sidecar_path, staging_path
+from autoshard.checkpoint.resume import check_integrity
+from autoshard.checkpoint.trust import CheckpointFormatError  # noqa: E402
 from autoshard.cli import main  # noqa: E402
 from autoshard.consolidate import consolidate  # noqa: E402
-from autoshard.convert import ConvertError, convert  # noqa: E402
+from autoshard.convert import ConvertError, ConvertOptions, convert  # noqa: E402
 from autoshard.lightning import FSDP2Strategy  # noqa: E402
 
 pytestmark = [
@@ -123,7 +124,7 @@ def test_35_convert_into_a_project_directory(tmp_path: Path) -> None:
         "autoshard did not write it (no autoshard-manifest.json in it)",
     )
     assert "--force" in text and not text.rstrip().endswith("to replace it")  # the fix is not --force: refused too
-    refused(ConvertError, lambda: convert(source, project, "safetensors", force=True), "even with --force")
+    refused(ConvertError, lambda: convert(source, project, "safetensors", ConvertOptions(force=True)), "even with --force")
     assert tree(project) == before
     done = convert(source, tmp_path / "weights", "safetensors")  # works instead: a new path
     assert (done.out_path / "model.safetensors").is_file()
@@ -148,12 +149,12 @@ def test_37_convert_force_over_an_output_of_another_kind(tmp_path: Path) -> None
     before = tree(out)
     refused(
         ConvertError,
-        lambda: convert(source, out, "deepspeed", force=True, world_size=1, precision="32-true"),
+        lambda: convert(source, out, "deepspeed", ConvertOptions(force=True, world_size=1, precision="32-true")),
         "even with --force",
         "it was written by 'autoshard convert --to safetensors', not by 'autoshard convert --to deepspeed'",
     )
     assert tree(out) == before
-    convert(source, out, "safetensors", force=True)  # works: the same kind
+    convert(source, out, "safetensors", ConvertOptions(force=True))  # works: the same kind
     assert json.loads((out / MANIFEST).read_text())["kind"] == "autoshard convert --to safetensors"
 
 
@@ -164,7 +165,7 @@ def test_38_convert_force_over_its_own_output_holding_a_file_of_yours(tmp_path: 
     (out / "config.json").write_text("{}")  # the user completed the Hugging Face directory
     refused(
         ConvertError,
-        lambda: convert(source, out, "safetensors", force=True),
+        lambda: convert(source, out, "safetensors", ConvertOptions(force=True)),
         "it also holds config.json, which its autoshard-manifest.json does not list",
     )
     assert (out / "config.json").read_text() == "{}"
@@ -224,7 +225,7 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
 def corrupted_source(tmp_path: Path) -> Path:
     """A checkpoint whose reading fails loudly (a changed shard): a refusal that names the destination instead proves
     the destination was checked first, before anything was read."""
-    from autoshard.checkpoint_io import describe_files, write_manifest
+    from autoshard.checkpoint.publish import describe_files, write_manifest
 
     source = lightning_dcp(tmp_path / "last.ckpt")
     write_manifest(source / MANIFEST, describe_files(source, [p.name for p in source.iterdir()]))
@@ -443,7 +444,7 @@ def test_47_rank0_error_keeps_its_type_on_every_rank(tmp_path: Path) -> None:
 
     worker = Path(__file__).parent / "distributed" / "publish_worker.py"
     ranks = [r["rank0_failure"] for r in run_workers(worker, ["--scenarios", "rank0_failure"], tmp_path, 2, 150)]
-    assert ranks[0]["type"] == ranks[1]["type"] == "autoshard.checkpoint_io.CheckpointWriteError", ranks  # row 142: was FileExistsError
+    assert ranks[0]["type"] == ranks[1]["type"] == "autoshard.checkpoint.publish.CheckpointWriteError", ranks  # row 142: was FileExistsError
     assert ranks[0]["message"] == ranks[1]["message"] and "not-a-directory' is a file, not a directory" in ranks[1]["message"]
     assert ranks[1]["cause_type"] == "RankZeroTraceback"
     assert ranks[1]["cause"].startswith("rank 0's traceback (re-raised on rank 1):\nTraceback") and "acquire" in ranks[1]["cause"]
@@ -470,7 +471,7 @@ def test_49_a_save_killed_between_its_renames_still_resumes(tmp_path: Path) -> N
 def test_130_a_lock_file_that_cannot_be_opened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A lock file another user's crashed writer left (here: a directory in its place, as root reads any file) used
     to end the save in a raw OSError; it is refused naming the lock file, and nothing is written."""
-    from autoshard.checkpoint_io import CheckpointWriteError, Publisher, lock_path
+    from autoshard.checkpoint.publish import CheckpointWriteError, Publisher, lock_path
 
     source = lightning_dcp(tmp_path / "last.ckpt")
     weights = tmp_path / "weights.pt"

@@ -12,9 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from autoshard.checkpoint import DCP_METADATA, LIGHTNING_META, UntrustedPickleError
+from autoshard.checkpoint.formats import BUDGET_KEY, LIGHTNING_META, STATE_KEY
+from autoshard.checkpoint.resume import stored_budget_decision
+from autoshard.checkpoint.trust import DCP_METADATA, UntrustedPickleError
 from autoshard.lightning.budget import resuming_from
-from autoshard.lightning.checkpoint import BUDGET_KEY, STATE_KEY, stored_budget_decision
 
 DECISION = {"world_size": 2, "budget": 1000, "chosen": {"offload": "optimizer"}, "peak": 900, "backend": "deepspeed_zero3"}
 

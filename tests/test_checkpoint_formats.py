@@ -22,18 +22,12 @@ import pytest
 import torch
 from torch import nn
 
-import autoshard.checkpoint as ckpt
-import autoshard.checkpoint_io as ckpt_io
-from autoshard.checkpoint import (
-    CheckpointFormatError,
-    Format,
-    check_replaceable,
-    detect_format,
-    finish_interrupted_commit,
-    prepare_staging,
-    resolve_for_load,
-)
-from autoshard.checkpoint_io import aside_path, commit, staging_path
+from autoshard.capability import Format
+from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.publish import aside_path, commit, describe_files, integrity_problems, stage_sidecar, staging_path, write_manifest
+from autoshard.checkpoint.resume import check_integrity, finish_interrupted_commit, load_failure, resolve_for_load
+from autoshard.checkpoint.saves import check_replaceable, prepare_staging
+from autoshard.checkpoint.trust import CheckpointFormatError
 from autoshard.cli import main
 from autoshard.consolidate import cmd_consolidate, consolidate, register_cli
 
@@ -64,7 +58,7 @@ def write_lightning_dcp(path: Path, net: nn.Module, step: int = 3, with_meta: bo
 def as_autoshard_save(path: Path) -> Path:
     """The manifest autoshard's own save writes with a checkpoint (kind "autoshard save"): a save replaces only such a
     checkpoint (docs/bad-inputs.md row 141), so a hand-made one standing for an earlier save needs it."""
-    from autoshard.checkpoint_io import KIND_SAVE, MANIFEST, describe_files, sidecar_path, write_manifest
+    from autoshard.checkpoint.publish import KIND_SAVE, MANIFEST, describe_files, sidecar_path, write_manifest
 
     if path.is_dir():
         write_manifest(path / MANIFEST, describe_files(path, [p.name for p in path.iterdir() if p.is_file()]), KIND_SAVE)
@@ -299,16 +293,16 @@ def test_a_failed_forced_write_leaves_the_old_output_whole(tmp_path: Path, dcp_d
     out = tmp_path / "weights.pt"
     out.write_bytes(b"PK\x03\x04 the previous weights")
     sidecar = tmp_path / "weights.pt.autoshard-manifest.json"  # written by consolidate: --force may replace it
-    ckpt_io.write_manifest(sidecar, ckpt_io.describe_files(tmp_path, [out.name]), "autoshard consolidate")
+    write_manifest(sidecar, describe_files(tmp_path, [out.name]), "autoshard consolidate")
 
     def disk_full(obj: object, f: str | os.PathLike[str]) -> None:
         Path(f).write_bytes(b"PK\x03\x04 half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
         consolidate(dcp_dir, out, force=True)
-    assert out.read_bytes() == b"PK\x03\x04 the previous weights" and ckpt.check_integrity(out)
+    assert out.read_bytes() == b"PK\x03\x04 the previous weights" and check_integrity(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dcp_dir.name, out.name, sidecar.name])  # no staging
 
 
@@ -332,9 +326,9 @@ def sha256(path: Path) -> str:
 def with_manifest(path: Path) -> Path:
     """What autoshard's save adds: the manifest of every file, inside a directory or beside a file."""
     if path.is_dir():
-        ckpt_io.write_manifest(path / MANIFEST, ckpt_io.describe_files(path, [p.name for p in path.iterdir()]))
+        write_manifest(path / MANIFEST, describe_files(path, [p.name for p in path.iterdir()]))
     else:
-        ckpt_io.write_manifest(path.with_name(path.name + ".autoshard-manifest.json"), ckpt_io.describe_files(path.parent, [path.name]))
+        write_manifest(path.with_name(path.name + ".autoshard-manifest.json"), describe_files(path.parent, [path.name]))
     return path
 
 
@@ -363,7 +357,7 @@ def test_missing_and_truncated_files_are_named(dcp_dir: Path) -> None:
     size = (dcp_dir / "meta.pt").stat().st_size
     (dcp_dir / "meta.pt").write_bytes((dcp_dir / "meta.pt").read_bytes()[:10])
     (dcp_dir / ".metadata").unlink()
-    assert sorted(ckpt_io.integrity_problems(dcp_dir) or []) == [
+    assert sorted(integrity_problems(dcp_dir) or []) == [
         f"{str(dcp_dir / '.metadata')!r} is missing ({MANIFEST} lists it)",
         f"{str(dcp_dir / 'meta.pt')!r} holds 10 bytes where {MANIFEST} records {size:,d}",
     ]
@@ -374,7 +368,7 @@ def test_shares_of_the_check_cover_every_file_once(dcp_dir: Path) -> None:
     with_manifest(dcp_dir)
     flip_byte(dcp_dir / "__0_0.distcp", 200)
     flip_byte(dcp_dir / "meta.pt", 100)
-    shares = [ckpt_io.integrity_problems(dcp_dir, slice(rank, None, 2)) for rank in range(2)]
+    shares = [integrity_problems(dcp_dir, slice(rank, None, 2)) for rank in range(2)]
     assert sorted(p.split("'")[1].rsplit("/", 1)[1] for share in shares for p in share or []) == ["__0_0.distcp", "meta.pt"]
 
 
@@ -395,7 +389,7 @@ def saved_over(target: Path, step: int) -> Path:
     with_manifest(target)
     staged = prepare_staging(target)
     torch.save({"state_dict": {}, "global_step": step}, staged)
-    ckpt_io.stage_sidecar(target)
+    stage_sidecar(target)
     return staged
 
 
@@ -404,7 +398,7 @@ def test_a_full_file_and_its_manifest_are_swapped_in_together(tmp_path: Path) ->
     sidecar = tmp_path / "x.ckpt.autoshard-manifest.json"
     commit(saved_over(target, step=2), target)
     assert sorted(p.name for p in tmp_path.iterdir()) == [target.name, sidecar.name]
-    assert ckpt.check_integrity(target) and torch.load(target)["global_step"] == 2
+    assert check_integrity(target) and torch.load(target)["global_step"] == 2
     staged = prepare_staging(target)  # a directory replaces the file: the file's manifest goes with it
     write_lightning_dcp(staged, model())
     commit(staged, target)
@@ -417,12 +411,12 @@ def test_full_file_manifest_survives_a_crash_between_its_two_renames(tmp_path: P
     target = tmp_path / "model.ckpt"
     sidecar = tmp_path / "model.ckpt.autoshard-manifest.json"
     os.replace(saved_over(target, step=22), target)  # commit's first rename; killed here
-    assert torch.load(target)["global_step"] == 22 and ckpt.check_integrity(target)
+    assert torch.load(target)["global_step"] == 22 and check_integrity(target)
     finish_interrupted_commit(target)
-    assert not staging_path(sidecar).exists() and ckpt.check_integrity(target)
+    assert not staging_path(sidecar).exists() and check_integrity(target)
     torch.save({"state_dict": {}, "global_step": 333}, target)  # replaced by hand, the manifest left stale
     with pytest.raises(CheckpointFormatError, match=f"{target.name}'? holds .* bytes where {sidecar.name} records"):
-        ckpt.check_integrity(target)
+        check_integrity(target)
 
 
 def test_removing_a_full_checkpoint_removes_its_manifest(tmp_path: Path) -> None:
@@ -445,14 +439,14 @@ def test_removing_a_full_checkpoint_removes_its_manifest(tmp_path: Path) -> None
 def test_another_models_keys_are_named(dcp_dir: Path) -> None:
     """What resuming another model's checkpoint raises instead of torch's CheckpointException (a BaseException)."""
     other = {"0.weight": (8, 4), "0.bias": (9,), "3.weight": (2, 8)}
-    text = str(ckpt.load_failure(dcp_dir, "Other", other, {0: (RuntimeError("Missing key"), None)}))
+    text = str(load_failure(dcp_dir, "Other", other, {0: (RuntimeError("Missing key"), None)}))
     assert text.startswith(
         f"cannot resume from {str(dcp_dir)!r}: its model weights do not match this Other: 1 missing from the checkpoint:"
         " 3.weight; 2 in the checkpoint but not in the model: 2.bias, 2.weight; 1 with another shape: 0.bias"
         " (checkpoint (8,), model (9,)). Fix: resume from a checkpoint of this model"
     ), text
     same = {k: tuple(v.shape) for k, v in model().state_dict().items()}
-    text = str(ckpt.load_failure(dcp_dir, "Net", same, {1: (RuntimeError("optimizer_0 missing\ntrace"), None)}))
+    text = str(load_failure(dcp_dir, "Net", same, {1: (RuntimeError("optimizer_0 missing\ntrace"), None)}))
     assert "torch.distributed.checkpoint failed on rank(s) 1: RuntimeError: optimizer_0 missing. Fix:" in text
 
 

@@ -1,5 +1,5 @@
 """How the checkpoint tools are laid out, read from src/: DeepSpeed's file names are spelled in one module
-(``autoshard.deepspeed_files``), and no module imports another's underscore name (what is shared is public)."""
+(``autoshard.checkpoint.deepspeed_layout``), and no module imports another's underscore name (what is shared is public)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "autoshard"
-# Spellings of DeepSpeed's files: a code string holding one outside deepspeed_files is a second copy of the layout.
+# Spellings of DeepSpeed's files: a code string holding one outside deepspeed_layout is a second copy of the layout.
 DEEPSPEED_SPELLINGS = ("model_states.pt", "optim_states.pt", "zero_pp_rank_(", "zero_pp_rank_{", "mp_rank_*", "zero_to_fp32.py", "offloaded_tensors")
 DEEPSPEED_NAMES = ("latest", "_forward_module.", "bf16_")
 
@@ -34,7 +34,7 @@ def _code_strings(tree: ast.AST) -> list[ast.Constant]:
 def deepspeed_spellings(root: Path) -> list[str]:
     found = []
     for f in sorted(root.rglob("*.py")):
-        if f.name == "deepspeed_files.py":
+        if f.name == "deepspeed_layout.py":
             continue
         for node in sorted(_code_strings(ast.parse(f.read_text())), key=lambda n: n.lineno):
             text = node.value
@@ -45,7 +45,7 @@ def deepspeed_spellings(root: Path) -> list[str]:
 
 def test_deepspeed_files_are_spelled_in_one_module() -> None:
     found = deepspeed_spellings(PACKAGE)
-    assert not found, f"use autoshard.deepspeed_files instead of spelling DeepSpeed's files: {found}"
+    assert not found, f"use autoshard.checkpoint.deepspeed_layout instead of spelling DeepSpeed's files: {found}"
 
 
 def test_the_spelling_scan_finds_a_second_copy(tmp_path: Path) -> None:

@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.checkpoint import CheckpointFormatError, Format, detect_format
-from autoshard.convert import ConvertError, OptimizerState, TrainingState, convert, parse_size, read_checkpoint, write_dcp
+from autoshard.capability import Format
+from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.trust import CheckpointFormatError
+from autoshard.convert import ConvertError, ConvertOptions, OptimizerState, TrainingState, convert, parse_size, read_checkpoint, write_dcp
 from autoshard.errors import IntentError
 from autoshard.init_from import InitFromError, load_init_from, plan_init_from
 from autoshard.intent import ShardingIntent
@@ -83,7 +85,7 @@ def test_dcp_to_deepspeed_to_dcp_is_exact_at_any_world_size(dcp: tuple[Path, Tra
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     src, original = dcp
-    to_ds = convert(src, tmp_path / "ds3", "deepspeed", world_size=3, precision="32-true")
+    to_ds = convert(src, tmp_path / "ds3", "deepspeed", ConvertOptions(world_size=3, precision="32-true"))
     assert detect_format(tmp_path / "ds3").format is Format.DEEPSPEED
     assert sorted(p.name for p in (tmp_path / "ds3" / "checkpoint").iterdir()) == sorted(
         f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(3) for kind in ("model", "optim")
@@ -92,7 +94,7 @@ def test_dcp_to_deepspeed_to_dcp_is_exact_at_any_world_size(dcp: tuple[Path, Tra
     # DeepSpeed's own reader reassembles the weights from the 3 ranks' partitions written here.
     weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds3"))
     assert all(torch.equal(weights[n], original.tensors[n]) for n in original.tensors)
-    resharded = convert(tmp_path / "ds3", tmp_path / "ds2", "deepspeed", world_size=2)  # DeepSpeed alone cannot
+    resharded = convert(tmp_path / "ds3", tmp_path / "ds2", "deepspeed", ConvertOptions(world_size=2))  # DeepSpeed alone cannot
     assert resharded.source_world_size == 3 and resharded.target_world_size == 2
     back = convert(tmp_path / "ds2", tmp_path / "back", "dcp")
     assert back.source_format == "deepspeed" and back.buffers == 1
@@ -102,7 +104,7 @@ def test_dcp_to_deepspeed_to_dcp_is_exact_at_any_world_size(dcp: tuple[Path, Tra
 def test_converted_output_is_published_whole_and_checked(dcp: tuple[Path, TrainingState], tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     src, _ = dcp
-    convert(src, tmp_path / "ds", "deepspeed", world_size=2, precision="bf16-mixed")
+    convert(src, tmp_path / "ds", "deepspeed", ConvertOptions(world_size=2, precision="bf16-mixed"))
     out = tmp_path / "ds"
     manifest = json.loads((out / "autoshard-manifest.json").read_text())
     assert {"latest", "autoshard-convert.json", "checkpoint/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(manifest["files"])
@@ -128,7 +130,7 @@ def test_safetensors_is_what_hugging_face_loads_tied_weights_once(tmp_path: Path
     model = transformers.GPT2LMHeadModel(config)
     wrapped = {f"model.{k}": v for k, v in model.state_dict().items()}  # a LightningModule holding it as self.model
     torch.save({"state_dict": wrapped, **TRAINER}, tmp_path / "last.ckpt")  # torch.save keeps the tie (one storage)
-    done = convert(tmp_path / "last.ckpt", tmp_path / "hf", "safetensors", module="model", max_shard_size="40KB")
+    done = convert(tmp_path / "last.ckpt", tmp_path / "hf", "safetensors", ConvertOptions(module="model", max_shard_size="40KB"))
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert "model.safetensors.index.json" in files and "model-00001-of-00004.safetensors" in files, files
     assert done.tensors == 29 and any("lm_head.weight -> transformer.wte.weight" in n for n in done.notes)
@@ -163,14 +165,14 @@ def test_refuses_an_existing_output_and_the_source_itself(dcp: tuple[Path, Train
     ):
         convert(src, tmp_path / "taken", "safetensors")
     with pytest.raises(ConvertError, match=r"even with --force: .*autoshard did not write it"):
-        convert(src, tmp_path / "taken", "safetensors", force=True)
+        convert(src, tmp_path / "taken", "safetensors", ConvertOptions(force=True))
     assert (tmp_path / "taken" / "mine.txt").read_text() == "keep me"
     with pytest.raises(ConvertError, match="it is the checkpoint being converted. Fix: choose another output path"):
-        convert(src, src, "safetensors", force=True)
+        convert(src, src, "safetensors", ConvertOptions(force=True))
     convert(src, tmp_path / "hf", "safetensors")
     with pytest.raises(ConvertError, match=r"refusing to overwrite .*hf'.*Fix: choose a new output path, or pass --force"):
         convert(src, tmp_path / "hf", "safetensors")
-    convert(src, tmp_path / "hf", "safetensors", force=True)  # its own output: replaced only once the new one is complete
+    convert(src, tmp_path / "hf", "safetensors", ConvertOptions(force=True))  # its own output: replaced only once the new one is complete
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
@@ -181,7 +183,7 @@ def test_refuses_an_optimizer_keyed_by_position(tmp_path: Path) -> None:
     opt.step()
     torch.save({"state_dict": net.state_dict(), "optimizer_states": [opt.state_dict()], **TRAINER}, tmp_path / "ddp.ckpt")
     with pytest.raises(ConvertError) as info:
-        convert(tmp_path / "ddp.ckpt", tmp_path / "out", "deepspeed", world_size=2, precision="32-true")
+        convert(tmp_path / "ddp.ckpt", tmp_path / "out", "deepspeed", ConvertOptions(world_size=2, precision="32-true"))
     text = str(info.value)
     assert "optimizer #0 of" in text and "keyed by position (0, 1, 2, 3, ...)" in text
     assert "Fix: resume it once with strategy='fsdp2'" in text and "--to safetensors" in text
@@ -194,21 +196,21 @@ def test_refuses_what_deepspeed_cannot_hold(tmp_path: Path) -> None:
     two.optimizers.append(OptimizerState([], {}))
     write_dcp(two, tmp_path / "two")
     with pytest.raises(ConvertError, match="holds 2 optimizers, and a DeepSpeed checkpoint holds exactly one optimizer's state. Fix:"):
-        convert(tmp_path / "two", tmp_path / "o1", "deepspeed", world_size=2, precision="32-true")
+        convert(tmp_path / "two", tmp_path / "o1", "deepspeed", ConvertOptions(world_size=2, precision="32-true"))
     odd = trained_state(tmp_path / "odd")
     odd.optimizers[0].state["head.bias"]["step"] = torch.tensor(1.0)  # a parameter that stepped once less
     write_dcp(odd, tmp_path / "odd")
     with pytest.raises(
         ConvertError, match=r"optimizer state 'step' differs between parameters \(head.weight: 2, head.bias: 1\).*one 'step' per flat group"
     ):
-        convert(tmp_path / "odd", tmp_path / "o2", "deepspeed", world_size=2, precision="32-true")
+        convert(tmp_path / "odd", tmp_path / "o2", "deepspeed", ConvertOptions(world_size=2, precision="32-true"))
     factored = trained_state(tmp_path / "factored")
     factored.optimizers[0].state["body.weight"]["exp_avg_sq_row"] = torch.ones(7)  # Adafactor-like: one value per row
     write_dcp(factored, tmp_path / "factored")
     with pytest.raises(
         ConvertError, match=r"'exp_avg_sq_row' of body.weight has shape \(7,\), not the parameter's \(7, 5\), so it has no per-element mapping"
     ):
-        convert(tmp_path / "factored", tmp_path / "o3", "deepspeed", world_size=2, precision="32-true")
+        convert(tmp_path / "factored", tmp_path / "o3", "deepspeed", ConvertOptions(world_size=2, precision="32-true"))
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))
 
 
@@ -220,18 +222,18 @@ def test_refuses_what_is_already_the_target_or_has_no_trainer_state(dcp: tuple[P
     with pytest.raises(
         ConvertError, match=r"holds no Lightning trainer state \(epoch, global_step, loops\).*Fix: convert the weights with --to safetensors"
     ):
-        convert(tmp_path / "weights.pt", tmp_path / "o", "deepspeed", world_size=2, precision="32-true")
+        convert(tmp_path / "weights.pt", tmp_path / "o", "deepspeed", ConvertOptions(world_size=2, precision="32-true"))
     with pytest.raises(ConvertError, match="--max-shard-size 'lots' is not a size. Fix: write it as 5GB"):
-        convert(src, tmp_path / "o", "safetensors", max_shard_size="lots")
+        convert(src, tmp_path / "o", "safetensors", ConvertOptions(max_shard_size="lots"))
     with pytest.raises(
         ConvertError,
         match=r"--to deepspeed needs the precision of the run that resumes it: DeepSpeed names its optimizer files after it \(bf16_zero_pp_rank_\* under bf16\).*Fix: pass --precision",
     ):
-        convert(src, tmp_path / "o", "deepspeed", world_size=2)
+        convert(src, tmp_path / "o", "deepspeed", ConvertOptions(world_size=2))
     with pytest.raises(ConvertError, match="fp16 training resumes with its dynamic loss scale, which only a DeepSpeed fp16 checkpoint holds"):
-        convert(src, tmp_path / "o", "deepspeed", world_size=2, precision="16-mixed")
+        convert(src, tmp_path / "o", "deepspeed", ConvertOptions(world_size=2, precision="16-mixed"))
     with pytest.raises(ConvertError, match="--module 'head' keeps one submodule's weights, which only --to safetensors writes"):
-        convert(src, tmp_path / "o", "deepspeed", module="head")
+        convert(src, tmp_path / "o", "deepspeed", ConvertOptions(module="head"))
     (tmp_path / "notes").mkdir()
     with pytest.raises(ConvertError, match="cannot convert: .*is a directory holding nothing"):
         convert(tmp_path / "notes", tmp_path / "o", "safetensors")

@@ -1,4 +1,4 @@
-"""The DeepSpeed members autoshard calls, unpickles or mirrors (``autoshard.deepspeed_files.PRIVATE_MEMBERS``), one
+"""The DeepSpeed members autoshard calls, unpickles or mirrors (``autoshard.checkpoint.deepspeed_layout.PRIVATE_MEMBERS``), one
 check each, and autoshard's spelling of DeepSpeed's files checked against DeepSpeed's own functions on the installed
 release: a DeepSpeed upgrade that renames a file, changes the partition rule or adds a key to model_states fails here,
 by name, not halfway through a conversion. The list is complete: src/ is read, and a DeepSpeed private the code
@@ -20,8 +20,8 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from autoshard import deepspeed_files as dsf
-from autoshard.deepspeed_files import PRIVATE_MEMBERS
+from autoshard.checkpoint import deepspeed_layout as dsf
+from autoshard.checkpoint.deepspeed_layout import PRIVATE_MEMBERS
 from autoshard.torch_compat import Member
 from tests.test_torch_compat import private_references
 
@@ -34,7 +34,7 @@ def test_the_installed_deepspeed_is_in_the_checked_range() -> None:
     installed = dsf.installed_version()
     assert installed is not None
     assert SpecifierSet(dsf.SUPPORTED_DEEPSPEED).contains(Version(installed)), (
-        f"deepspeed {installed} is outside {dsf.SUPPORTED_DEEPSPEED}, the releases autoshard.deepspeed_files was checked on:"
+        f"deepspeed {installed} is outside {dsf.SUPPORTED_DEEPSPEED}, the releases autoshard.checkpoint.deepspeed_layout was checked on:"
         f" run this file's checks, then widen the range"
     )
 
@@ -69,7 +69,7 @@ def test_every_listed_member_is_used_where_the_list_says(member: Member) -> None
 def test_every_deepspeed_private_the_code_reaches_is_listed() -> None:
     listed = {m.dotted for m in PRIVATE_MEMBERS}
     unlisted = sorted(f"{name} ({where})" for name, where in private_references(SRC, ("deepspeed",)) if name not in listed)
-    assert not unlisted, f"add to autoshard.deepspeed_files.PRIVATE_MEMBERS: {unlisted}"
+    assert not unlisted, f"add to autoshard.checkpoint.deepspeed_layout.PRIVATE_MEMBERS: {unlisted}"
 
 
 def test_file_names_are_the_ones_the_engine_writes_and_loads() -> None:

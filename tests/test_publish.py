@@ -1,4 +1,4 @@
-"""The one publish protocol (autoshard.checkpoint_io.Publisher) in one process and its forks: staging names unique
+"""The one publish protocol (autoshard.checkpoint.publish.Publisher) in one process and its forks: staging names unique
 to each writer, the destination's lock, recovery of an interrupted save whatever its writer's name, what --force
 may replace, the writability probe, and how rank 0's error reaches the other ranks.
 
@@ -19,15 +19,24 @@ import pytest
 import torch
 from torch import nn
 
-import autoshard.checkpoint_io as cio
-from autoshard.checkpoint import (
-    CheckpointFormatError,
-    check_integrity,
-    finish_interrupted_commit,
-    prepare_staging,
-    resolve_for_load,
+from autoshard.checkpoint.publish import (
+    MANIFEST,
+    Publisher,
+    aside_path,
+    describe_files,
+    foreign_content,
+    lock_path,
+    sidecar_path,
+    stage_sidecar,
+    staged_siblings,
+    staging_path,
+    token_of,
+    unwritable,
+    write_manifest,
 )
-from autoshard.lightning.checkpoint import RankZeroTraceback, error_payload, on_rank0, rebuild_error
+from autoshard.checkpoint.resume import check_integrity, finish_interrupted_commit, resolve_for_load
+from autoshard.checkpoint.saves import RankZeroTraceback, error_payload, on_rank0, prepare_staging, rebuild_error
+from autoshard.checkpoint.trust import CheckpointFormatError
 from tests.test_checkpoint_formats import as_autoshard_save
 
 pytestmark = [
@@ -50,34 +59,34 @@ def write_dcp(path: Path, step: int) -> Path:
 # -- staging names -------------------------------------------------------------------------------------------------
 def test_each_writer_stages_under_a_name_of_its_own(tmp_path: Path) -> None:
     target = tmp_path / "last.ckpt"
-    a, b = cio.Publisher(target), cio.Publisher(target)
+    a, b = Publisher(target), Publisher(target)
     assert a.staged != b.staged and a.token != b.token and a.token.startswith(f"{os.getpid()}-")
-    for staged in (a.staged, b.staged, cio.lock_path(target)):
+    for staged in (a.staged, b.staged, lock_path(target)):
         # hidden, beside it (same filesystem: the rename is atomic), never ModelCheckpoint's last*.ckpt
         assert staged.parent == tmp_path and staged.name.startswith(".last.ckpt.") and staged.suffix != ".ckpt"
     a.staged.mkdir()
     b.staged.write_bytes(b"x")
-    cio.staging_path(target).mkdir()  # the single name of autoshard before tokens: found too
+    staging_path(target).mkdir()  # the single name of autoshard before tokens: found too
     (tmp_path / ".last.ckpt.autoshard-tmpfoo").mkdir()  # not a staging of last.ckpt
-    assert sorted(cio.staged_siblings(target)) == sorted([a.staged, b.staged, cio.staging_path(target)])
-    assert cio.token_of(a.staged, target) == a.token and cio.token_of(cio.staging_path(target), target) == ""
+    assert sorted(staged_siblings(target)) == sorted([a.staged, b.staged, staging_path(target)])
+    assert token_of(a.staged, target) == a.token and token_of(staging_path(target), target) == ""
 
 
 # -- recovery of an interrupted save, whatever its writer's name --------------------------------------------------
 def test_a_save_killed_between_its_renames_is_recovered_under_its_unique_name(tmp_path: Path) -> None:
     target = tmp_path / "last.ckpt"
-    write_dcp(cio.aside_path(target), step=3)  # the old one, moved aside
-    older = write_dcp(cio.staging_path(target, "111-aaaa"), step=5)  # a complete staging of an earlier dead writer
+    write_dcp(aside_path(target), step=3)  # the old one, moved aside
+    older = write_dcp(staging_path(target, "111-aaaa"), step=5)  # a complete staging of an earlier dead writer
     os.utime(older, (time.time() - 60, time.time() - 60))
-    newest = as_autoshard_save(write_dcp(cio.staging_path(target, "222-bbbb"), step=9))  # killed between its two renames
-    partial = cio.staging_path(target, "333-cccc")
+    newest = as_autoshard_save(write_dcp(staging_path(target, "222-bbbb"), step=9))  # killed between its two renames
+    partial = staging_path(target, "333-cccc")
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"torn")  # a live-looking but partial one: never picked
     with pytest.warns(UserWarning, match="a save to it was interrupted"):
         assert resolve_for_load(target) == newest
     assert finish_interrupted_commit(target) == newest
     assert torch.load(target / "meta.pt")["global_step"] == 9
-    assert prepare_staging(target, "444-dddd") == cio.staging_path(target, "444-dddd")
+    assert prepare_staging(target, "444-dddd") == staging_path(target, "444-dddd")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # dead writers' stagings and the aside cleared
 
 
@@ -86,12 +95,12 @@ def test_a_full_files_manifest_follows_its_own_writers_file(tmp_path: Path) -> N
     another writer's complete staged pair is not mistaken for it."""
     target = tmp_path / "model.ckpt"
     for token, step in (("1-aa", 1), ("2-bb", 2)):
-        torch.save({"global_step": step}, cio.staging_path(target, token))
-        cio.stage_sidecar(target, token)
-    os.replace(cio.staging_path(target, "2-bb"), target)  # writer 2's first rename; killed here
+        torch.save({"global_step": step}, staging_path(target, token))
+        stage_sidecar(target, token)
+    os.replace(staging_path(target, "2-bb"), target)  # writer 2's first rename; killed here
     assert check_integrity(target)  # checked against writer 2's staged manifest, not writer 1's
     finish_interrupted_commit(target)
-    assert json.loads(cio.sidecar_path(target).read_text())["files"]["model.ckpt"]["size"] == target.stat().st_size
+    assert json.loads(sidecar_path(target).read_text())["files"]["model.ckpt"]["size"] == target.stat().st_size
     prepare_staging(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt", "model.ckpt.autoshard-manifest.json"]
 
@@ -99,7 +108,7 @@ def test_a_full_files_manifest_follows_its_own_writers_file(tmp_path: Path) -> N
 # -- the lock --------------------------------------------------------------------------------------------------------
 def _take_lock(path: str, started: object, queue: object, hold: float = 0.0) -> None:
     started.set()  # type: ignore[attr-defined]
-    with cio.Publisher(path):
+    with Publisher(path):
         got = time.monotonic()
         time.sleep(hold)
         queue.put((got, time.monotonic()))  # type: ignore[attr-defined]
@@ -122,13 +131,13 @@ def waiting_on(process: multiprocessing.process.BaseProcess, lock: Path) -> None
 
 def test_the_lock_is_exclusive_names_its_holder_and_leaves_nothing(tmp_path: Path) -> None:
     target = tmp_path / "out.pt"
-    holder = cio.Publisher(target).acquire()
-    assert cio.lock_path(target).read_text().startswith(f"pid {os.getpid()} on ")
+    holder = Publisher(target).acquire()
+    assert lock_path(target).read_text().startswith(f"pid {os.getpid()} on ")
     started, queue = FORK.Event(), FORK.Queue()
     waiter = FORK.Process(target=_take_lock, args=(str(target), started, queue))
     waiter.start()
     started.wait(10)
-    waiting_on(waiter, cio.lock_path(target))
+    waiting_on(waiter, lock_path(target))
     time.sleep(0.3)
     assert queue.empty()  # still waiting
     released = time.monotonic()
@@ -143,17 +152,17 @@ def test_a_writer_waiting_on_a_removed_lock_file_locks_the_new_one(tmp_path: Pat
     """The holder removes the lock file when it releases; a writer that was waiting on the old file must not think
     it holds the lock while a third writer holds the new file: the three hold it one after the other."""
     target = tmp_path / "out.pt"
-    first = cio.Publisher(target).acquire()
+    first = Publisher(target).acquire()
     started, queue = FORK.Event(), FORK.Queue()
     waiter = FORK.Process(target=_take_lock, args=(str(target), started, queue, 0.5))
     waiter.start()
     started.wait(10)
-    waiting_on(waiter, cio.lock_path(target))  # the waiter has opened the old lock file and blocks on it
+    waiting_on(waiter, lock_path(target))  # the waiter has opened the old lock file and blocks on it
     held = [(0.0, time.monotonic())]
     first.release()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "is being written by": when the waiter was quicker, this one waits
-        third = cio.Publisher(target).acquire()  # a new lock file (or the waiter's, after it)
+        third = Publisher(target).acquire()  # a new lock file (or the waiter's, after it)
     got = time.monotonic()
     time.sleep(0.5)
     held.append((got, time.monotonic()))
@@ -168,7 +177,7 @@ def test_a_writer_waiting_on_a_removed_lock_file_locks_the_new_one(tmp_path: Pat
 def test_an_error_inside_removes_this_writers_staging_and_releases(tmp_path: Path) -> None:
     target = tmp_path / "out.pt"
     with pytest.raises(OSError, match="disk full"):
-        with cio.Publisher(target) as publisher:
+        with Publisher(target) as publisher:
             publisher.staged.write_bytes(b"half")
             raise OSError("disk full")
     assert list(tmp_path.iterdir()) == []
@@ -179,30 +188,30 @@ def test_foreign_content_says_what_autoshard_did_not_write(tmp_path: Path) -> No
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"w")
-    assert cio.foreign_content(out, "k") == "autoshard did not write it (no autoshard-manifest.json in it)"
-    cio.write_manifest(out / cio.MANIFEST, cio.describe_files(out, ["model.safetensors"]), "k")
-    assert cio.foreign_content(out, "k") is None
-    assert cio.foreign_content(out, "other") == "it was written by 'k', not by 'other' (its autoshard-manifest.json says so)"
+    assert foreign_content(out, "k") == "autoshard did not write it (no autoshard-manifest.json in it)"
+    write_manifest(out / MANIFEST, describe_files(out, ["model.safetensors"]), "k")
+    assert foreign_content(out, "k") is None
+    assert foreign_content(out, "other") == "it was written by 'k', not by 'other' (its autoshard-manifest.json says so)"
     (out / "notes").mkdir()
     (out / "notes" / "todo.txt").write_text("mine")
-    assert "it also holds notes/todo.txt, which its autoshard-manifest.json does not list" in (cio.foreign_content(out, "k") or "")
+    assert "it also holds notes/todo.txt, which its autoshard-manifest.json does not list" in (foreign_content(out, "k") or "")
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"PK\x03\x04 weights")
-    assert cio.foreign_content(weights, "k") == "autoshard did not write it (no w.pt.autoshard-manifest.json beside it)"
-    cio.write_manifest(cio.sidecar_path(weights), cio.describe_files(tmp_path, ["w.pt"]), "k")
-    assert cio.foreign_content(weights, "k") is None
+    assert foreign_content(weights, "k") == "autoshard did not write it (no w.pt.autoshard-manifest.json beside it)"
+    write_manifest(sidecar_path(weights), describe_files(tmp_path, ["w.pt"]), "k")
+    assert foreign_content(weights, "k") is None
     weights.write_bytes(b"PK\x03\x04 replaced by hand, longer")
-    assert "it was changed after autoshard wrote it" in (cio.foreign_content(weights, "k") or "")
+    assert "it was changed after autoshard wrote it" in (foreign_content(weights, "k") or "")
     link = tmp_path / "link"
     link.symlink_to(out)
-    assert "symlink" in (cio.foreign_content(link, "k") or "")
+    assert "symlink" in (foreign_content(link, "k") or "")
 
 
 def test_unwritable_tries_for_real(tmp_path: Path) -> None:
-    assert cio.unwritable(tmp_path / "a" / "b" / "out.pt") is None and not (tmp_path / "a").exists()
+    assert unwritable(tmp_path / "a" / "b" / "out.pt") is None and not (tmp_path / "a").exists()
     (tmp_path / "file").write_text("x")
-    assert cio.unwritable(tmp_path / "file" / "out.pt") == f"{str(tmp_path / 'file')!r} is a file, not a directory"
-    assert "cannot be created" in (cio.unwritable(tmp_path / "file" / "sub" / "out.pt") or "")
+    assert unwritable(tmp_path / "file" / "out.pt") == f"{str(tmp_path / 'file')!r} is a file, not a directory"
+    assert "cannot be created" in (unwritable(tmp_path / "file" / "sub" / "out.pt") or "")
     assert list(tmp_path.iterdir()) == [tmp_path / "file"]  # the probe is gone
 
 

@@ -1,7 +1,7 @@
 """``autoshard consolidate CKPT OUT.pt``: one plain ``{name: tensor}`` file of full weights from any checkpoint.
 
-Apart from ``checkpoint.py`` because it is a command of its own: it reads a whole checkpoint (DeepSpeed's through
-its zero_to_fp32) and writes a new file, where ``checkpoint.py`` only tells what a path holds.
+A command on top of the ``checkpoint`` package: it reads a whole checkpoint (DeepSpeed's through its zero_to_fp32)
+with the package's reader and writes a new file through its publish protocol.
 """
 
 from __future__ import annotations
@@ -20,22 +20,13 @@ from typing import Any, TextIO
 
 import torch
 
-from autoshard import deepspeed_files
 from autoshard.capability import Format
-from autoshard.checkpoint import (
-    CONSOLIDATE,
-    CheckpointFormatError,
-    dcp_keys,
-    describe,
-    detect_format,
-    flat_tensors,
-    load_dcp_entries,
-    load_torch_file,
-    model_entry,
-    open_checkpoint,
-    weights_only_loads,
-)
-from autoshard.checkpoint_io import Clash, Publisher, output_clash
+from autoshard.checkpoint import deepspeed_layout
+from autoshard.checkpoint.formats import describe
+from autoshard.checkpoint.publish import Clash, Publisher, output_clash, output_refusal
+from autoshard.checkpoint.readers import dcp_keys, flat_tensors, load_dcp_entries, model_entry
+from autoshard.checkpoint.resume import CONSOLIDATE, open_checkpoint
+from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file, weights_only_loads
 
 KIND_CONSOLIDATE = "autoshard consolidate"  # the kind in OUT.pt's sidecar manifest: what --force may replace
 
@@ -93,12 +84,12 @@ def _load_deepspeed(path: Path, tag: str, trust_pickle: bool = False) -> dict[st
             f"{str(path)!r} is a DeepSpeed checkpoint and deepspeed is needed to convert it ({exc}). Fix: pip install"
             f' "autoshard[deepspeed]" (no GPU needed), then run `{CONSOLIDATE.format(path=path)}` again'
         ) from None
-    deepspeed_files.check_version()
+    deepspeed_layout.check_version()
     for f in sorted((path / tag).glob("*.pt")):
         load_torch_file(f, action="consolidate", trust_pickle=trust_pickle)
     with weights_only_loads(trust_pickle):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
-    return {k.removeprefix(deepspeed_files.LIGHTNING_PREFIX): v for k, v in state.items()}
+    return {k.removeprefix(deepspeed_layout.LIGHTNING_PREFIX): v for k, v in state.items()}
 
 
 def consolidate(
@@ -114,7 +105,7 @@ def consolidate(
     Runs in one CPU process whatever world size wrote the checkpoint; ``model.load_state_dict(torch.load(out))``
     on the unsharded module then passes with ``strict=True``. The checkpoint's files are checked against its manifest
     first, and unpickled without running code unless ``trust_pickle`` (``checkpoint.load_torch_file``). An existing output is never touched without ``force``; with it, only a file consolidate wrote (its
-    sidecar manifest says so) is replaced, and only by the complete new one (checkpoint_io's publish protocol).
+    sidecar manifest says so) is replaced, and only by the complete new one (checkpoint.publish's publish protocol).
     """
     start = time.perf_counter()
     out = Path(out_path)
@@ -153,42 +144,34 @@ def consolidate(
     )
 
 
+REFUSALS = {  # of OUT, in consolidate's words (``publish.output_refusal``)
+    Clash.SAME: "refusing to write {out!r}: it is the checkpoint being consolidated. Fix: choose another output path",
+    Clash.INSIDE: "refusing to write {out!r}: it is inside the checkpoint being consolidated ({source!r}), which would"
+    " then hold a file its save did not write (and the next save to it, which replaces it whole, would delete it). Fix:"
+    " choose an output path outside it, e.g. {weights!r}",
+    Clash.EXISTS: "refusing to overwrite {out!r}: it already exists ({what}), and consolidate would replace it with"
+    " weights only. Fix: choose another output path, or pass --force (force=True) to replace it",
+    Clash.FOREIGN: "refusing to overwrite {out!r}{even}: it already exists ({what}), and {detail}: --force replaces only"
+    " a file consolidate wrote. Fix: choose another output path, or move {out!r} away first",
+}
+REFUSALS[Clash.HOLDS] = REFUSALS[Clash.INSIDE]  # HOLDS needs a directory at OUT, refused first
+
+
 def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
     """Refuse, before reading the checkpoint (and again under the lock, before the rename): a directory, then what
-    ``checkpoint_io.output_clash`` refuses for every offline writer (the checkpoint itself or a path inside it, a
+    ``publish.output_clash`` refuses for every offline writer (the checkpoint itself or a path inside it, a
     place nothing can be written, an existing file, unless ``force`` and consolidate wrote it: its sidecar manifest
     says so), in consolidate's words."""
     if out.is_dir():
         raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
     found = output_clash(out, source, KIND_CONSOLIDATE, force=force)
-    if found is None:
-        return
-    if found.clash is Clash.SAME:
-        raise CheckpointFormatError(f"refusing to write {str(out)!r}: it is the checkpoint being consolidated. Fix: choose another output path")
-    if found.clash in (Clash.INSIDE, Clash.HOLDS):  # HOLDS needs a directory at OUT, refused above
-        assert source is not None
-        raise CheckpointFormatError(
-            f"refusing to write {str(out)!r}: it is inside the checkpoint being consolidated ({str(source)!r}), which"
-            f" would then hold a file its save did not write (and the next save to it, which replaces it whole,"
-            f" would delete it). Fix: choose an output path outside it, e.g. {str(source.parent / 'weights.pt')!r}"
-        )
-    if found.clash is Clash.UNWRITABLE:
-        raise CheckpointFormatError(found.detail)
-    what = detect_format(out, verify=False).detail
-    if found.clash is Clash.EXISTS:
-        raise CheckpointFormatError(
-            f"refusing to overwrite {str(out)!r}: it already exists ({what}), and consolidate would replace it with"
-            f" weights only. Fix: choose another output path, or pass --force (force=True) to replace it"
-        )
-    even = " even with --force" if force else ""
-    raise CheckpointFormatError(
-        f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {found.detail}: --force replaces"
-        f" only a file consolidate wrote. Fix: choose another output path, or move {str(out)!r} away first"
-    )
+    if found is not None:
+        weights = str(source.parent / "weights.pt") if source is not None else ""
+        raise CheckpointFormatError(output_refusal(found, out, source, force, REFUSALS, weights=weights))
 
 
 def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source: Path) -> None:
-    """checkpoint_io's publish protocol: under ``out``'s lock, staged under this writer's own name and fsynced with
+    """checkpoint.publish's publish protocol: under ``out``'s lock, staged under this writer's own name and fsynced with
     its sidecar manifest, ``out`` checked again (another writer may have published meanwhile), then renamed. A
     failure at any point leaves ``out`` as it was and removes the staging."""
     with Publisher(out) as publisher:
@@ -225,33 +208,35 @@ def refuse_module_run(command: str, usage: str, argv: Sequence[str]) -> int:
     return 2
 
 
+def command_parser(subparsers: argparse._SubParsersAction, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """``autoshard NAME``'s parser (abbreviated options refused, as every autoshard command refuses them)."""
+    return subparsers.add_parser(name, allow_abbrev=False, help=help, description=description)
+
+
+def add_writer_flags(parser: argparse.ArgumentParser, force: str, source: str, trusted: str) -> None:
+    """--force (``force``: what it replaces) and --trust-pickle (what it unpickles), for consolidate and convert."""
+    parser.add_argument("--force", action="store_true", help=force)
+    trust = f"unpickle {source} as torch.load(weights_only=False) does, running any code it holds: only for {trusted} you trust"
+    parser.add_argument("--trust-pickle", action="store_true", help=trust)
+
+
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``autoshard consolidate CKPT_DIR OUT.pt`` to the ``autoshard`` command."""
-    parser = subparsers.add_parser(
-        "consolidate",
-        allow_abbrev=False,
-        help="turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights",
-        description=(
-            "Read a checkpoint written by strategy='fsdp2'/'auto-shard' (torch.distributed.checkpoint directory),"
-            " by DeepSpeed ZeRO (through DeepSpeed's zero_to_fp32), or a full Lightning file, and write one plain"
-            " {name: tensor} file: model.load_state_dict(torch.load(OUT)) works on the unsharded model. One CPU"
-            " process, any world size at save time, no GPU."
-        ),
+    description = (
+        "Read a checkpoint written by strategy='fsdp2'/'auto-shard' (torch.distributed.checkpoint directory), by DeepSpeed"
+        " ZeRO (through DeepSpeed's zero_to_fp32), or a full Lightning file, and write one plain {name: tensor} file:"
+        " model.load_state_dict(torch.load(OUT)) works on the unsharded model. One CPU process, any world size at save"
+        " time, no GPU."
+    )
+    parser = command_parser(
+        subparsers, "consolidate", "turn a sharded (DCP or DeepSpeed) checkpoint into one torch.save file of full weights", description
     )
     parser.add_argument("ckpt", metavar="CKPT_DIR", help="the checkpoint directory (or file), e.g. checkpoints/last.ckpt")
     parser.add_argument("out", metavar="OUT.pt", help="the file to write")
     parser.add_argument("--tag", default=None, help="DeepSpeed only: the tag directory (default: the one in 'latest')")
-    parser.add_argument("--force", action="store_true", help="replace OUT.pt if consolidate wrote it (only once the new file is complete)")
-    parser.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="unpickle the checkpoint as torch.load(weights_only=False) does, running any code it holds: only for a file you trust",
-    )
+    add_writer_flags(parser, "replace OUT.pt if consolidate wrote it (only once the new file is complete)", "the checkpoint", "a file")
     parser.add_argument("--json", action="store_true", help="print the result (or the refusal) as one JSON object")
     parser.set_defaults(func=cmd_consolidate)
-
-
-__all__ = ["Consolidated", "consolidate", "refuse_module_run", "register_cli"]
 
 
 if __name__ == "__main__":

@@ -31,25 +31,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.checkpoint import (
-    CONSOLIDATE,
-    DCP_METADATA,
-    TRUST_PICKLE,
-    CheckpointFormatError,
+from autoshard.checkpoint.formats import is_torch_file, torn_shard
+from autoshard.checkpoint.readers import (
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    TIED_METADATA,
+    TORCH_SINGLE,
+    Stored,
     dcp_entries,
-    is_torch_file,
-    load_torch_file,
+    dtype_name,
     model_entry,
-    model_mismatch,
-    torn_shard,
+    safetensors_header,
 )
+from autoshard.checkpoint.resume import CONSOLIDATE, model_mismatch
+from autoshard.checkpoint.trust import DCP_METADATA, TRUST_PICKLE, CheckpointFormatError, load_torch_file
 from autoshard.errors import AutoShardError
 from autoshard.needs import EMAPair, eager_name
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-TORCH_SINGLE = "pytorch_model.bin"
-TIED_METADATA = "autoshard_tied"  # written by `autoshard convert --to safetensors`: {alias: the name kept}
 
 
 class InitFromError(AutoShardError, ValueError):
@@ -63,7 +60,7 @@ class WeightsFile:
     path: Path
     kind: str  # "safetensors", "torch" or "dcp"
     shapes: dict[str, tuple[int, ...]]
-    files: dict[str, _Stored] = field(default_factory=dict)  # safetensors: where each name's bytes are
+    files: dict[str, Stored] = field(default_factory=dict)  # safetensors: where each name's bytes are
     entry: str | None = None  # torch / dcp: the key the weights sit under ("state_dict" in a Lightning checkpoint)
     tied: dict[str, str] = field(default_factory=dict)  # alias -> name, from autoshard's safetensors metadata
     state: Mapping[str, torch.Tensor] | None = None  # torch: the memory-mapped state dict (no page read yet)
@@ -85,11 +82,6 @@ class WeightsFile:
 
 
 _PREAD = hasattr(os, "preadv") and sys.byteorder == "little"  # safetensors stores little-endian
-# safetensors' dtype names.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
 
 
 def _kind(dtype: str) -> str:
@@ -102,57 +94,6 @@ def _kind(dtype: str) -> str:
     if dtype.startswith(("float", "bfloat", "F", "BF")):
         return "float"
     return "int"
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """Where one tensor's bytes sit in a safetensors file: read with plain file reads, never mapped."""
-
-    file: Path
-    offset: int  # of its first byte, from the start of the file
-    dtype: torch.dtype | None  # None: a dtype without a torch equivalent here (read through safe_open)
-    shape: tuple[int, ...]
-
-
-def _safetensors_header(files: Iterable[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, _Stored], dict[str, str], dict[str, str]]:
-    """The JSON header of each file (8-byte length, then JSON): names, dtypes, shapes, byte offsets; no tensor read.
-    A file shorter than its header says is refused here, at planning, so every rank refuses it (a rank reading past
-    the end only at load time would fail alone while the others wait in the next collective)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    where: dict[str, _Stored] = {}
-    tied: dict[str, str] = {}
-    dtypes: dict[str, str] = {}
-    for f in files:
-        if not f.is_file():
-            raise InitFromError(f"init_from: {str(f)!r}, which the index names, does not exist. Fix: download or copy every shard the index lists")
-        with open(f, "rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            try:
-                header = json.loads(handle.read(length))
-            except ValueError:
-                raise InitFromError(
-                    f"init_from: {str(f)!r} has no readable safetensors header. Fix: pass a file written by safetensors (save_pretrained, save_file)"
-                ) from None
-        meta = header.pop("__metadata__", None) or {}
-        if TIED_METADATA in meta:
-            tied.update(json.loads(meta[TIED_METADATA]))
-        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
-        size = f.stat().st_size
-        if size < 8 + length + end:
-            raise InitFromError(
-                f"init_from: {str(f)!r} is truncated: it holds {size:,d} bytes where its safetensors header says"
-                f" {8 + length + end:,d}. Nothing was loaded or sharded yet. Fix: download or copy the file again"
-            )
-        for key, info in header.items():
-            shapes[key] = tuple(info["shape"])
-            stored = _SAFETENSORS_DTYPES.get(info["dtype"])
-            dtypes[key] = _dtype_name(stored) if stored is not None else str(info["dtype"])
-            where[key] = _Stored(f, 8 + length + int(info["data_offsets"][0]), stored, tuple(info["shape"]))
-    return shapes, where, tied, dtypes
 
 
 def _contiguous_rows(rows: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -183,8 +124,15 @@ def _read_into(handle: Any, offset: int, out: torch.Tensor) -> int:
 
 
 def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
-    """Names and shapes of what ``path`` holds, reading headers only; refuses what it cannot read, with the fix."""
-    p = Path(path)
+    """Names and shapes of what ``path`` holds, reading headers only; refuses what it cannot read, with the fix (the
+    checkpoint readers' refusals too, as InitFromError)."""
+    try:
+        return _open_weights(Path(path))
+    except CheckpointFormatError as exc:
+        raise InitFromError(str(exc)) from None
+
+
+def _open_weights(p: Path) -> WeightsFile:
     if not p.exists():
         raise InitFromError(
             f"init_from={str(p)!r} does not exist. Fix: pass the path of a safetensors file, a Hugging Face model directory, a torch state dict file or a DCP directory, as every rank sees it"
@@ -193,11 +141,11 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
         if (p / SAFETENSORS_INDEX).is_file():
             index = json.loads((p / SAFETENSORS_INDEX).read_text())
             files = sorted({p / name for name in index.get("weight_map", {}).values()})
-            shapes, where, tied, dtypes = _safetensors_header(files)
+            shapes, where, tied, dtypes = safetensors_header(files)
             tied = {**tied, **(index.get("metadata") or {}).get(TIED_METADATA, {})}
             return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
         if (p / SAFETENSORS_SINGLE).is_file():
-            shapes, where, tied, dtypes = _safetensors_header([p / SAFETENSORS_SINGLE])
+            shapes, where, tied, dtypes = safetensors_header([p / SAFETENSORS_SINGLE])
             return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
         if (p / DCP_METADATA).is_file():
             return _open_dcp(p)
@@ -211,7 +159,7 @@ def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
     with open(p, "rb") as f:
         head = f.read(8)
     if p.suffix == ".safetensors" or (len(head) == 8 and int.from_bytes(head, "little") < p.stat().st_size and not is_torch_file(p)):
-        shapes, where, tied, dtypes = _safetensors_header([p])
+        shapes, where, tied, dtypes = safetensors_header([p])
         return WeightsFile(p, "safetensors", shapes, where, tied=tied, dtypes=dtypes)
     if is_torch_file(p):
         return _open_torch(p)
@@ -224,25 +172,19 @@ def _open_torch(p: Path) -> WeightsFile:
     # Storages memory-mapped, no page read yet; never code: objects beside the weights (a .ckpt's hyper-parameters)
     # that weights_only refuses are written out by consolidate, with the user's explicit trust.
     fix = f"write the weights alone with `{CONSOLIDATE.format(path=p)} {TRUST_PICKLE.split()[0]}` if you trust the file, and pass weights.pt"
-    try:
-        loaded = load_torch_file(p, action="load init_from", untrusted_fix=fix)
-    except CheckpointFormatError as exc:
-        raise InitFromError(str(exc)) from None
+    loaded = load_torch_file(p, action="load init_from", untrusted_fix=fix)
     entry = "state_dict" if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping) else None
     state = loaded[entry] if entry else loaded
     if not isinstance(state, Mapping):
         raise InitFromError(f"init_from={str(p)!r} holds a {type(state).__name__}, not a state dict. Fix: torch.save(model.state_dict(), PATH)")
     tensors = {str(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    dtypes = {k: _dtype_name(v.dtype) for k, v in tensors.items()}
+    dtypes = {k: dtype_name(v.dtype) for k, v in tensors.items()}
     return WeightsFile(p, "torch", {k: tuple(v.shape) for k, v in tensors.items()}, entry=entry, state=tensors, dtypes=dtypes)
 
 
 def _open_dcp(p: Path) -> WeightsFile:
-    try:
-        torn = torn_shard(p)  # a shard cut short would fail on the ranks that read it only, at load
-        entries = dcp_entries(p)
-    except CheckpointFormatError as exc:
-        raise InitFromError(str(exc)) from None
+    torn = torn_shard(p)  # a shard cut short would fail on the ranks that read it only, at load
+    entries = dcp_entries(p)
     if torn is not None:
         raise InitFromError(
             f"init_from={str(p)!r} is a distributed checkpoint whose {torn}. Nothing was loaded or sharded yet. Fix: use a complete checkpoint (copy it again, or an earlier one)"
@@ -263,7 +205,7 @@ def _open_dcp(p: Path) -> WeightsFile:
         shapes[name] = tuple(size)
         dtype = getattr(getattr(item, "properties", None), "dtype", None)
         if dtype is not None:
-            dtypes[name] = _dtype_name(dtype)
+            dtypes[name] = dtype_name(dtype)
     return WeightsFile(p, "dcp", shapes, entry=entry, dtypes=dtypes)
 
 
@@ -385,7 +327,7 @@ def _check_dtypes(reads: Mapping[str, tuple[WeightsFile, str]], targets: Mapping
         stored = src.dtypes.get(key)
         if stored is None:
             continue
-        wanted = _dtype_name(targets[name].dtype)
+        wanted = dtype_name(targets[name].dtype)
         if _kind(stored) != _kind(wanted):
             wrong.append((name, stored, wanted, src, key))
         elif stored != wanted:
@@ -594,16 +536,3 @@ def _io_read() -> int | None:
             return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
     except (OSError, StopIteration, ValueError):
         return None
-
-
-__all__ = [
-    "InitFromError",
-    "InitPlan",
-    "InitReport",
-    "WeightsFile",
-    "load_init_from",
-    "open_weights",
-    "plan_everywhere",
-    "plan_init_from",
-    "sources_of",
-]

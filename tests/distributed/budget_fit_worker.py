@@ -174,7 +174,7 @@ def budgets() -> dict[str, int]:
 
 # -- the scenarios, per backend -------------------------------------------------------------------------------------
 def decided(backend: str) -> dict[str, Any]:
-    from autoshard.lightning.checkpoint import stored_budget_decision
+    from autoshard.checkpoint.resume import stored_budget_decision
 
     run = fit(backend, {"memory_budget": budgets()[backend]})
     path = work() / f"{backend}-budget.ckpt"

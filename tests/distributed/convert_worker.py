@@ -178,10 +178,10 @@ def on_rank0(fn: Any) -> Any:
 
 
 def convert_on_rank0(src: Path, dst: Path, to: str, **kwargs: Any) -> dict[str, Any]:
-    from autoshard.convert import convert
+    from autoshard.convert import ConvertOptions, convert
 
     def run() -> dict[str, Any]:
-        return convert(src, dst, to, **kwargs).to_json()
+        return convert(src, dst, to, ConvertOptions(**kwargs)).to_json()
 
     result = on_rank0(run)
     out: list[Any] = [result]

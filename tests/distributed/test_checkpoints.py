@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from autoshard.checkpoint import Format, detect_format
+from autoshard.capability import Format
+from autoshard.checkpoint.formats import detect_format
 from autoshard.cli import main
 from autoshard.consolidate import consolidate
 from autoshard.demo import DinoLike

@@ -200,10 +200,10 @@ def test_convert_to_safetensors_from_a_tp_checkpoint_is_the_full_state_dict(work
     import torch
     from safetensors.torch import load_file
 
-    from autoshard.convert import convert
+    from autoshard.convert import ConvertOptions, convert
 
     checkpoints = work / "checkpoints"
-    done = convert(checkpoints / "tp2" / ranks[0]["resume_across_tp"]["saved"], work / "hf", "safetensors", module="model")
+    done = convert(checkpoints / "tp2" / ranks[0]["resume_across_tp"]["saved"], work / "hf", "safetensors", ConvertOptions(module="model"))
     assert (done.source_format, done.source_world_size, done.parameters) == ("distributed", 4, 21)
     written: dict[str, torch.Tensor] = {}
     for f in sorted((work / "hf").glob("*.safetensors")):

@@ -211,9 +211,9 @@ def test_fabric_load_in_new_processes_continues_bit_for_bit(ranks: list[dict[str
 
 @pytest.mark.timeout(600)
 def test_the_checkpoint_is_published_whole_and_read_by_consolidate_and_convert(shared: Path, ranks: list[dict[str, Any]], tmp_path: Path) -> None:
-    from autoshard.checkpoint_io import MANIFEST, staged_siblings
+    from autoshard.checkpoint.publish import MANIFEST, staged_siblings
     from autoshard.consolidate import consolidate
-    from autoshard.convert import ConvertError, convert
+    from autoshard.convert import ConvertError, ConvertOptions, convert
 
     ckpt = shared / "ckpt"
     assert (ckpt / MANIFEST).is_file() and (ckpt / "meta.pt").is_file() and not staged_siblings(ckpt)
@@ -234,5 +234,5 @@ def test_the_checkpoint_is_published_whole_and_read_by_consolidate_and_convert(s
         ds_saved = {n: torch.tensor(v) for n, v in ranks[0]["deepspeed_trains"]["saved"].items()}
         assert ds_weights.keys() == ds_saved.keys() and all(torch.equal(ds_weights[n], ds_saved[n]) for n in ds_saved)
     with pytest.raises(ConvertError, match="no Lightning trainer state") as refused:
-        convert(ckpt, tmp_path / "ds", "deepspeed", world_size=2, precision="32-true")
+        convert(ckpt, tmp_path / "ds", "deepspeed", ConvertOptions(world_size=2, precision="32-true"))
     assert "Fix: convert the weights with --to safetensors" in str(refused.value)

@@ -9,7 +9,7 @@ One module per concern:
 
 - ``state``: the neutral form, and what readers and writers share (named optimizer state, tied weights);
 - ``dcp``, ``deepspeed``, ``torch_file``, ``safetensors``: one layout each, read and / or written;
-- ``output``: the check of DST and the publish step (``checkpoint_io``'s protocol), in convert's words;
+- ``output``: the check of DST and the publish step (``checkpoint.publish``'s protocol), in convert's words;
 - ``pipeline``: ``convert`` itself: read with the one checkpoint reader, check the target, write, publish;
 - ``cli``: the ``autoshard convert`` command.
 
@@ -24,7 +24,7 @@ from autoshard.convert.cli import HELP, cmd_convert, register_cli
 from autoshard.convert.dcp import read_dcp, write_dcp
 from autoshard.convert.deepspeed import read_deepspeed, write_deepspeed
 from autoshard.convert.output import RECORD, beside, check_output, output_kind
-from autoshard.convert.pipeline import RESUME_HINT, TARGETS, Converted, convert, read_checkpoint
+from autoshard.convert.pipeline import RESUME_HINT, TARGETS, Converted, ConvertOptions, convert, read_checkpoint
 from autoshard.convert.safetensors import MAX_SHARD_SIZE, parse_size, write_safetensors
 from autoshard.convert.state import ConvertError, OptimizerState, TrainingState, tied_aliases
 from autoshard.convert.torch_file import read_full
@@ -36,6 +36,7 @@ __all__ = [
     "RESUME_HINT",
     "TARGETS",
     "ConvertError",
+    "ConvertOptions",
     "Converted",
     "OptimizerState",
     "TrainingState",

@@ -8,7 +8,8 @@ import os
 import sys
 from typing import TextIO
 
-from autoshard.convert.pipeline import TARGETS, convert
+from autoshard.consolidate import add_writer_flags, command_parser
+from autoshard.convert.pipeline import TARGETS, ConvertOptions, convert
 from autoshard.convert.safetensors import MAX_SHARD_SIZE
 
 
@@ -23,15 +24,17 @@ def cmd_convert(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         args.src,
         args.dst,
         args.to,
-        world_size=args.world_size,
-        tag=args.tag,
-        frozen=args.frozen or (),
-        max_shard_size=args.max_shard_size,
-        module=args.module,
-        precision=args.precision,
-        force=args.force,
-        progress=None if args.quiet else progress,
-        trust_pickle=args.trust_pickle,
+        ConvertOptions(
+            world_size=args.world_size,
+            tag=args.tag,
+            frozen=args.frozen or (),
+            max_shard_size=args.max_shard_size,
+            module=args.module,
+            precision=args.precision,
+            force=args.force,
+            progress=None if args.quiet else progress,
+            trust_pickle=args.trust_pickle,
+        ),
     )
     print(json.dumps(result.to_json(), indent=1) if args.json else result.describe(), file=stream or sys.stdout)
     return 0
@@ -42,18 +45,14 @@ HELP = "convert a checkpoint between DeepSpeed ZeRO-3 and fsdp2 (DCP), optimizer
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``autoshard convert SRC DST --to dcp|deepspeed|safetensors`` to the ``autoshard`` command."""
-    parser = subparsers.add_parser(
-        "convert",
-        allow_abbrev=False,
-        help=HELP,
-        description=(
-            "Rewrite a checkpoint for another backend: a DeepSpeed ZeRO-3 checkpoint becomes a DCP directory that"
-            " strategy='fsdp2' resumes (Trainer.fit(ckpt_path=DST)) at any world size, and back (--world-size N --precision P);"
-            " weights, every parameter's optimizer state, step counts, LR schedulers and Lightning's loop state move"
-            " with it. --to safetensors writes Hugging Face weights. One CPU process; DST is written beside itself and"
-            " renamed into place when complete."
-        ),
+    description = (
+        "Rewrite a checkpoint for another backend: a DeepSpeed ZeRO-3 checkpoint becomes a DCP directory that"
+        " strategy='fsdp2' resumes (Trainer.fit(ckpt_path=DST)) at any world size, and back (--world-size N --precision P);"
+        " weights, every parameter's optimizer state, step counts, LR schedulers and Lightning's loop state move"
+        " with it. --to safetensors writes Hugging Face weights. One CPU process; DST is written beside itself and"
+        " renamed into place when complete."
     )
+    parser = command_parser(subparsers, "convert", HELP, description)
     parser.add_argument("src", metavar="SRC", help="the checkpoint: a DeepSpeed or DCP directory, or a full .ckpt file")
     parser.add_argument("dst", metavar="DST", help="the directory to write (must not exist, unless --force)")
     parser.add_argument(
@@ -81,19 +80,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--module", default=None, metavar="PATH", help="safetensors only: the submodule to write, named as it names its weights (e.g. model)"
     )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="replace DST if it is an output of convert --to the same target, holding nothing else (only once the new one is complete)",
-    )
-    parser.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="unpickle SRC as torch.load(weights_only=False) does, running any code it holds: only for a checkpoint you trust",
-    )
+    force = "replace DST if it is an output of convert --to the same target, holding nothing else (only once the new one is complete)"
+    add_writer_flags(parser, force, "SRC", "a checkpoint")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(func=cmd_convert)
-
-
-__all__ = ["HELP", "cmd_convert", "register_cli"]

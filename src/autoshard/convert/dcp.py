@@ -10,8 +10,11 @@ from typing import Any
 
 import torch
 
-from autoshard.checkpoint import LIGHTNING_META, Format, dcp_entries, flat_tensors, load_dcp_entries, load_torch_file, model_entry
-from autoshard.checkpoint_io import fsync_file
+from autoshard.capability import Format
+from autoshard.checkpoint.formats import LIGHTNING_META
+from autoshard.checkpoint.publish import fsync_file
+from autoshard.checkpoint.readers import dcp_entries, flat_tensors, load_dcp_entries, model_entry
+from autoshard.checkpoint.trust import load_torch_file
 from autoshard.convert.state import TrainingState, named_optimizer, require_trainer
 
 
@@ -66,6 +69,3 @@ def write_dcp(state: TrainingState, staged: Path) -> dict[str, Any]:
     torch.save(state.trainer, staged / LIGHTNING_META)
     fsync_file(staged / LIGHTNING_META)
     return {}
-
-
-__all__ = ["read_dcp", "write_dcp"]

@@ -1,5 +1,5 @@
 """Where ``convert`` writes: the check of DST (before the source is read, and again under the lock), the record of
-what an output came from, and the publish step, all through ``checkpoint_io``'s protocol (the one every autoshard
+what an output came from, and the publish step, all through ``checkpoint.publish``'s protocol (the one every autoshard
 writer follows); only the words of the refusals are convert's own."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from autoshard.checkpoint import detect_format
-from autoshard.checkpoint_io import Clash, Publisher, output_clash
+from autoshard.checkpoint.publish import Clash, Publisher, output_clash, output_refusal
 from autoshard.convert.state import ConvertError
 
 RECORD = "autoshard-convert.json"  # inside a converted checkpoint: what it came from
@@ -34,8 +33,23 @@ def beside(path: Path, suffix: str) -> Path:
     return named.with_name(f"{named.name}-{suffix}")
 
 
+REFUSALS = {  # of DST, in convert's words (``publish.output_refusal``)
+    Clash.SAME: "refusing to write {out!r}: it is the checkpoint being converted. Fix: choose another output path",
+    Clash.HOLDS: "refusing to write {out!r}: it holds the checkpoint being converted ({source!r}), and publishing DST"
+    " replaces it whole, so even --force never does. Fix: choose a new output path outside it, e.g. {beside!r}",
+    Clash.INSIDE: "refusing to write {out!r}: it is inside the checkpoint being converted ({source!r}), which would then"
+    " hold files its save did not write (and the next save to it, which replaces it whole, would delete them). Fix:"
+    " choose a new output path outside it, e.g. {suggest!r}",
+    Clash.EXISTS: "refusing to overwrite {out!r}: it already exists ({what}). Fix: choose a new output path, or pass"
+    " --force (force=True) to replace it once the new one is complete",
+    Clash.FOREIGN: "refusing to overwrite {out!r}{even}: it already exists ({what}), and {detail}: --force replaces only"
+    " an output of `{kind}` holding nothing else. Fix: choose a new output path, e.g. {suggest!r}, or move {out!r} away"
+    " first",
+}
+
+
 def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -> None:
-    """What ``checkpoint_io.output_clash`` refuses for every offline writer, in convert's words: the source itself,
+    """What ``publish.output_clash`` refuses for every offline writer, in convert's words: the source itself,
     a DST that holds it or lies inside it, a place nothing can be written, and an existing DST unless ``force`` and
     DST is an output of ``convert --to {to}`` holding nothing else (its manifest says so). --force never deletes what
     autoshard did not write."""
@@ -43,34 +57,8 @@ def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -
     if found is None:
         return
     suggest = f"{source}-{to or 'converted'}" if source is not None else f"{out}-new"
-    if found.clash is Clash.SAME:
-        raise ConvertError(f"refusing to write {str(out)!r}: it is the checkpoint being converted. Fix: choose another output path")
-    if found.clash is Clash.HOLDS:
-        raise ConvertError(
-            f"refusing to write {str(out)!r}: it holds the checkpoint being converted ({str(source)!r}), and"
-            f" publishing DST replaces it whole, so even --force never does. Fix: choose a new output path outside"
-            f" it, e.g. {str(beside(Path(out), to or 'converted'))!r}"
-        )
-    if found.clash is Clash.INSIDE:
-        raise ConvertError(
-            f"refusing to write {str(out)!r}: it is inside the checkpoint being converted ({str(source)!r}), which"
-            f" would then hold files its save did not write (and the next save to it, which replaces it whole, would"
-            f" delete them). Fix: choose a new output path outside it, e.g. {suggest!r}"
-        )
-    if found.clash is Clash.UNWRITABLE:
-        raise ConvertError(found.detail)
-    what = detect_format(out, verify=False).detail
-    if found.clash is Clash.EXISTS:
-        raise ConvertError(
-            f"refusing to overwrite {str(out)!r}: it already exists ({what}). Fix: choose a new"
-            f" output path, or pass --force (force=True) to replace it once the new one is complete"
-        )
-    even = " even with --force" if force else ""
-    raise ConvertError(
-        f"refusing to overwrite {str(out)!r}{even}: it already exists ({what}), and {found.detail}: --force replaces"
-        f" only an output of `{output_kind(to)}` holding nothing else. Fix: choose a new output path, e.g."
-        f" {suggest!r}, or move {str(out)!r} away first"
-    )
+    beside_out = str(beside(Path(out), to or "converted"))
+    raise ConvertError(output_refusal(found, Path(out), source, force, REFUSALS, suggest=suggest, beside=beside_out, kind=output_kind(to)))
 
 
 def write_record(staged: Path, record: dict[str, Any]) -> None:
@@ -82,6 +70,3 @@ def publish(publisher: Publisher, force: bool, source: Path, to: str) -> None:
     """Manifest of every file, with this output's kind; then, under the lock, DST checked again (another writer may
     have published meanwhile) and the rename (``commit``: aside, in, old removed; never a partial DST)."""
     publisher.publish_with_manifest(output_kind(to), lambda path: check_output(path, source, force, to=to))
-
-
-__all__ = ["RECORD", "beside", "check_output", "output_kind", "publish", "write_record"]

@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
-from autoshard import deepspeed_files
-from autoshard.checkpoint import Format, detect_format, open_checkpoint
-from autoshard.checkpoint_io import Publisher
+from autoshard.capability import Format
+from autoshard.checkpoint import deepspeed_layout
+from autoshard.checkpoint.formats import detect_format
+from autoshard.checkpoint.publish import Publisher
+from autoshard.checkpoint.resume import open_checkpoint
 from autoshard.convert.dcp import read_dcp, write_dcp
 from autoshard.convert.deepspeed import read_deepspeed, write_deepspeed
 from autoshard.convert.output import check_output, publish, write_record
@@ -105,49 +107,84 @@ def read_checkpoint(
     return read_full(source, trust_pickle, weights_only)
 
 
-def convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    to: str,
-    *,
-    world_size: int | None = None,
-    tag: str | None = None,
-    frozen: Iterable[str] = (),
-    max_shard_size: str | int = MAX_SHARD_SIZE,
-    module: str | None = None,
-    precision: str | None = None,
-    sub_group_size: int = deepspeed_files.SUB_GROUP_SIZE,
-    force: bool = False,
-    progress: Callable[[str], None] | None = None,
-    trust_pickle: bool = False,
-) -> Converted:
-    """Convert checkpoint ``src`` into ``dst`` in the ``to`` layout; see the module docstring. ``trust_pickle``
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What ``convert`` is told besides SRC, DST and the target: ``autoshard convert``'s options."""
+
+    world_size: int | None = None  # deepspeed: ranks of the resuming run (default: the source's)
+    precision: str | None = None  # deepspeed: the resuming Trainer's precision (default: the source's, when DeepSpeed)
+    tag: str | None = None  # a DeepSpeed source's tag directory (default: the one 'latest' names)
+    frozen: Iterable[str] = ()  # deepspeed: parameters (or module paths) outside the optimizer that are not buffers
+    max_shard_size: str | int = MAX_SHARD_SIZE  # safetensors: split above this size
+    module: str | None = None  # safetensors: the submodule to write, named as it names its weights
+    sub_group_size: int = deepspeed_layout.SUB_GROUP_SIZE  # deepspeed: zero_optimization.sub_group_size
+    force: bool = False  # replace DST if it is an output of convert --to the same target
+    trust_pickle: bool = False  # unpickle the source as torch.load(weights_only=False) does (its code runs)
+    progress: Callable[[str], None] | None = None  # called with each progress line
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str, options: ConvertOptions = ConvertOptions()) -> Converted:
+    """Convert checkpoint ``src`` into ``dst`` in the ``to`` layout; see the module docstring. ``options.trust_pickle``
     unpickles the source as torch.load(weights_only=False) does (its code runs): only for a file the user trusts."""
     start = time.perf_counter()
-    say = progress or (lambda _: None)
+    say = options.progress or (lambda _: None)
+    precision = _check_options(to, options)
+    out = Path(dst)
+    size_limit = parse_size(options.max_shard_size)
+    check_output(out, Path(src) if Path(src).exists() else None, options.force, to=to)
+    if to == "deepspeed" and precision is None and detect_format(src, verify=False).format is not Format.DEEPSPEED:
+        _missing_precision(Path(src))  # before reading a checkpoint that may be large
+    state = read_checkpoint(src, tag=options.tag, progress=say, trust_pickle=options.trust_pickle, weights_only=to == "safetensors")
+    _check_target(state, to)
+    if options.module is not None:
+        _select_module(state, options.module)
+    _mark_frozen(state, options.frozen)
+    target_world = (options.world_size or state.world_size) if to == "deepspeed" else None
+    if to == "deepspeed":
+        precision = _deepspeed_target(state, options.world_size, target_world, precision)
+    with Publisher(out) as publisher:  # checkpoint.publish's protocol: DST's lock, a staging of this writer's own
+        for stale in publisher.clear_stale():
+            say(f"removed {str(stale)!r}, the staging of a convert to {str(out)!r} that did not finish (its writer is gone)")
+        staged = publisher.staged
+        say(f"writing {to} into {str(staged)!r}")
+        if to == "dcp":
+            written = write_dcp(state, staged)
+        elif to == "deepspeed":
+            written = write_deepspeed(state, staged, int(target_world or 1), str(precision), options.sub_group_size)
+        else:
+            written = write_safetensors(state, staged, size_limit)
+        if to != "safetensors":  # a Hugging Face directory stays exactly what from_pretrained expects
+            write_record(staged, _record(state, to, target_world))
+        files = [p for p in staged.rglob("*") if p.is_file()]
+        nbytes = sum(p.stat().st_size for p in files)
+        say(f"publishing {str(out)!r} ({len(files) + 1} files, {nbytes / 2**20:.2f} MiB)")
+        publish(publisher, options.force, state.source, to)
+    return _converted(state, to, out, target_world, (len(files) + 1, nbytes, time.perf_counter() - start), written.get("notes", []))
+
+
+def _check_options(to: str, options: ConvertOptions) -> str | None:
+    """The options refused before anything is read; the precision, normalized."""
     if to not in TARGETS:
         raise ConvertError(f"unknown target {to!r}. Fix: --to one of {', '.join(TARGETS)}")
+    precision = options.precision
     if precision is not None:
         if to != "deepspeed":
             raise ConvertError(
                 f"--precision is for --to deepspeed (DeepSpeed names its files after it); {to} does not depend on it. Fix: drop --precision"
             )
         precision = _precision(precision)
-    if module is not None and to != "safetensors":
+    if options.module is not None and to != "safetensors":
         raise ConvertError(
-            f"--module {module!r} keeps one submodule's weights, which only --to safetensors writes: a checkpoint to resume needs the whole module. Fix: drop --module, or use --to safetensors"
+            f"--module {options.module!r} keeps one submodule's weights, which only --to safetensors writes: a checkpoint to resume needs the whole module. Fix: drop --module, or use --to safetensors"
         )
+    world_size = options.world_size
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ConvertError(f"--world-size must be a positive integer, got {world_size!r}. Fix: --world-size N (devices x nodes of the resuming run)")
-    out = Path(dst)
-    size_limit = parse_size(max_shard_size)
-    check_output(out, Path(src) if Path(src).exists() else None, force, to=to)
-    if to == "deepspeed" and precision is None and detect_format(src, verify=False).format is not Format.DEEPSPEED:
-        _missing_precision(Path(src))  # before reading a checkpoint that may be large
-    state = read_checkpoint(src, tag=tag, progress=say, trust_pickle=trust_pickle, weights_only=to == "safetensors")
-    _check_target(state, to)
-    if module is not None:
-        _select_module(state, module)
+    return precision
+
+
+def _mark_frozen(state: TrainingState, frozen: Iterable[str]) -> None:
+    """--frozen: the tensors under each name are parameters outside the optimizer, not buffers."""
     for prefix in frozen:
         matched = {n for n in state.tensors if n == prefix or n.startswith(prefix + ".")}
         if not matched:
@@ -157,49 +194,46 @@ def convert(
         state.frozen |= matched
         if state.buffers is not None:
             state.buffers -= matched
-    target_world = (world_size or state.world_size) if to == "deepspeed" else None
-    if to == "deepspeed" and world_size is not None:
+
+
+def _deepspeed_target(state: TrainingState, world_size: int | None, target_world: int | None, precision: str | None) -> str | None:
+    """What a DeepSpeed output is written for, checked: the world size (asked, or the source's), the precision (asked,
+    or the source's)."""
+    if world_size is not None:
         _check_world_size(state, world_size)
-    if to == "deepspeed" and target_world is None:
+    if target_world is None:
         raise ConvertError(
             f"{str(state.source)!r} does not record the world size it was saved at, and a DeepSpeed checkpoint is written"
             f" for one. Fix: pass --world-size N, the devices x nodes of the run that resumes it"
         )
-    if to == "deepspeed" and precision is None:
+    if precision is None:
         if state.precision is None:
             _missing_precision(state.source)
         precision = state.precision
-    with Publisher(out) as publisher:  # checkpoint_io's publish protocol: DST's lock, a staging of this writer's own
-        for stale in publisher.clear_stale():
-            say(f"removed {str(stale)!r}, the staging of a convert to {str(out)!r} that did not finish (its writer is gone)")
-        staged = publisher.staged
-        say(f"writing {to} into {str(staged)!r}")
-        if to == "dcp":
-            written = write_dcp(state, staged)
-        elif to == "deepspeed":
-            written = write_deepspeed(state, staged, int(target_world or 1), str(precision), sub_group_size)
-        else:
-            written = write_safetensors(state, staged, size_limit)
-        record = {
-            "format": "autoshard-convert",
-            "version": 1,
-            "source": str(state.source),
-            "source_format": state.format.value,
-            "source_world_size": state.world_size,
-            "target": to,
-            "target_world_size": target_world,
-            "global_step": state.global_step,
-        }
-        if to != "safetensors":  # a Hugging Face directory stays exactly what from_pretrained expects
-            write_record(staged, record)
-        files = [p for p in staged.rglob("*") if p.is_file()]
-        nbytes = sum(p.stat().st_size for p in files)
-        say(f"publishing {str(out)!r} ({len(files) + 1} files, {nbytes / 2**20:.2f} MiB)")
-        publish(publisher, force, state.source, to)
+    return precision
+
+
+def _record(state: TrainingState, to: str, target_world: int | None) -> dict[str, Any]:
+    """autoshard-convert.json: what the output was converted from."""
+    return {
+        "format": "autoshard-convert",
+        "version": 1,
+        "source": str(state.source),
+        "source_format": state.format.value,
+        "source_world_size": state.world_size,
+        "target": to,
+        "target_world_size": target_world,
+        "global_step": state.global_step,
+    }
+
+
+def _converted(state: TrainingState, to: str, out: Path, target_world: int | None, written: tuple[int, int, float], notes: list[str]) -> Converted:
+    """The summary of a conversion; ``written``: files, bytes and seconds."""
     trained = set(state.trained())
     buffers = len(state.buffers) if state.buffers is not None else len([n for n in state.tensors if n not in trained and n not in state.frozen])
     opt_tensors = sum(1 for o in state.optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     epoch = state.trainer.get("epoch")
+    files, nbytes, seconds = written
     return Converted(
         source=state.source,
         source_format=state.format.value,
@@ -214,10 +248,10 @@ def convert(
         epoch=int(epoch) if epoch is not None else None,
         source_world_size=state.world_size,
         target_world_size=target_world,
-        files=len(files) + 1,
+        files=files,
         bytes=nbytes,
-        seconds=time.perf_counter() - start,
-        notes=tuple([*state.notes, *written.get("notes", [])]),
+        seconds=seconds,
+        notes=tuple([*state.notes, *notes]),
     )
 
 
@@ -302,6 +336,3 @@ def _check_target(state: TrainingState, to: str) -> None:
             f" which fsdp2 resumes as is at any world size. Fix: pass it as ckpt_path with strategy='fsdp2', or convert to"
             f" deepspeed or safetensors"
         )
-
-
-__all__ = ["RESUME_HINT", "TARGETS", "Converted", "convert", "read_checkpoint"]

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from autoshard.checkpoint_io import fsync_file, honour_umask
+from autoshard.checkpoint.publish import fsync_file, honour_umask
+from autoshard.checkpoint.readers import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 from autoshard.convert.state import ConvertError, TrainingState, tied_aliases
-from autoshard.init_from import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TIED_METADATA
 from autoshard.units import parse_size as memory_size
 
 MAX_SHARD_SIZE = "5GB"  # Hugging Face's save_pretrained default
@@ -64,6 +64,3 @@ def write_safetensors(state: TrainingState, staged: Path, max_shard_size: int) -
         else []
     )
     return {"notes": notes, "tensors": len(tensors)}
-
-
-__all__ = ["MAX_SHARD_SIZE", "parse_size", "write_safetensors"]

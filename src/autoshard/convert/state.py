@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from autoshard.checkpoint import CheckpointFormatError, Format
+from autoshard.capability import Format
+from autoshard.checkpoint.trust import CheckpointFormatError
 
 
 class ConvertError(CheckpointFormatError):
@@ -114,6 +115,3 @@ def tied_aliases(state: TrainingState) -> dict[str, str]:
                 found[name] = other
                 break
     return found
-
-
-__all__ = ["ConvertError", "OptimizerState", "TrainingState", "named_optimizer", "require_trainer", "tied_aliases"]

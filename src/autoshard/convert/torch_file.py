@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from autoshard.checkpoint import Format, flat_tensors, load_torch_file
+from autoshard.capability import Format
+from autoshard.checkpoint.readers import flat_tensors
+from autoshard.checkpoint.trust import load_torch_file
 from autoshard.convert.state import ConvertError, TrainingState, named_optimizer
 
 
@@ -38,6 +40,3 @@ def read_full(path: Path, trust_pickle: bool = False, weights_only: bool = False
         world_size=extra.get("world_size"),
         callback_optimizers=len(extra.get("callback_optimizers", ())),
     )
-
-
-__all__ = ["read_full"]

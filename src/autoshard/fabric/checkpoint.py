@@ -1,5 +1,5 @@
 """``fabric.save`` / ``fabric.load`` under autoshard's Fabric fsdp2 strategies: the crash-safe writer of the Trainer
-path (``checkpoint_io.Publisher``: lock, staging of this save's own, manifest of every file, rename), the same layout
+path (``checkpoint.publish.Publisher``: lock, staging of this save's own, manifest of every file, rename), the same layout
 (a DCP directory with ``meta.pt``; ``checkpoint='full'``: one torch file with its sidecar manifest), so ``autoshard
 consolidate`` / ``convert`` read it, and a load that checks every file first and restores each rank's RNG state.
 
@@ -22,30 +22,13 @@ from torch import nn
 
 from autoshard.adapters.fsdp2 import sync_buffers
 from autoshard.capability import Format
-from autoshard.checkpoint import (
-    LIGHTNING_META,
-    CheckpointFormatError,
-    check_replaceable,
-    dcp_entries,
-    detect_format,
-    load_torch_file,
-    model_mismatch,
-    resolve_for_load,
-    saved_entries,
-    saved_shapes,
-)
-from autoshard.checkpoint_io import Publisher, fsync_file, stage_sidecar, staging_path, unverified_warning, writer_token
-from autoshard.lightning.checkpoint import (
-    FORMAT_VERSION,
-    KIND_SAVE,
-    STATE_KEY,
-    CheckpointMixin,
-    begin_save,
-    hash_on_every_rank,
-    rng_state,
-    set_rng_state,
-    verify_on_every_rank,
-)
+from autoshard.checkpoint.formats import FORMAT_VERSION, LIGHTNING_META, STATE_KEY, detect_format
+from autoshard.checkpoint.publish import unverified_warning
+from autoshard.checkpoint.readers import dcp_entries, saved_entries, saved_shapes
+from autoshard.checkpoint.resume import model_mismatch, resolve_for_load
+from autoshard.checkpoint.saves import publish_save, restore_rng, rng_state, verify_on_every_rank, write_full, write_sharded
+from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file
+from autoshard.lightning.checkpoint import CheckpointMixin
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 
@@ -136,26 +119,15 @@ class FabricCheckpoint(CheckpointMixin):
             "rng_states": self._all_gather(rng_state()),
             "fabric": {"modules": list(modules), "optimizers": [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]},
         }
-        token = self.broadcast(writer_token())  # type: ignore[attr-defined]
-        staged = staging_path(path, token)
-        held: list[Publisher] = []
-        try:
-            self._on_rank0(lambda: begin_save(path, token, held))
-            if full:
-                self._on_rank0(lambda: self._write_full_file({**tensors, **metadata}, staged, path, token))
-            else:
-                self._on_rank0(lambda: staged.mkdir(parents=True))
-                shards = hash_on_every_rank(staged, self._write_shards(tensors, staged), self.global_rank)
-                self._on_rank0(lambda: self._write_meta(metadata, staged, shards))
-            self._on_rank0(lambda: held[0].publish(check_replaceable))
-        finally:
-            for publisher in held:  # a failed save's staging stays for the next save to clear (it may be complete)
-                publisher.release()
+        rank, world = self.global_rank, self.world_size
 
-    def _write_full_file(self, checkpoint: dict[str, Any], staged: Path, path: Path, token: str) -> None:
-        torch.save(checkpoint, staged)
-        fsync_file(staged)
-        stage_sidecar(path, token, KIND_SAVE)
+        def write(staged: Path, token: str) -> None:
+            if full:
+                self._on_rank0(lambda: write_full(lambda f: torch.save({**tensors, **metadata}, f), staged, path, token))
+            else:
+                write_sharded(tensors, metadata, staged, rank, world, self.broadcast)  # type: ignore[attr-defined]
+
+        publish_save(path, write, rank, world, self.broadcast)  # type: ignore[attr-defined]
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load_checkpoint(  # type: ignore[override]
@@ -237,15 +209,9 @@ class FabricCheckpoint(CheckpointMixin):
         return loaded
 
     def _restore_rng(self, extra: dict[str, Any]) -> None:
-        rng = extra.get("rng_states") or []
-        if extra.get("world_size") == self.world_size and len(rng) == self.world_size:
-            set_rng_state(rng[self.global_rank])
-        else:
-            rank_zero_warn(
-                f"autoshard: saved at world size {extra.get('world_size')}, loaded at {self.world_size}: model and optimizer"
-                f" states are resharded exactly, but per-rank RNG states cannot be mapped, so random draws differ from an"
-                f" uninterrupted run"
-            )
+        said = restore_rng(extra, self.global_rank, self.world_size, "loaded", "random draws")
+        if said:
+            rank_zero_warn(said)
 
 
 def _resolve(path: Path) -> Path:

@@ -26,17 +26,17 @@ from autoshard.adapters.checkpointing import checkpoint_blocks
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
-from autoshard.checkpoint import resolve_for_load
-from autoshard.checkpoint_io import unverified_warning
+from autoshard.checkpoint.publish import unverified_warning
+from autoshard.checkpoint.resume import resolve_for_load
+from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module
 from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
 from autoshard.fabric.strategies import FabricBackend
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.checkpoint import verify_on_every_rank
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.deepspeed import publish_deepspeed_save, require_deepspeed, restore_functional_linear, zero_dim_parameters
+from autoshard.lightning.deepspeed import require_deepspeed, restore_functional_linear, zero_dim_parameters
 from autoshard.precision import PrecisionPlan, resolve_precision
 
 BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
@@ -189,7 +189,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
         """DeepSpeed's engine writes every rank's files into a staging of this save's own; each rank hashes its own; rank 0
-        writes the manifest and renames the staging in, holding the destination's lock (checkpoint_io's protocol)."""
+        writes the manifest and renames the staging in, holding the destination's lock (checkpoint.publish's protocol)."""
         if storage_options is not None or filter is not None:
             super().save_checkpoint(path, state, storage_options, filter)  # Lightning's refusals
             return

@@ -39,6 +39,7 @@ from autoshard.adapters.fsdp2 import (
     sync_buffers,
 )
 from autoshard.backends import fsdp2 as fsdp2_backend
+from autoshard.checkpoint.saves import all_gather_object
 from autoshard.errors import AutoShardError, BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.fabric.checkpoint import FabricCheckpoint
 from autoshard.fabric.compat import missing
@@ -47,7 +48,6 @@ from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, r
 from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
-from autoshard.lightning.checkpoint import all_gather_object
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
 from autoshard.lightning.fsdp2 import fsdp2_auto_intent, refuse_shard_size_with_parallelize_fn, refuse_unsupported_precision
 from autoshard.lightning.guarantees import reshard_after_no_grad_forward

@@ -26,9 +26,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from autoshard.activations import describe_batch
 from autoshard.budget import BudgetDecision, batch_function, decide, resume_decision
+from autoshard.checkpoint.resume import stored_budget_decision
+from autoshard.checkpoint.saves import on_rank0, rng_state, set_rng_state
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.lightning.checkpoint import on_rank0, rng_state, set_rng_state, stored_budget_decision
 from autoshard.needs import held_optimizers
 
 if TYPE_CHECKING:

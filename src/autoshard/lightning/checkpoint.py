@@ -4,231 +4,30 @@ state Lightning leaves out (callback-owned optimizers, per-rank RNG), so a resum
 
 from __future__ import annotations
 
-import random
-import sys
-import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from autoshard import deepspeed_files
 from autoshard.budget import BudgetDecision, stored_differs
-from autoshard.capability import Format
-from autoshard.checkpoint import (
-    LIGHTNING_META,
-    check_replaceable,
-    corrupted,
-    detect_format,
-    load_failure,
-    load_torch_file,
-    prepare_staging,
-    resolve_for_load,
-)
-from autoshard.checkpoint_io import (
-    KIND_SAVE,
-    MANIFEST,
-    Publisher,
-    describe_files,
-    fsync_dir,
-    fsync_file,
-    integrity_problems,
-    remove,
-    sidecar_path,
-    stage_sidecar,
-    staging_path,
-    unverified_warning,
-    write_manifest,
-    writer_token,
+from autoshard.checkpoint.formats import BUDGET_KEY, FORMAT_VERSION, STATE_KEY
+from autoshard.checkpoint.publish import remove, sidecar_path, unverified_warning
+from autoshard.checkpoint.resume import load_failure, resolve_for_load
+from autoshard.checkpoint.saves import (
+    all_gather_object,
+    on_rank0,
+    publish_save,
+    restore_rng,
+    rng_state,
+    verify_on_every_rank,
+    write_full,
+    write_sharded,
 )
 from autoshard.needs import held_optimizers, returned_optimizers
 
-STATE_KEY = "autoshard"  # our entry in Lightning's checkpoint dict (meta.pt for DCP, the file itself for full)
-FORMAT_VERSION = 1
-BUDGET_KEY = "budget_decision"  # in our entry: ShardingIntent(memory_budget=...)'s decision (BudgetDecision.to_dict())
 T = TypeVar("T")
-_PLAIN = (str, int, float, bool, type(None))
-
-
-class RankZeroTraceback(Exception):
-    """Rank 0's traceback, as text: the ``__cause__`` of its error re-raised on another rank, so the log of every
-    rank shows where rank 0 failed."""
-
-
-def error_payload(exc: BaseException) -> dict[str, Any]:
-    """What another rank needs to raise ``exc`` again: its class (module and name), its arguments where they are
-    plain values, its text and its traceback. Plain data: it travels through a broadcast."""
-    args: tuple[Any, ...] = tuple(exc.args)
-    if isinstance(exc, OSError) and exc.errno is not None:  # the filename is not in args; str() shows it
-        args = (exc.errno, exc.strerror, exc.filename) + ((None, exc.filename2) if exc.filename2 is not None else ())
-    if not all(isinstance(a, _PLAIN) for a in args):
-        args = (str(exc),)
-    return {
-        "module": type(exc).__module__,
-        "qualname": type(exc).__qualname__,
-        "args": args,
-        "text": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
-
-
-def rebuild_error(payload: dict[str, Any], rank: int) -> Exception:
-    """Rank 0's error as raised on ``rank``: the same class with the same text when that class is already imported
-    here and rebuilds from its arguments to the same text; else a RuntimeError naming it. Rank 0's traceback is its
-    ``__cause__``. Nothing is imported: a class this process never loaded falls back to RuntimeError."""
-    kind = payload["qualname"]
-    found: Any = sys.modules.get(payload["module"])
-    for part in kind.split("."):
-        found = getattr(found, part, None)
-    exc: Exception | None = None
-    if isinstance(found, type) and issubclass(found, Exception):
-        try:
-            exc = found(*payload["args"])
-        except Exception:  # a constructor that wants other arguments
-            exc = None
-        if exc is not None and (type(exc) is not found or str(exc) != payload["text"]):
-            exc = None
-    if exc is None:
-        exc = RuntimeError(f"rank 0 failed while checkpointing: {kind}: {payload['text']}")
-    exc.__cause__ = RankZeroTraceback(f"rank 0's traceback (re-raised on rank {rank}):\n{payload['traceback'].rstrip()}")
-    return exc
-
-
-def on_rank0(fn: Callable[[], T], rank: int, world_size: int, broadcast: Callable[[Any], Any]) -> T | None:
-    """Run ``fn`` on rank 0 and raise its error on every rank: a rank-0-only failure must not leave the others
-    waiting in a barrier until the process-group timeout. Rank 0 raises its own exception; the others raise the same
-    type with the same text (``rebuild_error``) and rank 0's traceback as the cause. Returns ``fn()``'s result,
-    broadcast."""
-    result: Any = None
-    error: dict[str, Any] | None = None
-    original: Exception | None = None
-    if rank == 0:
-        try:
-            result = fn()
-        except Exception as exc:  # re-raised below, on every rank
-            if world_size == 1:
-                raise
-            original, error = exc, error_payload(exc)
-    error = broadcast(error)
-    if error is not None:
-        if original is not None:
-            raise original
-        raise rebuild_error(error, rank)
-    return broadcast(result)
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def verify_on_every_rank(path: Path, rank: int, world_size: int) -> bool:
-    """Every file of ``path`` against its manifest, each rank a share of them (largest first, dealt round-robin), so
-    the check costs about one rank's part; the same error on every rank. False when there is no manifest."""
-    shares = all_gather_object(integrity_problems(path, slice(rank, None, world_size)))
-    if all(share is None for share in shares):
-        return False
-    problems = [problem for share in shares for problem in share or []]
-    if problems:
-        raise corrupted(path, problems)
-    return True
-
-
-def hash_on_every_rank(staged: Path, names: list[str], rank: int, sync: bool = False) -> dict[str, Any]:
-    """Every rank hashes the files it wrote (``names``), in parallel, while they are in its page cache: rank 0 hashing
-    them all after the barrier would cost the whole checkpoint on one rank (docs/checkpoints.md). Returns every rank's
-    entries; an error is raised on every rank. ``sync``: fsync them first (files their writer did not sync)."""
-    try:
-        mine: dict[str, Any] | str = describe_files(staged, names, sync=sync)
-    except OSError as exc:  # gathered first: a rank raising alone would leave the others in the collective
-        mine = f"rank {rank} could not hash its files: {exc}"
-    shares = all_gather_object(mine)
-    errors = [share for share in shares if isinstance(share, str)]
-    if errors:
-        raise RuntimeError("; ".join(errors))
-    return {name: entry for share in shares for name, entry in share.items()}
-
-
-def begin_save(path: Path, token: str, held: list[Publisher]) -> None:
-    """Rank 0, first step of a save: take ``path``'s lock (``held`` keeps it until the caller releases it), finish
-    an interrupted commit, refuse a path that is not a checkpoint, clear what dead writers left."""
-    held.append(Publisher(path, token).acquire())
-    prepare_staging(path, token)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's torch / numpy / python (and CUDA) RNG state, in types ``torch.load(weights_only=True)`` reads."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (str(kind), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def stored_budget_decision(path: Any, trust_pickle: bool = False) -> dict[str, Any] | None:
-    """The memory-budget decision a checkpoint holds (``BudgetDecision.to_dict()``), None when it holds none, read
-    before anything is sharded and cheaply: a DCP directory's meta.pt (the trainer state, no tensor of the model), a
-    full file memory-mapped, a DeepSpeed tag's rank-0 model states (``client_state``, where Lightning's DeepSpeed
-    saves put the checkpoint dict). A path that is none of these is left to the load, which refuses it in words.
-    ``trust_pickle``: the fit's ``weights_only=False`` (the user trusts the file)."""
-    info = detect_format(path, verify=False)
-    if info.format is Format.DCP:
-        file = info.path / LIGHTNING_META
-    elif info.format is Format.FULL:
-        file = info.path
-    elif info.format is Format.DEEPSPEED and info.tag is not None:
-        file = info.path / info.tag / deepspeed_files.model_states_name(0)
-        if not file.is_file():
-            return None
-    else:
-        return None
-    loaded = load_torch_file(file, action="resume", trust_pickle=trust_pickle)
-    extra = loaded.get(STATE_KEY) if isinstance(loaded, Mapping) else None
-    stored = extra.get(BUDGET_KEY) if isinstance(extra, Mapping) else None
-    return dict(stored) if isinstance(stored, Mapping) else None
-
-
-def _recording_writer(path: Path) -> Any:
-    """DCP's FileSystemWriter that remembers (``.written``) the files this rank wrote, so this rank hashes exactly
-    those. Built on first use: importing torch.distributed.checkpoint costs every ``import autoshard`` otherwise."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class RecordingWriter(FileSystemWriter):
-        written: tuple[str, ...] = ()
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            future = super().write_data(plan, planner)
-            self.written = tuple(sorted({result.storage_data.relative_path for result in future.wait()}))
-            return future
-
-    return RecordingWriter(str(path), sync_files=True)
 
 
 class CheckpointMixin:
@@ -307,13 +106,9 @@ class CheckpointMixin:
         if self.budget_decision is not None:
             extra[BUDGET_KEY] = self.budget_decision.to_dict()
         callback_states = {f"callback_optimizer_{n}": self._optimizer_state(opt, full) for n, (_, _, opt) in enumerate(entries)}
-        # The publish protocol (checkpoint_io): rank 0 holds the lock from here to the rename; every rank writes
-        # under rank 0's staging name, unique to this save.
-        token = self.broadcast(writer_token())  # type: ignore[attr-defined]
-        staged = staging_path(path, token)
-        held: list[Publisher] = []
-        try:
-            self._on_rank0(lambda: begin_save(path, token, held))
+        rank, world = self.global_rank, self.world_size
+
+        def write(staged: Path, token: str) -> None:
             if full:
                 extra["callback_optimizer_states"] = callback_states
                 checkpoint[STATE_KEY] = extra
@@ -322,38 +117,10 @@ class CheckpointMixin:
                 converted = {"state_dict": checkpoint.pop("state_dict")}
                 converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
                 converted.update(callback_states)
-                self._on_rank0(lambda: staged.mkdir(parents=True))
-                shards = hash_on_every_rank(staged, self._write_shards(converted, staged), self.global_rank)
                 checkpoint[STATE_KEY] = extra
-                self._on_rank0(lambda: self._write_meta(checkpoint, staged, shards))
-            self._on_rank0(lambda: held[0].publish(check_replaceable))
-        finally:
-            for publisher in held:  # a failed save's staging stays for the next save to clear (it may be complete)
-                publisher.release()
+                write_sharded(converted, checkpoint, staged, rank, world, self.broadcast)  # type: ignore[attr-defined]
 
-    def _write_shards(self, state: dict[str, Any], staged: Path) -> list[str]:
-        """Every rank writes its shards; DCP writes .metadata last, once all ranks' files are synced.
-
-        Returns the files this rank wrote, relative to ``staged``."""
-        from torch.distributed.checkpoint import save
-
-        writer = _recording_writer(staged)
-        save(state, storage_writer=writer)
-        return list(writer.written)
-
-    def _write_meta(self, checkpoint: dict[str, Any], staged: Path, shards: dict[str, Any]) -> None:
-        """meta.pt, then the manifest of every file, then meta.pt's rename: its presence marks the staging complete,
-        so a complete staging always has its manifest."""
-        part = staged / f".{LIGHTNING_META}.part"
-        torch.save(checkpoint, part)
-        fsync_file(part)
-        files = dict(shards)
-        files[LIGHTNING_META] = describe_files(staged, [part.name])[part.name]
-        others = [p.name for p in staged.iterdir() if p.is_file() and p.name not in files and p != part]
-        files.update(describe_files(staged, others))  # .metadata (rank 0's), and anything else DCP wrote
-        write_manifest(staged / MANIFEST, files, KIND_SAVE)
-        part.rename(staged / LIGHTNING_META)
-        fsync_dir(staged)
+        publish_save(path, write, rank, world, self.broadcast)  # type: ignore[attr-defined]
 
     def _write_full(self, checkpoint: dict[str, Any], staged: Path, path: Path, token: str) -> None:
         """The file, then its manifest, both staged; ``commit`` swaps in the file, then the manifest.
@@ -372,9 +139,7 @@ class CheckpointMixin:
                 )
                 self._autoshard_async_said = True
             io = io.checkpoint_io
-        io.save_checkpoint(checkpoint, staged)
-        fsync_file(staged)
-        stage_sidecar(path, token, KIND_SAVE)
+        write_full(lambda f: io.save_checkpoint(checkpoint, f), staged, path, token)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k rotation removes a checkpoint; a single file's manifest beside it goes too."""
@@ -435,12 +200,6 @@ class CheckpointMixin:
         said = stored_differs(extra.get(BUDGET_KEY), self.budget_decision)
         if said:
             rank_zero_warn(said)
-        rng = extra.get("rng_states") or []
-        if extra.get("world_size") == self.world_size and len(rng) == self.world_size:
-            set_rng_state(rng[self.global_rank])
-        else:
-            rank_zero_warn(
-                f"autoshard: saved at world size {extra.get('world_size')}, resumed at {self.world_size}: model and optimizer"
-                f" states are resharded exactly, but per-rank RNG states cannot be mapped, so random augmentations differ"
-                f" from an uninterrupted run"
-            )
+        said = restore_rng(extra, self.global_rank, self.world_size, "resumed", "random augmentations")
+        if said:
+            rank_zero_warn(said)

@@ -13,7 +13,7 @@ import dataclasses
 import importlib.util
 import pickle
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -26,19 +26,20 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from autoshard import deepspeed_files
 from autoshard.adapters.checkpointing import checkpoint_blocks, describe_checkpointing
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.budget import BudgetDecision, stored_differs
 from autoshard.capability import Feature
-from autoshard.checkpoint import WEIGHTS_ONLY_REFUSAL, check_replaceable, resolve_for_load, untrusted, weights_only_loads
-from autoshard.checkpoint_io import MANIFEST, Publisher, fsync_dir, staging_path, unverified_warning, write_manifest, writer_token
+from autoshard.checkpoint.formats import BUDGET_KEY, STATE_KEY
+from autoshard.checkpoint.publish import unverified_warning
+from autoshard.checkpoint.resume import resolve_for_load
+from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
+from autoshard.checkpoint.trust import WEIGHTS_ONLY_REFUSAL, untrusted, weights_only_loads
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import BackendMixin
 from autoshard.lightning.budget import decide_for_fit
-from autoshard.lightning.checkpoint import BUDGET_KEY, KIND_SAVE, STATE_KEY, begin_save, hash_on_every_rank, on_rank0, verify_on_every_rank
 from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
 from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
@@ -438,35 +439,6 @@ _PASS_THROUGH = {
 }
 
 
-def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: int, world: int, broadcast: Callable[[Any], Any]) -> None:
-    """A DeepSpeed engine's save (``write(staging)``: every rank writes its files) through checkpoint_io's publish
-    protocol, for the Trainer and Fabric strategies alike: rank 0 holds the destination's lock; the engine writes into
-    a staging of this save's own; each rank fsyncs and hashes the files it wrote; rank 0 writes the manifest fsdp2
-    saves write too, and renames the staging in. A crash leaves the previous checkpoint whole, and a resume checks
-    every file before DeepSpeed reads one."""
-    deepspeed_files.check_version()  # the shares below follow DeepSpeed's file names
-    path = Path(broadcast(filepath))
-    token = broadcast(writer_token())
-    staged = staging_path(path, token)
-    held: list[Publisher] = []
-    try:
-        on_rank0(lambda: begin_save(path, token, held), rank, world, broadcast)
-        write(staged)  # returns after DeepSpeed's last barrier: all files are in
-        names = [f.relative_to(staged).as_posix() for f in staged.rglob("*") if f.is_file()]
-        mine = [name for name in names if deepspeed_files.writer_rank(name) % world == rank]
-        files = hash_on_every_rank(staged, mine, rank, sync=True)  # DeepSpeed does not fsync its files
-
-        def publish() -> None:
-            write_manifest(staged / MANIFEST, files, KIND_SAVE)
-            fsync_dir(staged)
-            held[0].publish(check_replaceable)
-
-        on_rank0(publish, rank, world, broadcast)
-    finally:
-        for publisher in held:  # a failed save's staging stays for the next save to clear
-            publisher.release()
-
-
 def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(intent fields, Lightning arguments); config-shaping Lightning arguments are refused with their intent field."""
     fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
@@ -533,7 +505,7 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         return plan
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's save (DeepSpeed's engine writes every rank's files) through checkpoint_io's publish protocol:
+        """Lightning's save (DeepSpeed's engine writes every rank's files) through checkpoint.publish's publish protocol:
         rank 0 holds the destination's lock; the engine writes into a staging of this save's own; each rank fsyncs
         and hashes the files it wrote; rank 0 writes the manifest fsdp2 saves write too, and renames the staging in.
         A crash leaves the previous checkpoint whole, and a resume checks every file before DeepSpeed reads one."""

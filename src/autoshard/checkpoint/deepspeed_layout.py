@@ -6,8 +6,8 @@ buffers, parameter shapes, the client state: Lightning's checkpoint) and ``[bf16
 (rank R's flat fp32 partition of every sub-group, with its optimizer state); ZeRO-1/2 write one
 ``mp_rank_00_model_states.pt``. Each parameter's slice on a rank is ``ceil(numel / world)`` elements, the last one
 zero-padded. The names, patterns, keys and partition rules here are the only spelling of that layout in autoshard:
-``checkpoint`` (detection, resume checks), ``convert`` (reads and writes ZeRO-3), ``consolidate`` (through DeepSpeed's
-zero_to_fp32) and the autoshard-deepspeed save all use them.
+``formats`` and ``resume`` (detection, resume checks), ``convert`` (reads and writes ZeRO-3), ``consolidate`` (through DeepSpeed's
+zero_to_fp32) and ``saves`` (the autoshard-deepspeed save) all use them.
 
 None of this is a DeepSpeed API: it is what DeepSpeed's engine (``DeepSpeedEngine._get_ckpt_name``,
 ``_get_rank_zero_ckpt_name``, ``_save_checkpoint``) and ``zero_to_fp32`` do in the releases of ``SUPPORTED_DEEPSPEED``.
@@ -198,7 +198,7 @@ def check_version(version: str | None = None) -> None:
 _ENGINE = "deepspeed.runtime.engine"
 _ZERO_TO_FP32 = "deepspeed.utils.zero_to_fp32"
 _SCALER = "deepspeed.runtime.fp16.loss_scaler"
-_HERE = "autoshard.deepspeed_files"
+_HERE = "autoshard.checkpoint.deepspeed_layout"
 _CONVERT = "autoshard.convert.deepspeed"
 
 PRIVATE_MEMBERS: tuple[Member, ...] = (
@@ -267,26 +267,3 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
 def missing() -> list[Member]:
     """The listed members the installed DeepSpeed lacks (imports deepspeed)."""
     return [member for member in PRIVATE_MEMBERS if not member.exists()]
-
-
-__all__ = [
-    "ENGINE_KEYS",
-    "LATEST",
-    "LIGHTNING_PREFIX",
-    "LIGHTNING_TAG",
-    "PICKLED_TYPES",
-    "PRIVATE_MEMBERS",
-    "SUPPORTED_DEEPSPEED",
-    "check_version",
-    "latest_tag",
-    "layout",
-    "missing",
-    "model_states_name",
-    "optim_states_name",
-    "partition_numel",
-    "rank_slice",
-    "sub_groups",
-    "tags",
-    "writer_rank",
-    "zero3_world_size",
-]
