@@ -16,9 +16,9 @@ import torch
 from autoshard import cli
 from autoshard.backends.deepspeed import zero3_model_states
 from autoshard.budget import BudgetDecision, BudgetRefusedError, decide, price, resume_decision, stored_differs
+from autoshard.engine.ranks import error_payload, rebuild_error
 from autoshard.explain import explain
 from autoshard.intent import ShardingIntent
-from autoshard.lightning.checkpoint import error_payload, rebuild_error
 from tests.test_bad_inputs_budget import Small, Wide, small_batch, wide_batch
 
 FP32 = ShardingIntent(precision="32-true")

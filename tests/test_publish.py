@@ -27,7 +27,7 @@ from autoshard.checkpoint import (
     prepare_staging,
     resolve_for_load,
 )
-from autoshard.lightning.checkpoint import RankZeroTraceback, error_payload, on_rank0, rebuild_error
+from autoshard.engine.ranks import RankZeroTraceback, error_payload, on_rank0, rebuild_error
 from tests.test_checkpoint_formats import as_autoshard_save
 
 pytestmark = [

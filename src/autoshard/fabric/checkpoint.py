@@ -34,18 +34,9 @@ from autoshard.checkpoint import (
     saved_entries,
     saved_shapes,
 )
-from autoshard.checkpoint_io import Publisher, fsync_file, stage_sidecar, staging_path, unverified_warning, writer_token
-from autoshard.lightning.checkpoint import (
-    FORMAT_VERSION,
-    KIND_SAVE,
-    STATE_KEY,
-    CheckpointMixin,
-    begin_save,
-    hash_on_every_rank,
-    rng_state,
-    set_rng_state,
-    verify_on_every_rank,
-)
+from autoshard.checkpoint_io import KIND_SAVE, Publisher, fsync_file, stage_sidecar, staging_path, unverified_warning, writer_token
+from autoshard.engine.ranks import begin_save, hash_on_every_rank, verify_on_every_rank
+from autoshard.lightning.checkpoint import FORMAT_VERSION, STATE_KEY, CheckpointMixin, rng_state, set_rng_state
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from autoshard.lightning.compat import Private
+from autoshard.engine.compat import Private
 
 _MODEL_PARALLEL = "lightning.fabric.strategies.ModelParallelStrategy"
 _DEEPSPEED = "lightning.fabric.strategies.DeepSpeedStrategy"

@@ -11,7 +11,6 @@ Importing this module imports deepspeed only when a strategy is built.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,25 @@ from torch import nn
 from autoshard.adapters.checkpointing import checkpoint_blocks
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
-from autoshard.capability import Feature
 from autoshard.checkpoint import resolve_for_load
 from autoshard.checkpoint_io import unverified_warning
-from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
+from autoshard.engine.compat import lightning_lacks
+from autoshard.engine.deepspeed import (
+    DeepSpeedOnCPU,
+    cpu_accelerator_refusal,
+    deepspeed_accelerator,
+    publish_deepspeed_save,
+    require_deepspeed,
+    restore_functional_linear,
+    zero_dim_parameters,
+)
+from autoshard.engine.ranks import verify_on_every_rank
+from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.fabric.base import FabricBackend
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module
 from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
-from autoshard.fabric.strategies import FabricBackend
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.checkpoint import verify_on_every_rank
-from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.deepspeed import publish_deepspeed_save, require_deepspeed, restore_functional_linear, zero_dim_parameters
 from autoshard.precision import PrecisionPlan, resolve_precision
 
 BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
@@ -47,7 +53,7 @@ PASS_THROUGH = frozenset(
 )
 
 
-class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
+class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedOnCPU, DeepSpeedStrategy):
     """``Fabric(strategy="autoshard-deepspeed")``: ZeRO-3, its config generated from the intent once the world size is
     known (``micro_batch_size`` is DeepSpeed's per-rank batch, which Fabric cannot see: 1 unless given)."""
 
@@ -64,11 +70,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
     ) -> None:
         gone = missing(DeepSpeedStrategy)
         if gone:
-            raise BackendUnavailableError(
-                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's Fabric DeepSpeed"
-                f" strategy hooks (verified on lightning {SUPPORTED_LIGHTNING}). Backend that works: fsdp2"
-                f" (Fabric(strategy='fsdp2')). Fix: {PIN}"
-            )
+            raise lightning_lacks(gone, "Fabric DeepSpeed strategy hooks", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
         require_deepspeed()
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
         for key in kwargs:
@@ -109,29 +111,13 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
         )
 
     # -- CPU (gloo): the three checks that block Lightning's DeepSpeedStrategy on CPU, as on the Trainer side -----------
-    def _on_cpu(self) -> bool:
-        return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._on_cpu():
-            return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
-        return super().root_device
-
     def setup_environment(self) -> None:
         if not self._on_cpu():
             super().setup_environment()  # Lightning's CUDA path, unchanged
             return
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = str(get_accelerator().device_name())
+        accelerator = deepspeed_accelerator()
         if accelerator != "cpu":
-            cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
-            raise IncompatibleBackendError(
-                f"Fabric(accelerator='cpu') with DeepSpeed, but DeepSpeed's accelerator is '{accelerator}': {cell.reason}."
-                f" Backend that works on CPU: fsdp2 (Fabric(strategy='fsdp2')). Fix: export DS_ACCELERATOR=cpu before"
-                f" Python starts, or {cell.remedy}"
-            )
+            raise cpu_accelerator_refusal(accelerator, self.front)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
 
     def _setup_distributed(self) -> None:  # private Lightning hook: autoshard.fabric.compat

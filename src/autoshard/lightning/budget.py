@@ -26,9 +26,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from autoshard.activations import describe_batch
 from autoshard.budget import BudgetDecision, batch_function, decide, resume_decision
+from autoshard.engine.ranks import on_rank0
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.lightning.checkpoint import on_rank0, rng_state, set_rng_state, stored_budget_decision
+from autoshard.lightning.checkpoint import rng_state, set_rng_state, stored_budget_decision
 from autoshard.needs import held_optimizers
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""The one Lightning range autoshard supports, and every private Lightning member it touches: where, and why.
+"""Every private Lightning member the Trainer's strategies touch: where, and why (the supported range and the
+``Private`` record are ``autoshard.engine.compat``'s, shared with ``autoshard.fabric.compat``).
 
 Lightning may rename or drop a private member in any release. Each one autoshard uses is listed here, once;
 tests/lightning/test_compat.py checks every entry on the installed Lightning (so an upgrade that breaks one fails
@@ -20,14 +21,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
 from importlib import metadata
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-SUPPORTED_LIGHTNING = ">=2.6,<2.7"  # the minor release the members below are verified on; pyproject.toml says the same
-PIN = f'pip install "lightning{SUPPORTED_LIGHTNING}"'
+from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private
 
 _CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
 _DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
@@ -37,22 +36,6 @@ _LEFT_DEEPSPEED = (
     " strategy='autoshard-deepspeed' is refused"
 )
 _LEFT_FSDP2 = "strategy='fsdp2' and 'auto-shard' are refused (they could not set their mesh before Lightning does)"
-
-
-@dataclass(frozen=True)
-class Private:
-    """``owner`` (a dotted class or module path) has ``name``: a method or class, or, with ``on_instance``, an
-    attribute its ``__init__`` sets (only an instance shows it)."""
-
-    owner: str
-    name: str
-    used_in: str
-    why: str
-    on_instance: bool = False
-    without: str = ""  # what autoshard does when this Lightning lacks it (said by check_lightning)
-
-    def __str__(self) -> str:
-        return f"{self.owner.rpartition('.')[2]}.{self.name}"
 
 
 PRIVATE_MEMBERS: tuple[Private, ...] = (
@@ -259,4 +242,4 @@ def check_lightning(version: str | None = None) -> None:
     )
 
 
-__all__ = ["PIN", "PRIVATE_MEMBERS", "SUPPORTED_LIGHTNING", "Private", "check_lightning", "missing", "missing_members"]
+__all__ = ["PRIVATE_MEMBERS", "check_lightning", "missing", "missing_members"]

@@ -10,12 +10,10 @@ Importing this module does not import deepspeed; constructing a strategy does.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import pickle
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,20 +24,29 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from autoshard import deepspeed_files
 from autoshard.adapters.checkpointing import checkpoint_blocks, describe_checkpointing
 from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.budget import BudgetDecision, stored_differs
-from autoshard.capability import Feature
-from autoshard.checkpoint import WEIGHTS_ONLY_REFUSAL, check_replaceable, resolve_for_load, untrusted, weights_only_loads
-from autoshard.checkpoint_io import MANIFEST, Publisher, fsync_dir, staging_path, unverified_warning, write_manifest, writer_token
-from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
+from autoshard.checkpoint import WEIGHTS_ONLY_REFUSAL, resolve_for_load, untrusted, weights_only_loads
+from autoshard.checkpoint_io import unverified_warning
+from autoshard.engine.compat import lightning_lacks
+from autoshard.engine.deepspeed import (
+    DeepSpeedOnCPU,
+    cpu_accelerator_refusal,
+    deepspeed_accelerator,
+    publish_deepspeed_save,
+    require_deepspeed,
+    restore_functional_linear,
+    zero_dim_parameters,
+)
+from autoshard.engine.ranks import verify_on_every_rank
+from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.base import BackendMixin
+from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
-from autoshard.lightning.checkpoint import BUDGET_KEY, KIND_SAVE, STATE_KEY, begin_save, hash_on_every_rank, on_rank0, verify_on_every_rank
-from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
+from autoshard.lightning.checkpoint import BUDGET_KEY, STATE_KEY
+from autoshard.lightning.compat import missing
 from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
 from autoshard.precision import PRECISIONS, PrecisionPlan, resolve_precision
@@ -87,14 +94,6 @@ _ZERO_DIM_FIX = (
     "use strategy='fsdp2' (it keeps 0-dim parameters whole on every rank), or give the parameter shape (1,):"
     " nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
 )
-
-
-def zero_dim_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of the 0-dim parameters DeepSpeed has not converted yet: each one would crash deepspeed.initialize.
-
-    Parameters built under zero.Init (``configure_model`` at stage 3) carry ``ds_id`` and were sent already.
-    """
-    return [name for name, p in module.named_parameters() if p.dim() == 0 and not hasattr(p, "ds_id")]
 
 
 def _zero_dim_refusal(where: str, label: str) -> IncompatibleBackendError:
@@ -174,43 +173,6 @@ def _returned_by(module: torch.nn.Module, hook: str) -> Iterator[list[Any]]:
                 del module.__dict__[hook]
 
 
-def restore_functional_linear() -> bool:
-    """Put back ``torch.nn.functional.linear`` when ZeRO-3 left its own in the process; True when it did.
-
-    DeepSpeed's ``zero.Init`` (Lightning enters it for stage 3; ``deepspeed.initialize`` converts a module with it)
-    replaces ``torch.nn.functional.linear`` with its memory-efficient ``zero3_linear_wrap`` "until manually reset": every
-    model the process trains afterwards, under any strategy, would then run DeepSpeed's autograd Function for each
-    linear layer (seen here: selective activation checkpointing saved other tensors, and losses moved by 3e-4). A
-    strategy leaves the process as it found it: torch's own function, the one zero.Init saved before replacing it
-    (``linear_bk``), whoever replaced it first.
-    """
-    current = torch.nn.functional.linear
-    if getattr(current, "__module__", "") != "deepspeed.runtime.zero.linear":
-        return False
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
-
-    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
-    if original is None:
-        return False
-    torch.nn.functional.linear = original
-    return True
-
-
-def require_deepspeed() -> None:
-    """BackendUnavailableError with the install command when deepspeed is missing, importing nothing."""
-    if importlib.util.find_spec("deepspeed") is None:
-        raise BackendUnavailableError(
-            f"deepspeed is not installed: the DeepSpeed ZeRO-3 backend (strategy='autoshard-deepspeed' or"
-            f" Lightning's 'deepspeed*' names) needs it. Backend that works without it: fsdp2 (strategy='fsdp2')."
-            f" Fix: {deepspeed_backend.INSTALL}"
-        )
-    available = deepspeed_backend.check()
-    if not available.ok:
-        raise BackendUnavailableError(
-            f"{available.detail}: the DeepSpeed ZeRO-3 backend needs it. Backend that works: fsdp2 (strategy='fsdp2'). Fix: {available.fix}"
-        )
-
-
 def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
     try:
         return module.trainer if module is not None else None
@@ -218,13 +180,7 @@ def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
         return None
 
 
-def _deepspeed_accelerator() -> str:
-    from deepspeed.accelerator import get_accelerator
-
-    return str(get_accelerator().device_name())
-
-
-class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
+class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedOnCPU, _LightningConfigHook):
     """Lightning's DeepSpeedStrategy, plus autoshard's refusal at setup and a CPU (gloo) path.
 
     Registered under Lightning's own names, so ``Trainer(strategy="deepspeed_stage_3")`` refuses an EMA teacher or a
@@ -236,11 +192,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         gone = missing(DeepSpeedStrategy)
         if gone:  # Lightning would never call autoshard's overrides: the provisional config and no refusal
-            raise BackendUnavailableError(
-                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's DeepSpeed"
-                f" strategies hook (verified on lightning {SUPPORTED_LIGHTNING}). Backend that works: fsdp2"
-                f" (strategy='fsdp2'). Fix: {PIN}"
-            )
+            raise lightning_lacks(gone, "DeepSpeed strategies hook", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
         require_deepspeed()
         super().__init__(*args, **kwargs)
 
@@ -333,7 +285,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
 
     # -- Lightning hooks --------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        accelerator = _deepspeed_accelerator()
+        accelerator = deepspeed_accelerator()
         if not self._on_cpu():
             if accelerator == "cpu":  # its engine would keep the model on the CPU and broadcast it on the nccl group
                 raise IncompatibleBackendError(
@@ -345,12 +297,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
             super().setup_environment()  # Lightning's CUDA path, unchanged
             return
         if accelerator != "cpu":
-            cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
-            raise IncompatibleBackendError(
-                f"Trainer(accelerator='cpu') with DeepSpeed, but DeepSpeed's accelerator is '{accelerator}': {cell.reason}."
-                f" Backend that works on CPU: fsdp2 (strategy='fsdp2'). Fix: export DS_ACCELERATOR=cpu before Python"
-                f" starts, or {cell.remedy}"
-            )
+            raise cpu_accelerator_refusal(accelerator, self.front)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
 
     def setup_distributed(self) -> None:
@@ -361,15 +308,6 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         reset_seed()
         self.set_world_ranks()
         _lightning_init_distributed(self)
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._on_cpu():
-            return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
-        return super().root_device
-
-    def _on_cpu(self) -> bool:
-        return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
 
     def setup(self, trainer: pl.Trainer) -> None:
         if _lightning_layer_sync(self) is not None and trainer.training and self.world_size > 1:
@@ -436,35 +374,6 @@ _PASS_THROUGH = {
     "exclude_frozen_parameters",
     "remote_device",
 }
-
-
-def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: int, world: int, broadcast: Callable[[Any], Any]) -> None:
-    """A DeepSpeed engine's save (``write(staging)``: every rank writes its files) through checkpoint_io's publish
-    protocol, for the Trainer and Fabric strategies alike: rank 0 holds the destination's lock; the engine writes into
-    a staging of this save's own; each rank fsyncs and hashes the files it wrote; rank 0 writes the manifest fsdp2
-    saves write too, and renames the staging in. A crash leaves the previous checkpoint whole, and a resume checks
-    every file before DeepSpeed reads one."""
-    deepspeed_files.check_version()  # the shares below follow DeepSpeed's file names
-    path = Path(broadcast(filepath))
-    token = broadcast(writer_token())
-    staged = staging_path(path, token)
-    held: list[Publisher] = []
-    try:
-        on_rank0(lambda: begin_save(path, token, held), rank, world, broadcast)
-        write(staged)  # returns after DeepSpeed's last barrier: all files are in
-        names = [f.relative_to(staged).as_posix() for f in staged.rglob("*") if f.is_file()]
-        mine = [name for name in names if deepspeed_files.writer_rank(name) % world == rank]
-        files = hash_on_every_rank(staged, mine, rank, sync=True)  # DeepSpeed does not fsync its files
-
-        def publish() -> None:
-            write_manifest(staged / MANIFEST, files, KIND_SAVE)
-            fsync_dir(staged)
-            held[0].publish(check_replaceable)
-
-        on_rank0(publish, rank, world, broadcast)
-    finally:
-        for publisher in held:  # a failed save's staging stays for the next save to clear
-            publisher.release()
 
 
 def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -615,7 +524,5 @@ __all__ = [
     "GuardedDeepSpeedStrategy",
     "LIGHTNING_DEEPSPEED_NAMES",
     "register_deepspeed_strategies",
-    "require_deepspeed",
     "sync_batchnorm",
-    "zero_dim_parameters",
 ]

@@ -1,0 +1,146 @@
+"""What both front ends' DeepSpeed strategies need of DeepSpeed at run time: that it is there, the process left as
+ZeRO-3 found it (``torch.nn.functional.linear``), 0-dim parameters found before the engine is built, a CPU (gloo)
+path, and a save published through checkpoint_io's protocol.
+
+Importing this module does not import deepspeed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoshard import deepspeed_files
+from autoshard.backends import deepspeed as deepspeed_backend
+from autoshard.capability import Feature
+from autoshard.checkpoint import check_replaceable
+from autoshard.checkpoint_io import KIND_SAVE, MANIFEST, Publisher, fsync_dir, staging_path, write_manifest, writer_token
+from autoshard.engine.front_end import FrontEnd
+from autoshard.engine.ranks import begin_save, hash_on_every_rank, on_rank0
+from autoshard.errors import BackendUnavailableError, IncompatibleBackendError
+
+
+def restore_functional_linear() -> bool:
+    """Put back ``torch.nn.functional.linear`` when ZeRO-3 left its own in the process; True when it did.
+
+    DeepSpeed's ``zero.Init`` (Lightning enters it for stage 3; ``deepspeed.initialize`` converts a module with it)
+    replaces ``torch.nn.functional.linear`` with its memory-efficient ``zero3_linear_wrap`` "until manually reset": every
+    model the process trains afterwards, under any strategy, would then run DeepSpeed's autograd Function for each
+    linear layer (seen here: selective activation checkpointing saved other tensors, and losses moved by 3e-4). A
+    strategy leaves the process as it found it: torch's own function, the one zero.Init saved before replacing it
+    (``linear_bk``), whoever replaced it first.
+    """
+    current = torch.nn.functional.linear
+    if getattr(current, "__module__", "") != "deepspeed.runtime.zero.linear":
+        return False
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is None:
+        return False
+    torch.nn.functional.linear = original
+    return True
+
+
+def require_deepspeed() -> None:
+    """BackendUnavailableError with the install command when deepspeed is missing, importing nothing."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise BackendUnavailableError(
+            f"deepspeed is not installed: the DeepSpeed ZeRO-3 backend (strategy='autoshard-deepspeed' or"
+            f" Lightning's 'deepspeed*' names) needs it. Backend that works without it: fsdp2 (strategy='fsdp2')."
+            f" Fix: {deepspeed_backend.INSTALL}"
+        )
+    available = deepspeed_backend.check()
+    if not available.ok:
+        raise BackendUnavailableError(
+            f"{available.detail}: the DeepSpeed ZeRO-3 backend needs it. Backend that works: fsdp2 (strategy='fsdp2'). Fix: {available.fix}"
+        )
+
+
+def zero_dim_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of the 0-dim parameters DeepSpeed has not converted yet: each one would crash deepspeed.initialize.
+
+    Parameters built under zero.Init (``configure_model`` at stage 3) carry ``ds_id`` and were sent already.
+    """
+    return [name for name, p in module.named_parameters() if p.dim() == 0 and not hasattr(p, "ds_id")]
+
+
+class DeepSpeedOnCPU:
+    """Strategy mixin: DeepSpeed on CPU devices (gloo), for both front ends' DeepSpeed strategies. Lightning blocks it
+    in three places: the root device (here), its ``setup_environment`` and its distributed setup, which each front
+    end replaces in its own terms (``cpu_accelerator_refusal``)."""
+
+    parallel_devices: list[torch.device] | None
+
+    def _on_cpu(self) -> bool:
+        return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._on_cpu():
+            return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
+        return super().root_device  # type: ignore[misc]
+
+
+def deepspeed_accelerator() -> str:
+    """The accelerator DeepSpeed chose when it was imported (``DS_ACCELERATOR``, else what it detected)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return str(get_accelerator().device_name())
+
+
+def cpu_accelerator_refusal(accelerator: str, front: FrontEnd) -> IncompatibleBackendError:
+    """CPU devices, but DeepSpeed was started with another accelerator: it must be told before Python starts."""
+    cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
+    return IncompatibleBackendError(
+        f"{front.call(CPU)} with DeepSpeed, but DeepSpeed's accelerator is '{accelerator}': {cell.reason}."
+        f" Backend that works on CPU: fsdp2 ({front.strategy('fsdp2')}). Fix: export DS_ACCELERATOR=cpu before"
+        f" Python starts, or {cell.remedy}"
+    )
+
+
+CPU = "accelerator='cpu'"
+
+
+def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: int, world: int, broadcast: Callable[[Any], Any]) -> None:
+    """A DeepSpeed engine's save (``write(staging)``: every rank writes its files) through checkpoint_io's publish
+    protocol, for the Trainer and Fabric strategies alike: rank 0 holds the destination's lock; the engine writes into
+    a staging of this save's own; each rank fsyncs and hashes the files it wrote; rank 0 writes the manifest fsdp2
+    saves write too, and renames the staging in. A crash leaves the previous checkpoint whole, and a resume checks
+    every file before DeepSpeed reads one."""
+    deepspeed_files.check_version()  # the shares below follow DeepSpeed's file names
+    path = Path(broadcast(filepath))
+    token = broadcast(writer_token())
+    staged = staging_path(path, token)
+    held: list[Publisher] = []
+    try:
+        on_rank0(lambda: begin_save(path, token, held), rank, world, broadcast)
+        write(staged)  # returns after DeepSpeed's last barrier: all files are in
+        names = [f.relative_to(staged).as_posix() for f in staged.rglob("*") if f.is_file()]
+        mine = [name for name in names if deepspeed_files.writer_rank(name) % world == rank]
+        files = hash_on_every_rank(staged, mine, rank, sync=True)  # DeepSpeed does not fsync its files
+
+        def publish() -> None:
+            write_manifest(staged / MANIFEST, files, KIND_SAVE)
+            fsync_dir(staged)
+            held[0].publish(check_replaceable)
+
+        on_rank0(publish, rank, world, broadcast)
+    finally:
+        for publisher in held:  # a failed save's staging stays for the next save to clear
+            publisher.release()
+
+
+__all__ = [
+    "DeepSpeedOnCPU",
+    "cpu_accelerator_refusal",
+    "deepspeed_accelerator",
+    "publish_deepspeed_save",
+    "require_deepspeed",
+    "restore_functional_linear",
+    "zero_dim_parameters",
+]
