@@ -8,20 +8,24 @@ Importing this module does not import deepspeed.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from autoshard import deepspeed_files
+from autoshard.adapters.deepspeed import precision_config, provisional_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.capability import Feature
 from autoshard.checkpoint import check_replaceable
 from autoshard.checkpoint_io import KIND_SAVE, MANIFEST, Publisher, fsync_dir, staging_path, write_manifest, writer_token
+from autoshard.engine.base import BackendMixin
 from autoshard.engine.front_end import FrontEnd
 from autoshard.engine.ranks import begin_save, hash_on_every_rank, on_rank0
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError
+from autoshard.intent import ShardingIntent, as_intent
+from autoshard.precision import PrecisionPlan, resolve_precision
 
 
 def restore_functional_linear() -> bool:
@@ -69,12 +73,17 @@ def zero_dim_parameters(module: torch.nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters() if p.dim() == 0 and not hasattr(p, "ds_id")]
 
 
-class DeepSpeedOnCPU:
-    """Strategy mixin: DeepSpeed on CPU devices (gloo), for both front ends' DeepSpeed strategies. Lightning blocks it
-    in three places: the root device (here), its ``setup_environment`` and its distributed setup, which each front
-    end replaces in its own terms (``cpu_accelerator_refusal``)."""
+class DeepSpeedRuntime:
+    """Strategy mixin for both front ends' DeepSpeed strategies: the process left with torch's own linear at teardown,
+    and DeepSpeed on CPU devices (gloo). Lightning blocks CPU in three places: the root device (here), its
+    ``setup_environment`` and its distributed setup, which each front end replaces in its own terms
+    (``cpu_accelerator_refusal``)."""
 
     parallel_devices: list[torch.device] | None
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        restore_functional_linear()
 
     def _on_cpu(self) -> bool:
         return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
@@ -84,6 +93,35 @@ class DeepSpeedOnCPU:
         if self._on_cpu():
             return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
         return super().root_device  # type: ignore[misc]
+
+
+class IntentZeRO3(BackendMixin):
+    """What both ``autoshard-deepspeed`` strategies hold: the intent (with the fields passed beside it), the ZeRO-3
+    config built from it (provisional until the world size is known), and the precision resolved once with it."""
+
+    intent: ShardingIntent
+    micro_batch_size: int | None
+    zero_overrides: dict[str, Any]
+
+    def _provisional(
+        self, intent: ShardingIntent | Mapping[str, Any] | None, fields: Mapping[str, Any], micro_batch_size: int | None, zero_overrides: Any
+    ) -> dict[str, Any]:
+        """Take the intent and the config's own arguments; the config Lightning's DeepSpeedStrategy is built with.
+        Intent-only refusals (tensor parallel) are said here, the precision once the front end's is known, the method
+        at setup."""
+        base = as_intent(intent)
+        self.intent = base.replace(**fields) if fields else base
+        self.micro_batch_size = micro_batch_size
+        self.zero_overrides = dict(zero_overrides or {})
+        return provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
+
+    def _intent_to_check(self) -> ShardingIntent:
+        return self.intent
+
+    def _resolve_precision(self) -> PrecisionPlan:
+        plan = resolve_precision(self.precision_plugin.precision, self.intent)
+        precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
+        return plan
 
 
 def deepspeed_accelerator() -> str:
@@ -136,7 +174,8 @@ def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: i
 
 
 __all__ = [
-    "DeepSpeedOnCPU",
+    "DeepSpeedRuntime",
+    "IntentZeRO3",
     "cpu_accelerator_refusal",
     "deepspeed_accelerator",
     "publish_deepspeed_save",

@@ -76,6 +76,10 @@ class FSDP2Checks(BackendMixin):
     _data_parallel_size: Any
     _tensor_parallel_size: Any
 
+    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
+        """The intent this strategy runs (auto-shard's refuses one only DeepSpeed can run: ``fsdp2_auto_intent``)."""
+        return intent
+
     # -- construction (BackendMixin._configure_launcher): what can be refused before a process starts ------------------
     def _check_construction(self) -> None:
         self._select(MethodNeeds(), FSDP2)  # auto-shard too: it took fsdp2 for this intent (engine.auto_shard)

@@ -22,18 +22,18 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 from autoshard.adapters.checkpointing import checkpoint_blocks
-from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
+from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.checkpoint import resolve_for_load
 from autoshard.checkpoint_io import unverified_warning
 from autoshard.engine.compat import lightning_lacks
 from autoshard.engine.deepspeed import (
-    DeepSpeedOnCPU,
+    DeepSpeedRuntime,
+    IntentZeRO3,
     cpu_accelerator_refusal,
     deepspeed_accelerator,
     publish_deepspeed_save,
     require_deepspeed,
-    restore_functional_linear,
     zero_dim_parameters,
 )
 from autoshard.engine.ranks import verify_on_every_rank
@@ -42,8 +42,7 @@ from autoshard.fabric.base import FabricBackend
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module
 from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
-from autoshard.intent import ShardingIntent, as_intent
-from autoshard.precision import PrecisionPlan, resolve_precision
+from autoshard.intent import ShardingIntent
 
 BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
 # Lightning Fabric DeepSpeedStrategy arguments passed through; the ones that shape the config come from the intent.
@@ -53,7 +52,7 @@ PASS_THROUGH = frozenset(
 )
 
 
-class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedOnCPU, DeepSpeedStrategy):
+class AutoShardDeepSpeedStrategy(FabricBackend, IntentZeRO3, DeepSpeedRuntime, DeepSpeedStrategy):
     """``Fabric(strategy="autoshard-deepspeed")``: ZeRO-3, its config generated from the intent once the world size is
     known (``micro_batch_size`` is DeepSpeed's per-rank batch, which Fabric cannot see: 1 unless given)."""
 
@@ -80,24 +79,11 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedOnCPU, DeepSpeedStrateg
                     f" Fix: set the ShardingIntent field that says it, or pass zero_overrides={{'{key}': ...}} for a"
                     f" zero_optimization key"
                 )
-        base = as_intent(intent)
-        self.intent = base.replace(**fields) if fields else base
-        self.micro_batch_size = micro_batch_size
-        self.zero_overrides = dict(zero_overrides or {})
-        provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
-        super().__init__(config=provisional, **kwargs)
+        super().__init__(config=self._provisional(intent, fields, micro_batch_size, zero_overrides), **kwargs)
         self.setups: list[Setup] = []
-
-    def _intent_to_check(self) -> ShardingIntent:
-        return self.intent
 
     def _label(self) -> str:
         return f"DeepSpeed ZeRO stage 3 ({type(self).__name__})"
-
-    def _resolve_precision(self) -> PrecisionPlan:
-        plan = resolve_precision(self.precision.precision, self.intent)
-        precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
-        return plan
 
     def _format_config(self) -> None:  # private Lightning hook: autoshard.fabric.compat
         """The final config, once the world size is known; Fabric's DeepSpeed needs it before any model exists."""
@@ -169,10 +155,6 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedOnCPU, DeepSpeedStrateg
         self.setups.append(Setup(1, type(module).__name__, _no_ref, ParameterNames(type(module).__name__, {}), arriving))
 
     # -- fabric.save / fabric.load: the crash-safe writer, the checks before DeepSpeed reads a file -------------------
-    def teardown(self) -> None:
-        super().teardown()
-        restore_functional_linear()
-
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
         """DeepSpeed's engine writes every rank's files into a staging of this save's own; each rank hashes its own; rank 0
         writes the manifest and renames the staging in, holding the destination's lock (checkpoint_io's protocol)."""

@@ -128,7 +128,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
         gone = missing(ModelParallelStrategy)
         if gone:  # Fabric would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
             raise lightning_lacks(gone, "Fabric strategies hook")
-        self.intent = as_intent(intent, **intent_fields)
+        self.intent = self._wanted(as_intent(intent, **intent_fields))
         super().__init__(
             parallelize_fn=self._shard,
             data_parallel_size="auto",
@@ -341,21 +341,13 @@ class AutoShardStrategy(FSDP2Strategy):
     strategy_name = "auto-shard"
     prefer = "auto"
 
-    def __init__(
-        self,
-        intent: ShardingIntent | Mapping[str, Any] | None = None,
-        parallelize_fn: ParallelizeFn | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
-    ) -> None:
-        wanted = fsdp2_auto_intent(
-            as_intent(intent, **intent_fields),
+    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
+        return fsdp2_auto_intent(
+            intent,
             "autoshard.fabric.AutoShardStrategy",
             "autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),",
             "autoshard's Fabric DeepSpeed strategy for this intent",
         )
-        super().__init__(wanted, parallelize_fn, process_group_backend, timeout)
 
 
 __all__ = ["AutoShardStrategy", "FSDP2Strategy", "teacher_plan"]

@@ -25,31 +25,31 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard.adapters.checkpointing import checkpoint_blocks, describe_checkpointing
-from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
+from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.budget import BudgetDecision, stored_differs
 from autoshard.checkpoint import WEIGHTS_ONLY_REFUSAL, resolve_for_load, untrusted, weights_only_loads
 from autoshard.checkpoint_io import unverified_warning
 from autoshard.engine.compat import lightning_lacks
 from autoshard.engine.deepspeed import (
-    DeepSpeedOnCPU,
+    DeepSpeedRuntime,
+    IntentZeRO3,
     cpu_accelerator_refusal,
     deepspeed_accelerator,
     publish_deepspeed_save,
     require_deepspeed,
-    restore_functional_linear,
     zero_dim_parameters,
 )
 from autoshard.engine.ranks import verify_on_every_rank
 from autoshard.errors import IncompatibleBackendError, IntentError
-from autoshard.intent import ShardingIntent, as_intent
+from autoshard.intent import ShardingIntent
 from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
 from autoshard.lightning.checkpoint import BUDGET_KEY, STATE_KEY
 from autoshard.lightning.compat import missing
 from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
-from autoshard.precision import PRECISIONS, PrecisionPlan, resolve_precision
+from autoshard.precision import PRECISIONS, PrecisionPlan
 from autoshard.select import Decision
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
         return None
 
 
-class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedOnCPU, _LightningConfigHook):
+class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfigHook):
     """Lightning's DeepSpeedStrategy, plus autoshard's refusal at setup and a CPU (gloo) path.
 
     Registered under Lightning's own names, so ``Trainer(strategy="deepspeed_stage_3")`` refuses an EMA teacher or a
@@ -195,10 +195,6 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedOnCPU, _LightningConfigH
             raise lightning_lacks(gone, "DeepSpeed strategies hook", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
         require_deepspeed()
         super().__init__(*args, **kwargs)
-
-    def teardown(self) -> None:
-        super().teardown()
-        restore_functional_linear()
 
     writes_manifest = False  # Lightning's own DeepSpeed saves (these names) record none: no warning when it is missing
 
@@ -387,7 +383,7 @@ def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return fields, kwargs
 
 
-class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
+class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
     """``strategy="autoshard-deepspeed"``: ZeRO-3 whose config is generated from a ShardingIntent.
 
     The final config is built when Lightning first needs it, once the world size, the DataLoader batch size,
@@ -408,18 +404,9 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         fields, lightning_kwargs = _split_arguments(dict(kwargs))
-        base = as_intent(intent)
-        self.intent = base.replace(**fields) if fields else base
-        self.micro_batch_size = micro_batch_size
-        self.zero_overrides = dict(zero_overrides or {})
         self.checkpointed: dict[int, list[str]] = {}  # id(module) -> the blocks init_deepspeed checkpointed
-        # Intent-only refusals (tensor parallel) at construction, precision once the Trainer's is known, the method at
-        # setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
-        provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
-        super().__init__(config=provisional, **lightning_kwargs)
-
-    def _intent_to_check(self) -> ShardingIntent:
-        return self.intent
+        provisional = self._provisional(intent, fields, micro_batch_size, zero_overrides)
+        super().__init__(config=provisional, **lightning_kwargs)  # checks lightning and the deepspeed import
 
     def init_deepspeed(self) -> None:
         """Activation checkpointing of the blocks (the intent's, or what a memory budget chose: the config is final
@@ -435,11 +422,6 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
                     f" DeepSpeed ZeRO-3: {len(blocks)} block(s): {', '.join(blocks)}"
                 )
         super().init_deepspeed()
-
-    def _resolve_precision(self) -> PrecisionPlan:
-        plan = resolve_precision(self.precision_plugin.precision, self.intent)
-        precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
-        return plan
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's save (DeepSpeed's engine writes every rank's files) through checkpoint_io's publish protocol:

@@ -58,7 +58,7 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
         gone = missing(ModelParallelStrategy)
         if gone:  # Lightning would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
             raise lightning_lacks(gone, "fsdp2 strategies hook")
-        self.intent = as_intent(intent, **intent_fields)
+        self.intent = self._wanted(as_intent(intent, **intent_fields))
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size="auto",
@@ -188,19 +188,11 @@ class AutoShardStrategy(FSDP2Strategy):
     strategy_name = "auto-shard"
     prefer = "auto"
 
-    def __init__(
-        self,
-        intent: ShardingIntent | Mapping[str, Any] | None = None,
-        parallelize_fn: ParallelizeFn | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
-    ) -> None:
-        wanted = fsdp2_auto_intent(
-            as_intent(intent, **intent_fields),
+    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
+        return fsdp2_auto_intent(
+            intent,
             "AutoShardStrategy",
             "autoshard.lightning.auto_shard(...) and the same arguments (what Trainer(strategy='auto-shard') calls),",
             "autoshard's DeepSpeed strategy for this intent; in a LightningCLI config use class_path:"
             " autoshard.lightning.deepspeed.AutoShardDeepSpeedStrategy",
         )
-        super().__init__(wanted, parallelize_fn, process_group_backend, timeout)
