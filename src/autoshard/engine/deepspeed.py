@@ -25,7 +25,9 @@ from autoshard.engine.front_end import FrontEnd
 from autoshard.engine.ranks import begin_save, hash_on_every_rank, on_rank0
 from autoshard.errors import BackendUnavailableError, IncompatibleBackendError
 from autoshard.intent import ShardingIntent, as_intent
+from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
+from autoshard.select import Decision
 
 
 def restore_functional_linear() -> bool:
@@ -73,13 +75,27 @@ def zero_dim_parameters(module: torch.nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters() if p.dim() == 0 and not hasattr(p, "ds_id")]
 
 
-class DeepSpeedRuntime:
-    """Strategy mixin for both front ends' DeepSpeed strategies: the process left with torch's own linear at teardown,
-    and DeepSpeed on CPU devices (gloo). Lightning blocks CPU in three places: the root device (here), its
+class DeepSpeedRuntime(BackendMixin):
+    """Strategy mixin for both front ends' DeepSpeed strategies: the method refused before the engine exists, the
+    process left with torch's own linear at teardown, and DeepSpeed on CPU devices (gloo). Lightning blocks CPU in three places: the root device (here), its
     ``setup_environment`` and its distributed setup, which each front end replaces in its own terms
     (``cpu_accelerator_refusal``)."""
 
     parallel_devices: list[torch.device] | None
+
+    def _label(self) -> str:
+        raise NotImplementedError  # "DeepSpeed ZeRO stage 3 (AutoShardDeepSpeedStrategy)": each strategy says its stage
+
+    def _select_before_engine(self, needs: MethodNeeds, owner: str) -> Decision:
+        """``select_backend`` for the method of ``owner`` (a class name); its refusal says that nothing was built yet
+        and, under auto-shard, that the intent chose DeepSpeed."""
+        try:
+            return self._select(needs)
+        except IncompatibleBackendError as err:
+            why = ""
+            if self.requested_as:  # auto-shard picked DeepSpeed from the intent, before the method was known
+                why = f" ({self.requested_as} chose DeepSpeed when {self.front.the} was built, for what the intent asks.)"
+            raise type(err)(f"{owner} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}") from None
 
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]

@@ -26,7 +26,7 @@ FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_configure_launcher",
-        "fabric/strategies.py (lightning/base.py's BackendMixin)",
+        "engine/base.py (BackendMixin), fabric/strategies.py",
         "overridden: the last step of Fabric() construction, where the precision plugin is known; precision, backend"
         " and mesh sizes are checked there, before any process starts",
         without=_LEFT,
@@ -34,11 +34,11 @@ FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_data_parallel_size",
-        "fabric/strategies.py",
+        "engine/fsdp2.py",
         "set from the intent before Fabric resolves 'auto' (which means tensor parallel within a node)",
         on_instance=True,
     ),
-    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "fabric/strategies.py", "set with _data_parallel_size", on_instance=True),
+    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "engine/fsdp2.py", "set with _data_parallel_size", on_instance=True),
     Private(_DEEPSPEED, "_configure_launcher", "fabric/deepspeed.py", "overridden, as for ModelParallelStrategy", without=_LEFT),
     Private(
         _DEEPSPEED,

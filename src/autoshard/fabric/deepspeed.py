@@ -134,11 +134,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, IntentZeRO3, DeepSpeedRuntime, D
         if self.setups:
             raise second_setup_refusal(self._label(), self.setups, module, arriving)
         needs = run_needs(module, [], arriving, 1)
-        try:
-            decision = self._select(needs)
-        except IncompatibleBackendError as err:
-            why = f" ({self.requested_as} chose DeepSpeed when Fabric was built, for what the intent asks.)" if self.requested_as else ""
-            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}") from None
+        decision = self._select_before_engine(needs, type(module).__name__)
         zero_dim = zero_dim_parameters(module)
         if zero_dim:
             names = ", ".join(repr(n) for n in zero_dim)

@@ -67,7 +67,7 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_configure_launcher",
-        "lightning/base.py",
+        "engine/base.py",
         "overridden: the last step of Trainer construction, the first point where the Trainer's precision is"
         " known; precision, backend and mesh are checked there, before any process starts",
         without=_LEFT_FSDP2,
@@ -75,11 +75,11 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_data_parallel_size",
-        "lightning/fsdp2.py",
+        "engine/fsdp2.py",
         "set from the intent before Lightning resolves 'auto' (which means tensor parallel within a node)",
         on_instance=True,
     ),
-    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "lightning/fsdp2.py", "set with _data_parallel_size", on_instance=True),
+    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "engine/fsdp2.py", "set with _data_parallel_size", on_instance=True),
     Private(_MODEL_PARALLEL, "_save_distributed_checkpoint", "lightning/checkpoint.py", "read: a DCP directory or one full file", on_instance=True),
     Private(
         _MODEL_PARALLEL,
@@ -88,7 +88,7 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         "read: Trainer(sync_batchnorm=True), which ModelParallelStrategy ignores and autoshard applies",
         on_instance=True,
     ),
-    Private(_DEEPSPEED, "_configure_launcher", "lightning/base.py", "overridden, as for ModelParallelStrategy", without=_LEFT_DEEPSPEED),
+    Private(_DEEPSPEED, "_configure_launcher", "engine/base.py", "overridden, as for ModelParallelStrategy", without=_LEFT_DEEPSPEED),
     Private(
         _DEEPSPEED,
         "_layer_sync",

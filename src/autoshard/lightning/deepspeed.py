@@ -263,13 +263,7 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
         if self.zero_stage != 3:
             # Stages 1-2 keep whole parameters on every rank: EMA is safe there, and several forwards lose no prefetch.
             needs = dataclasses.replace(needs, ema_pairs=(), multi_forward=False)
-        try:
-            decision = self._select(needs)
-        except IncompatibleBackendError as err:
-            why = ""
-            if self.requested_as is not None:  # auto-shard picked DeepSpeed from the intent, before the method was known
-                why = f" ({self.requested_as} chose DeepSpeed when the Trainer was built, for what the intent asks.)"
-            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}") from None
+        decision = self._select_before_engine(needs, type(module).__name__)
         self.needs, self.decision = needs, decision
         # After the matrix's refusals (an EMA teacher says more, and its fix, fsdp2, solves this too), and still
         # before deepspeed.initialize, which would fail on it.
