@@ -7,6 +7,8 @@ refuses to be built (``lightning_lacks``), with the pin.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -32,6 +34,31 @@ class Private:
         return f"{self.owner.rpartition('.')[2]}.{self.name}"
 
 
+def resolve(path: str) -> object | None:
+    """A class or module from its dotted path; None when the installed Lightning has none there."""
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        module, _, name = path.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+
+
+def absent(members: Iterable[Private], owner: type | None = None) -> list[Private]:
+    """The listed methods and classes (of ``owner`` only, if given) that the installed Lightning lacks. Instance
+    attributes need an instance: tests/lightning/test_compat.py builds one per owner."""
+    gone = []
+    for member in members:
+        where = None if member.on_instance else resolve(member.owner)
+        if member.on_instance or (owner is not None and where is not owner):
+            continue
+        if not hasattr(where, member.name):
+            gone.append(member)
+    return gone
+
+
 def lightning_lacks(gone: list[str], hooked_by: str, works: str = "") -> BackendUnavailableError:
     """The refusal of a strategy whose hooked private members (``gone``) this Lightning lacks: Lightning would never
     call autoshard's overrides, so the strategy would run unchecked. ``works``: the backend that works, said."""
@@ -41,4 +68,4 @@ def lightning_lacks(gone: list[str], hooked_by: str, works: str = "") -> Backend
     )
 
 
-__all__ = ["PIN", "SUPPORTED_LIGHTNING", "Private", "lightning_lacks"]
+__all__ = ["PIN", "SUPPORTED_LIGHTNING", "Private", "absent", "lightning_lacks", "resolve"]

@@ -14,9 +14,7 @@ optimizers) and ``setup_optimizers`` to ``setup_optimizer``; ``ModelParallelStra
 
 from __future__ import annotations
 
-import importlib
-
-from autoshard.engine.compat import Private
+from autoshard.engine.compat import Private, absent
 
 _MODEL_PARALLEL = "lightning.fabric.strategies.ModelParallelStrategy"
 _DEEPSPEED = "lightning.fabric.strategies.DeepSpeedStrategy"
@@ -68,26 +66,9 @@ FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
 )
 
 
-def _owner(path: str) -> object:
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
 def missing(owner: type | None = None) -> list[str]:
     """The listed methods (of ``owner`` only, if given) that the installed Lightning Fabric lacks."""
-    gone = []
-    for member in FABRIC_PRIVATE_MEMBERS:
-        if member.on_instance:
-            continue
-        where = _owner(member.owner)
-        if owner is not None and where is not owner:
-            continue
-        if not hasattr(where, member.name):
-            gone.append(str(member))
-    return gone
+    return [str(member) for member in absent(FABRIC_PRIVATE_MEMBERS, owner)]
 
 
 __all__ = ["FABRIC_PRIVATE_MEMBERS", "missing"]

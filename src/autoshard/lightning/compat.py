@@ -20,13 +20,12 @@ Public behaviours relied on as well (tested where they are used, not listed belo
 from __future__ import annotations
 
 import functools
-import importlib
 from importlib import metadata
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private
+from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private, absent
 
 _CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
 _DEEPSPEED = "lightning.pytorch.strategies.DeepSpeedStrategy"
@@ -184,38 +183,14 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
 )
 
 
-def _resolve(path: str) -> object:
-    """A class or module from its dotted path."""
-    try:
-        return importlib.import_module(path)
-    except ImportError:
-        module, _, name = path.rpartition(".")
-        return getattr(importlib.import_module(module), name)
-
-
 def missing(owner: type | None = None) -> list[str]:
-    """The listed methods and classes (of ``owner`` only, if given) that the installed Lightning lacks.
-
-    Instance attributes need an instance: tests/lightning/test_compat.py builds one per owner.
-    """
-    return [str(member) for member in missing_members(owner)]
+    """The listed methods and classes (of ``owner`` only, if given) that the installed Lightning lacks."""
+    return [str(member) for member in absent(PRIVATE_MEMBERS, owner)]
 
 
 def missing_members(owner: type | None = None) -> list[Private]:
     """``missing``, as the listed entries."""
-    gone = []
-    for member in PRIVATE_MEMBERS:
-        if member.on_instance:
-            continue
-        try:
-            where = _resolve(member.owner)
-        except (ImportError, AttributeError):
-            where = None
-        if owner is not None and where is not owner:
-            continue
-        if not hasattr(where, member.name):
-            gone.append(member)
-    return gone
+    return absent(PRIVATE_MEMBERS, owner)
 
 
 @functools.cache
