@@ -50,10 +50,10 @@ class BackendMixin:
             self.precision_plan = self._resolve_precision()
             # Under srun or torchrun Lightning starts no launcher, so its own validate_settings never runs: the world
             # they started is compared with devices x num_nodes here, before any process waits, whatever the backend.
-            check_launch(self.num_processes, self.num_nodes, self.cluster_environment, self.front)
+            check_launch(self.num_processes, self.num_nodes, self.cluster_environment)
             self._check_construction()
         except AutoShardError as exc:
-            restated = self.front.restated(exc)  # the precision, sizes and selector below the engine say "Trainer"
+            restated = self.front.restated(exc)  # what is refused here is said in the Trainer's terms
             if restated is None:
                 raise
             raise restated from None

@@ -23,7 +23,8 @@ FSDP2_PRECISIONS = tuple(p.value for p in Precision if cell("fsdp2", p.feature).
 
 
 def refuse_unsupported_precision(precision_flag: object, strategy: FSDP2Checks) -> None:
-    """Refuse, in the front end's terms, a precision fsdp2 cannot run (the matrix's FP16_MIXED cell says why).
+    """Refuse, in Trainer terms (Fabric restates them: ``FrontEnd.restated``), a precision fsdp2 cannot run (the
+    matrix's FP16_MIXED cell says why).
 
     Called by the guard on the Trainer's precision flag, before Lightning's own check (which says ``Fabric(...)``,
     skips strategies given by name, and on CPU turns 16-mixed into bf16-mixed right after), and at precision
@@ -35,20 +36,17 @@ def refuse_unsupported_precision(precision_flag: object, strategy: FSDP2Checks) 
         precision = None  # 64-true, transformer-engine, ...: nothing autoshard plans for
     if precision is not None and cell("fsdp2", precision.feature).support.usable:
         return
-    name, built = strategy.strategy_name, strategy.front.name
+    name = strategy.strategy_name
     reason = cell("fsdp2", precision.feature).reason if precision else "autoshard plans fsdp2 runs only for the precisions below"
     why = ""
     if strategy.prefer == "auto":
-        why = (
-            f" {name} picks its backend when the strategy is built, before {strategy.front.possessive} precision is known,"
-            f" and took fsdp2 for this intent."
-        )
+        why = f" {name} picks its backend when the strategy is built, before the Trainer's precision is known, and took fsdp2 for this intent."
     stated = strategy.intent.precision
     also = f" ShardingIntent(precision='{stated}') states it too." if stated and stated == precision else ""
     raise IncompatibleBackendError(
-        f"{built}(strategy='{name}', precision='{precision or precision_flag}') is not supported: {reason}.{also}{why}"
+        f"Trainer(strategy='{name}', precision='{precision or precision_flag}') is not supported: {reason}.{also}{why}"
         f" Valid choices with fsdp2: {', '.join(map(repr, FSDP2_PRECISIONS))}."
-        f" Fix: use {built}(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a"
+        f" Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a"
         f" single-optimizer method that needs fp16"
     )
 

@@ -11,16 +11,15 @@ from __future__ import annotations
 import os
 import re
 
-from autoshard.engine.front_end import TRAINER, FrontEnd
 from autoshard.errors import AutoShardError, IntentError
 
 
-def check_launch(num_processes: int, num_nodes: int, environment: object | None = None, front: FrontEnd = TRAINER) -> None:
+def check_launch(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
     """A stale LOCAL_RANK, then torchrun's world, then SLURM's, against ``devices`` x ``num_nodes``: what every
-    strategy checks at construction. ``front``: what the messages call the thing that was built (Trainer, Fabric)."""
-    check_stale_local_rank(num_processes, num_nodes, environment, front)
-    check_torchrun(num_processes, num_nodes, environment, front)
-    check_slurm(num_processes, num_nodes, environment, front)
+    strategy checks at construction. Written in the Trainer's terms: Fabric's strategies restate them (``FrontEnd``)."""
+    check_stale_local_rank(num_processes, num_nodes, environment)
+    check_torchrun(num_processes, num_nodes, environment)
+    check_slurm(num_processes, num_nodes, environment)
 
 
 # What a launcher that starts the processes itself sets beside LOCAL_RANK: Lightning's own subprocess launcher sets
@@ -29,7 +28,7 @@ def check_launch(num_processes: int, num_nodes: int, environment: object | None 
 RENDEZVOUS_PORTS = ("MASTER_PORT", "STANDALONE_PORT")
 
 
-def check_stale_local_rank(num_processes: int, num_nodes: int, environment: object | None = None, front: FrontEnd = TRAINER) -> None:
+def check_stale_local_rank(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
     """A ``LOCAL_RANK`` left in the shell makes Lightning take the process for one a launcher started (its
     ``LightningEnvironment.creates_processes_externally``): it starts no other process and waits for the rest of the
     world in ``init_process_group`` ("MEMBER: 1/2") forever. Refused before any process waits when nothing else a
@@ -54,7 +53,7 @@ def check_stale_local_rank(num_processes: int, num_nodes: int, environment: obje
     nodes = f", num_nodes={num_nodes}" if num_nodes > 1 else ""
     raise IntentError(
         f"LOCAL_RANK={local} is set in the environment, so Lightning takes this process for one that a launcher of yours"
-        f" started (one of the {world} processes {front.name}(devices={num_processes}{nodes}) describes) and starts no other"
+        f" started (one of the {world} processes Trainer(devices={num_processes}{nodes}) describes) and starts no other"
         f" process itself; but MASTER_PORT is not set, so no other process could ever join it, and it would wait at"
         f" {member} for a process that never comes. A LOCAL_RANK left in the shell (an `export`, or the environment of"
         f" an earlier torchrun job) does this. Fix: `unset LOCAL_RANK` and run the script again (Lightning then starts the {world} processes"
@@ -115,7 +114,7 @@ def _slurm_first(*names: str) -> tuple[str, str] | None:
     return next(((name, os.environ[name]) for name in names if os.environ.get(name)), None)
 
 
-def check_slurm(num_processes: int, num_nodes: int, environment: object | None = None, front: FrontEnd = TRAINER) -> None:
+def check_slurm(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
     """Under srun the world comes from SLURM, not ``devices=`` / ``num_nodes=``: a mismatch must stop before any
     process waits, and it must stop here, as ModelParallelStrategy starts no launcher under SLURM, so Lightning's own
     ``SLURMEnvironment.validate_settings`` never runs (and it reads ``SLURM_NTASKS_PER_NODE`` as a plain number).
@@ -145,7 +144,7 @@ def check_slurm(num_processes: int, num_nodes: int, environment: object | None =
             raise IntentError(
                 f"SLURM started a different number of tasks on each node ({spec[0]}={spec[1]!r}), but every node must"
                 f" run the same number of tasks, one per device: Lightning takes the local ranks and the sharding takes"
-                f" its node groups from {front.name}(devices=N) on every node. Fix: launch with `srun --nodes={nodes or len(counts)}"
+                f" its node groups from Trainer(devices=N) on every node. Fix: launch with `srun --nodes={nodes or len(counts)}"
                 f" --ntasks-per-node={num_processes} python train.py` and no --ntasks / -n: a total that is not nodes x tasks"
                 f" per node leaves a node short"
             )
@@ -159,20 +158,20 @@ def check_slurm(num_processes: int, num_nodes: int, environment: object | None =
         both = f", num_nodes={nodes}" if nodes != num_nodes else ""
         srun_nodes = f"--nodes={num_nodes} " if nodes != num_nodes else ""
         raise IntentError(
-            f"SLURM started {tasks} task(s) per node but {front.name}(devices={num_processes}): under srun Lightning takes"
+            f"SLURM started {tasks} task(s) per node but Trainer(devices={num_processes}): under srun Lightning takes"
             f" the world size from SLURM, so the two must be equal (one task per device). Fix: set"
-            f" {front.name}(devices={tasks}{both}), or launch with `srun {srun_nodes}--ntasks-per-node={num_processes}"
+            f" Trainer(devices={tasks}{both}), or launch with `srun {srun_nodes}--ntasks-per-node={num_processes}"
             f" --gres=gpu:{num_processes} python train.py`"
         )
     if nodes != num_nodes:
         raise IntentError(
-            f"SLURM allocated {nodes} node(s) but {front.name}(num_nodes={num_nodes}): under srun the world is SLURM's"
+            f"SLURM allocated {nodes} node(s) but Trainer(num_nodes={num_nodes}): under srun the world is SLURM's"
             f" {nodes} x {tasks} tasks, so the ranks and every node group (shard_size='node') would be wrong. Fix: set"
-            f" {front.name}(num_nodes={nodes}), or launch with `srun --nodes={num_nodes} --ntasks-per-node={tasks}`"
+            f" Trainer(num_nodes={nodes}), or launch with `srun --nodes={num_nodes} --ntasks-per-node={tasks}`"
         )
 
 
-def check_torchrun(num_processes: int, num_nodes: int, environment: object | None = None, front: FrontEnd = TRAINER) -> None:
+def check_torchrun(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
     """Under torchrun the world comes from its ``--nnodes`` x ``--nproc-per-node``, not ``devices=`` / ``num_nodes=``.
 
     Lightning never compares the two for ModelParallelStrategy (no launcher of its own when processes are started
@@ -190,13 +189,13 @@ def check_torchrun(num_processes: int, num_nodes: int, environment: object | Non
     nodes = world // per_node if per_node and world % per_node == 0 else None
     if per_node != num_processes or world != num_processes * num_nodes:
         fix = (
-            f"set {front.name}(devices={per_node}, num_nodes={nodes}), or launch with `torchrun --nnodes={num_nodes} --nproc-per-node={num_processes} ...`"
+            f"set Trainer(devices={per_node}, num_nodes={nodes}), or launch with `torchrun --nnodes={num_nodes} --nproc-per-node={num_processes} ...`"
             if nodes
             else f"start every node with the same `torchrun --nproc-per-node={num_processes}`"
         )
         raise IntentError(
             f"torchrun started {world} processes, {per_node} on this node (WORLD_SIZE={world}, LOCAL_WORLD_SIZE="
-            f"{per_node}), but {front.name}(devices={num_processes}, num_nodes={num_nodes}) describes"
+            f"{per_node}), but Trainer(devices={num_processes}, num_nodes={num_nodes}) describes"
             f" {num_processes * num_nodes} ranks, {num_processes} per node: the ranks, the data-parallel mesh and"
             f" every node group (shard_size='node') would be wrong. Fix: {fix}"
         )
