@@ -26,16 +26,8 @@ from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.checkpoint import resolve_for_load
 from autoshard.checkpoint_io import unverified_warning
+from autoshard.engine import deepspeed as ds
 from autoshard.engine.compat import lightning_lacks
-from autoshard.engine.deepspeed import (
-    DeepSpeedRuntime,
-    IntentZeRO3,
-    cpu_accelerator_refusal,
-    deepspeed_accelerator,
-    publish_deepspeed_save,
-    require_deepspeed,
-    zero_dim_parameters,
-)
 from autoshard.engine.ranks import verify_on_every_rank
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.fabric.base import FabricBackend
@@ -52,7 +44,7 @@ PASS_THROUGH = frozenset(
 )
 
 
-class AutoShardDeepSpeedStrategy(FabricBackend, IntentZeRO3, DeepSpeedRuntime, DeepSpeedStrategy):
+class AutoShardDeepSpeedStrategy(FabricBackend, ds.IntentZeRO3, ds.DeepSpeedRuntime, DeepSpeedStrategy):
     """``Fabric(strategy="autoshard-deepspeed")``: ZeRO-3, its config generated from the intent once the world size is
     known (``micro_batch_size`` is DeepSpeed's per-rank batch, which Fabric cannot see: 1 unless given)."""
 
@@ -70,7 +62,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, IntentZeRO3, DeepSpeedRuntime, D
         gone = missing(DeepSpeedStrategy)
         if gone:
             raise lightning_lacks(gone, "Fabric DeepSpeed strategy hooks", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
-        require_deepspeed()
+        ds.require_deepspeed()
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
         for key in kwargs:
             if key not in PASS_THROUGH:
@@ -101,9 +93,9 @@ class AutoShardDeepSpeedStrategy(FabricBackend, IntentZeRO3, DeepSpeedRuntime, D
         if not self._on_cpu():
             super().setup_environment()  # Lightning's CUDA path, unchanged
             return
-        accelerator = deepspeed_accelerator()
+        accelerator = ds.deepspeed_accelerator()
         if accelerator != "cpu":
-            raise cpu_accelerator_refusal(accelerator, self.front)
+            raise ds.cpu_accelerator_refusal(accelerator, self.front)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
 
     def _setup_distributed(self) -> None:  # private Lightning hook: autoshard.fabric.compat
@@ -135,7 +127,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, IntentZeRO3, DeepSpeedRuntime, D
             raise second_setup_refusal(self._label(), self.setups, module, arriving)
         needs = run_needs(module, [], arriving, 1)
         decision = self._select_before_engine(needs, type(module).__name__)
-        zero_dim = zero_dim_parameters(module)
+        zero_dim = ds.zero_dim_parameters(module)
         if zero_dim:
             names = ", ".join(repr(n) for n in zero_dim)
             raise IncompatibleBackendError(
@@ -162,7 +154,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, IntentZeRO3, DeepSpeedRuntime, D
             super(AutoShardDeepSpeedStrategy, self).save_checkpoint(str(staged), state)
             self.barrier()  # every rank's files are in before any rank hashes
 
-        publish_deepspeed_save(
+        ds.publish_deepspeed_save(
             path,
             write,
             self.global_rank,
