@@ -1,7 +1,7 @@
 """Which front end the user built, as a value: ``TRAINER`` or ``FABRIC``.
 
-The engine runs the same checks under both; what a message calls the thing the user built (``Trainer(devices=2)`` or
-``Fabric(devices=2)``), and how a fix names a strategy, comes from this value, so one text serves both.
+The engine runs the same checks under both; what a message calls the thing the user built (``Trainer(...)`` or
+``Fabric(...)``), and how a fix names a strategy, comes from this value, so one text serves both.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class FrontEnd:
         return f"{self.the}'s"
 
     def restated(self, exc: AutoShardError) -> AutoShardError | None:
-        """``exc`` in this front end's terms, when its text came from a layer below the engine that writes in the
-        Trainer's (precision, the intent's sizes, the selector); None for the Trainer itself."""
+        """``exc``, raised where the Trainer or Fabric is built, in this front end's terms; None for the Trainer itself.
+        Those texts (precision, the intent's sizes, the selector, the launch checks) are written in the Trainer's, and
+        docs/guide.md quotes them so."""
         if self is TRAINER:
             return None
         text = str(exc).replace("Trainer(", f"{self.name}(").replace("the Trainer's", self.possessive)
