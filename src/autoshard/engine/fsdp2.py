@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from autoshard.adapters.fsdp2 import ParallelizeFn
 from autoshard.backends.matrix import cell
 from autoshard.engine.auto_shard import FSDP2
 from autoshard.engine.base import BackendMixin
+from autoshard.engine.ranks import all_gather_object
 from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.init_from import InitPlan, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import MethodNeeds
@@ -104,6 +108,12 @@ class FSDP2Checks(BackendMixin):
     def describe_mesh(self) -> dict[str, Any]:
         assert self.dims is not None
         return self.dims.describe()
+
+    def _plan_init_from(self, module: nn.Module, needs: MethodNeeds) -> InitPlan | None:
+        """The intent's init_from matched against the module on every rank; the same error everywhere if any fails."""
+        if self.intent.init_from is None:
+            return None
+        return plan_everywhere(module, sources_of(self.intent.init_from), needs.ema_pairs, all_gather_object)
 
     def _decide(self, needs: MethodNeeds) -> Decision:
         decision = self._select(needs)

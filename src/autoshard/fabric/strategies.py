@@ -51,7 +51,7 @@ from autoshard.fabric.checkpoint import FabricCheckpoint
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module, label, remap_optimizer, stale_parameters, stale_refusal
 from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, run_needs
-from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
+from autoshard.init_from import InitReport
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.needs import EMAPair, MethodNeeds
 
@@ -225,11 +225,6 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
         if plan is not None:
             self.plans[call] = plan
         return module
-
-    def _plan_init_from(self, module: nn.Module, needs: MethodNeeds) -> InitPlan | None:
-        if self.intent.init_from is None:
-            return None
-        return plan_everywhere(module, sources_of(self.intent.init_from), needs.ema_pairs, all_gather_object)
 
     # -- EMA teachers set up apart from their students ---------------------------------------------------------------
     def _live(self) -> list[tuple[int, nn.Module]]:

@@ -21,7 +21,7 @@ from autoshard.engine.guarantees import ExplainMixedDTensor, track_forwards
 from autoshard.engine.meta_init import check_meta_init, configure_model_counted_as_overridden
 from autoshard.engine.sharding import after_materialize, shard_module, unwrap_user_compile
 from autoshard.errors import IntentError
-from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
+from autoshard.init_from import InitReport
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
@@ -81,7 +81,7 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
         self.decision = self._decide(self.needs)
         if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
             self._decide_budget(module, trainer)  # before anything is sharded: the plan below takes the chosen fields
-        init = self._plan_init_from(module)  # names missing, unexpected and reshaped weights before anything is sharded
+        init = self._plan_init_from(module, self.needs)  # names missing, unexpected and reshaped weights before anything is sharded
         on_meta = check_meta_init(module, init.covered if init is not None else frozenset())
         already_sharded = is_sharded(module)
         sharded_by = None
@@ -145,13 +145,6 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
         asked = self.intent.replace(pinned=tuple(dict.fromkeys((*self.intent.pinned, "shard_size"))))
         self.budget_decision = decide_for_fit(self, trainer, asked, FSDP2)
         self.intent = self.budget_decision.intent(self.intent)
-
-    def _plan_init_from(self, module: torch.nn.Module) -> InitPlan | None:
-        """The intent's init_from matched against the module on every rank; the same error everywhere if any fails."""
-        if self.intent.init_from is None:
-            return None
-        assert self.needs is not None
-        return plan_everywhere(module, sources_of(self.intent.init_from), self.needs.ema_pairs, self._all_gather)
 
     # -- Buffers: rank 0's copy wins (BUFFER_RULE in autoshard.adapters.fsdp2; DDP's broadcast_buffers=True) --------
     def _sync_buffers(self) -> None:
