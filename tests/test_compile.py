@@ -181,7 +181,7 @@ def test_autoshard_deepspeed_with_compile_true_is_refused_when_the_trainer_is_bu
 def test_compile_true_with_modules_the_user_sharded_uncompiled_is_refused() -> None:
     """compile=True compiles autoshard's own plan: a parallelize_fn or configure_model that sharded the modules without
     compiling them would silently train eager. Refused before any collective (no process group needed here)."""
-    from autoshard.lightning.sharding import shard_module
+    from autoshard.engine.sharding import shard_module
 
     sharded_by = "autoshard: sharded by your parallelize_fn; the generic plan is skipped"
     with pytest.raises(IntentError, match=r"sharded by your parallelize_fn.*Fix: compile each block in place"):

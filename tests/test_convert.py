@@ -17,10 +17,10 @@ from autoshard.capability import Format
 from autoshard.checkpoint.formats import detect_format
 from autoshard.checkpoint.trust import CheckpointFormatError
 from autoshard.convert import ConvertError, ConvertOptions, OptimizerState, TrainingState, convert, parse_size, read_checkpoint, write_dcp
+from autoshard.engine.meta_init import copy_students_into_teachers
 from autoshard.errors import IntentError
 from autoshard.init_from import InitFromError, load_init_from, plan_init_from
 from autoshard.intent import ShardingIntent
-from autoshard.lightning.meta_init import copy_students_into_teachers
 from autoshard.needs import EMAPair
 
 pytestmark = [
@@ -321,8 +321,8 @@ def test_init_from_names_missing_unexpected_and_reshaped(tmp_path: Path) -> None
 
 
 def test_meta_init_accepts_modules_init_from_fills(tmp_path: Path) -> None:
+    from autoshard.engine.meta_init import check_meta_init
     from autoshard.errors import AutoShardError
-    from autoshard.lightning.meta_init import check_meta_init
 
     class NoReset(nn.Module):
         def __init__(self) -> None:

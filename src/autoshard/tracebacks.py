@@ -1,7 +1,7 @@
 """Where in the *user's* code an exception was raised: the innermost frame outside torch, Lightning and autoshard.
 
 Refusals quote that line (``at model.py:42 `x = self.head(y)```) so the user sees their code, not ours. One place, so
-that the simulated step (``activations``) and the sharding guarantees (``lightning.guarantees``) agree on it.
+that the simulated step (``activations``) and the sharding guarantees (``engine.guarantees``) agree on it.
 """
 
 from __future__ import annotations

@@ -425,7 +425,7 @@ class GatheredBeforeBackward(pl.Callback):
         self.names: list[str] | None = None
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        from autoshard.lightning.guarantees import fsdp_units
+        from autoshard.engine.guarantees import fsdp_units
 
         if self.names is None:
             self.names = sorted(n for n, u in fsdp_units(pl_module) if u._get_fsdp_state()._fsdp_param_group.is_unsharded)

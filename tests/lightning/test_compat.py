@@ -17,8 +17,9 @@ import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private
 from autoshard.lightning import compat
-from autoshard.lightning.compat import PRIVATE_MEMBERS, SUPPORTED_LIGHTNING, Private, check_lightning, missing
+from autoshard.lightning.compat import PRIVATE_MEMBERS, check_lightning, missing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,7 +173,7 @@ def test_without_a_deepspeed_hook_lightnings_deepspeed_names_stay_lightnings(rei
     assert (
         "it lacks DeepSpeedStrategy._init_optimizers, so Lightning's 'deepspeed*' names stay Lightning's own"
         " DeepSpeedStrategy (autoshard refuses nothing there) and strategy='autoshard-deepspeed' is refused."
-        f" If a strategy fails, {compat.PIN}"
+        f" If a strategy fails, {PIN}"
     ) in warning
     assert all(StrategyRegistry[name]["strategy"] is DeepSpeedStrategy for name in LIGHTNING_DEEPSPEED_NAMES)
     assert not any(c.target.startswith("StrategyRegistry['deepspeed") for c in reinstall.installed())
@@ -213,4 +214,4 @@ def test_without_model_parallel_hooks_autoshards_own_fsdp2_names_are_refused(mon
             strategy()
         text = str(info.value)
         assert "lacks ModelParallelStrategy._renamed_in_2_7, which autoshard's fsdp2 strategies hook" in text
-        assert text.endswith(f"Fix: {compat.PIN}")
+        assert text.endswith(f"Fix: {PIN}")

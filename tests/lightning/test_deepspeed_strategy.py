@@ -217,7 +217,7 @@ def test_missing_deepspeed_says_how_to_install(monkeypatch: pytest.MonkeyPatch) 
 def test_deepspeed_accelerator_other_than_cpu_is_refused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # DeepSpeed picks its accelerator at import (cpu on this machine); this stands in for a CUDA build used with
     # accelerator="cpu", a case this machine cannot produce for real.
-    monkeypatch.setattr(ds_lightning, "_deepspeed_accelerator", lambda: "cuda")
+    monkeypatch.setattr(ds_lightning, "deepspeed_accelerator", lambda: "cuda")
     with pytest.raises(IncompatibleBackendError, match=r"(?s)DeepSpeed's accelerator is 'cuda'.*fsdp2.*Fix: export DS_ACCELERATOR=cpu"):
         make_trainer(AutoShardDeepSpeedStrategy()).fit(Net(), loader())
 
@@ -227,7 +227,7 @@ def test_a_gpu_trainer_with_deepspeed_on_its_cpu_accelerator_is_refused(monkeypa
     made DeepSpeed keep the model on the CPU and fail in an nccl broadcast ("No backend type associated with device
     type cpu"). The strategy refuses it before Lightning's CUDA path, naming the variable."""
     monkeypatch.setattr(AutoShardDeepSpeedStrategy, "_on_cpu", lambda self: False)  # as on a GPU Trainer
-    assert ds_lightning._deepspeed_accelerator() == "cpu"
+    assert ds_lightning.deepspeed_accelerator() == "cpu"
     with pytest.raises(IncompatibleBackendError, match=r"(?s)DeepSpeed's accelerator is 'cpu' \(DS_ACCELERATOR=cpu.*Fix: unset DS_ACCELERATOR"):
         make_trainer(AutoShardDeepSpeedStrategy()).fit(Net(), loader())
 

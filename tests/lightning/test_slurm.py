@@ -15,9 +15,9 @@ import lightning.pytorch as pl
 import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
+from autoshard.engine.launch import check_node_groups, check_slurm, check_torchrun
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.lightning import FSDP2Strategy
-from autoshard.lightning.environment import check_node_groups, check_slurm, check_torchrun
 
 LAUNCHERS = ("SLURM_", "TORCHELASTIC_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "PMI_", "OMPI_")
 

@@ -101,7 +101,7 @@ def prepare_run(
     optimizers and the batch.
 
     The plan makes EMA teacher units reshard after forward itself; the strategy adds the guarantees of
-    ``autoshard.lightning.guarantees`` only to modules the user sharded, which measure_step refuses (below).
+    ``autoshard.engine.guarantees`` only to modules the user sharded, which measure_step refuses (below).
     """
     from autoshard.adapters.fsdp2 import is_sharded, plan_fsdp2
     from autoshard.target import build_on_meta

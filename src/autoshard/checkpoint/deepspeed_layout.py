@@ -257,7 +257,7 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member(
         "deepspeed.runtime.zero.partition_parameters",
         "InsertPostInitMethodToModuleSubClasses",
-        "autoshard.lightning.deepspeed",
+        "autoshard.engine.deepspeed",
         "read: its linear_bk, torch's own functional.linear, which zero.Init saves before replacing it for the process"
         " (restore_functional_linear puts it back)",
     ),

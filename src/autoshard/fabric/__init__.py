@@ -3,7 +3,7 @@
 Fabric keeps its own registry, ``lightning.fabric.strategies.STRATEGY_REGISTRY``, apart from the Trainer's, and each
 ``Fabric()`` copies its names once when it is built: ``import autoshard`` registers here (``register``), at once when
 ``lightning.fabric`` is loaded, else the moment it is. Registering imports nothing but that registry: each entry is a
-factory that imports its strategy (and ``autoshard.lightning``, whose guarantees it shares) when ``Fabric()`` builds
+factory that imports its strategy (and ``autoshard.engine``, what it shares with the Trainer) when ``Fabric()`` builds
 it, so ``from lightning.fabric import Fabric`` stays as fast as without autoshard.
 
 Every registry entry this changes goes into the one record of what ``import autoshard`` changes in Lightning

@@ -14,9 +14,7 @@ optimizers) and ``setup_optimizers`` to ``setup_optimizer``; ``ModelParallelStra
 
 from __future__ import annotations
 
-import importlib
-
-from autoshard.lightning.compat import Private
+from autoshard.engine.compat import Private, absent
 
 _MODEL_PARALLEL = "lightning.fabric.strategies.ModelParallelStrategy"
 _DEEPSPEED = "lightning.fabric.strategies.DeepSpeedStrategy"
@@ -26,7 +24,7 @@ FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_configure_launcher",
-        "fabric/strategies.py (lightning/base.py's BackendMixin)",
+        "engine/base.py (BackendMixin), fabric/strategies.py",
         "overridden: the last step of Fabric() construction, where the precision plugin is known; precision, backend"
         " and mesh sizes are checked there, before any process starts",
         without=_LEFT,
@@ -34,11 +32,11 @@ FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_data_parallel_size",
-        "fabric/strategies.py",
+        "engine/fsdp2.py",
         "set from the intent before Fabric resolves 'auto' (which means tensor parallel within a node)",
         on_instance=True,
     ),
-    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "fabric/strategies.py", "set with _data_parallel_size", on_instance=True),
+    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "engine/fsdp2.py", "set with _data_parallel_size", on_instance=True),
     Private(_DEEPSPEED, "_configure_launcher", "fabric/deepspeed.py", "overridden, as for ModelParallelStrategy", without=_LEFT),
     Private(
         _DEEPSPEED,
@@ -68,26 +66,9 @@ FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
 )
 
 
-def _owner(path: str) -> object:
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
 def missing(owner: type | None = None) -> list[str]:
     """The listed methods (of ``owner`` only, if given) that the installed Lightning Fabric lacks."""
-    gone = []
-    for member in FABRIC_PRIVATE_MEMBERS:
-        if member.on_instance:
-            continue
-        where = _owner(member.owner)
-        if owner is not None and where is not owner:
-            continue
-        if not hasattr(where, member.name):
-            gone.append(str(member))
-    return gone
+    return [str(member) for member in absent(FABRIC_PRIVATE_MEMBERS, owner)]
 
 
 __all__ = ["FABRIC_PRIVATE_MEMBERS", "missing"]

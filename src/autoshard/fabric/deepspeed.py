@@ -11,7 +11,6 @@ Importing this module imports deepspeed only when a strategy is built.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +22,19 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 from autoshard.adapters.checkpointing import checkpoint_blocks
-from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
+from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import deepspeed as deepspeed_backend
-from autoshard.capability import Feature
 from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
 from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
-from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
+from autoshard.engine import deepspeed as ds
+from autoshard.engine.compat import lightning_lacks
+from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.fabric.base import FabricBackend
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module
 from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
-from autoshard.fabric.strategies import FabricBackend
-from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.deepspeed import require_deepspeed, restore_functional_linear, zero_dim_parameters
-from autoshard.precision import PrecisionPlan, resolve_precision
+from autoshard.intent import ShardingIntent
 
 BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
 # Lightning Fabric DeepSpeedStrategy arguments passed through; the ones that shape the config come from the intent.
@@ -47,7 +44,7 @@ PASS_THROUGH = frozenset(
 )
 
 
-class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
+class AutoShardDeepSpeedStrategy(FabricBackend, ds.IntentZeRO3, ds.DeepSpeedRuntime, DeepSpeedStrategy):
     """``Fabric(strategy="autoshard-deepspeed")``: ZeRO-3, its config generated from the intent once the world size is
     known (``micro_batch_size`` is DeepSpeed's per-rank batch, which Fabric cannot see: 1 unless given)."""
 
@@ -64,12 +61,8 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
     ) -> None:
         gone = missing(DeepSpeedStrategy)
         if gone:
-            raise BackendUnavailableError(
-                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's Fabric DeepSpeed"
-                f" strategy hooks (verified on lightning {SUPPORTED_LIGHTNING}). Backend that works: fsdp2"
-                f" (Fabric(strategy='fsdp2')). Fix: {PIN}"
-            )
-        require_deepspeed()
+            raise lightning_lacks(gone, "Fabric DeepSpeed strategy hooks", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
+        ds.require_deepspeed()
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
         for key in kwargs:
             if key not in PASS_THROUGH:
@@ -78,24 +71,11 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
                     f" Fix: set the ShardingIntent field that says it, or pass zero_overrides={{'{key}': ...}} for a"
                     f" zero_optimization key"
                 )
-        base = as_intent(intent)
-        self.intent = base.replace(**fields) if fields else base
-        self.micro_batch_size = micro_batch_size
-        self.zero_overrides = dict(zero_overrides or {})
-        provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
-        super().__init__(config=provisional, **kwargs)
+        super().__init__(config=self._provisional(intent, fields, micro_batch_size, zero_overrides), **kwargs)
         self.setups: list[Setup] = []
-
-    def _intent_to_check(self) -> ShardingIntent:
-        return self.intent
 
     def _label(self) -> str:
         return f"DeepSpeed ZeRO stage 3 ({type(self).__name__})"
-
-    def _resolve_precision(self) -> PrecisionPlan:
-        plan = resolve_precision(self.precision.precision, self.intent)
-        precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
-        return plan
 
     def _format_config(self) -> None:  # private Lightning hook: autoshard.fabric.compat
         """The final config, once the world size is known; Fabric's DeepSpeed needs it before any model exists."""
@@ -109,29 +89,13 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
         )
 
     # -- CPU (gloo): the three checks that block Lightning's DeepSpeedStrategy on CPU, as on the Trainer side -----------
-    def _on_cpu(self) -> bool:
-        return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._on_cpu():
-            return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
-        return super().root_device
-
     def setup_environment(self) -> None:
         if not self._on_cpu():
             super().setup_environment()  # Lightning's CUDA path, unchanged
             return
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = str(get_accelerator().device_name())
+        accelerator = ds.deepspeed_accelerator()
         if accelerator != "cpu":
-            cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
-            raise IncompatibleBackendError(
-                f"Fabric(accelerator='cpu') with DeepSpeed, but DeepSpeed's accelerator is '{accelerator}': {cell.reason}."
-                f" Backend that works on CPU: fsdp2 (Fabric(strategy='fsdp2')). Fix: export DS_ACCELERATOR=cpu before"
-                f" Python starts, or {cell.remedy}"
-            )
+            raise ds.cpu_accelerator_refusal(accelerator, self.front)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
 
     def _setup_distributed(self) -> None:  # private Lightning hook: autoshard.fabric.compat
@@ -162,12 +126,8 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
         if self.setups:
             raise second_setup_refusal(self._label(), self.setups, module, arriving)
         needs = run_needs(module, [], arriving, 1)
-        try:
-            decision = self._select(needs)
-        except IncompatibleBackendError as err:
-            why = f" ({self.requested_as} chose DeepSpeed when Fabric was built, for what the intent asks.)" if self.requested_as else ""
-            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}") from None
-        zero_dim = zero_dim_parameters(module)
+        decision = self._select_before_engine(needs, type(module).__name__)
+        zero_dim = ds.zero_dim_parameters(module)
         if zero_dim:
             names = ", ".join(repr(n) for n in zero_dim)
             raise IncompatibleBackendError(
@@ -183,10 +143,6 @@ class AutoShardDeepSpeedStrategy(FabricBackend, DeepSpeedStrategy):
         self.setups.append(Setup(1, type(module).__name__, _no_ref, ParameterNames(type(module).__name__, {}), arriving))
 
     # -- fabric.save / fabric.load: the crash-safe writer, the checks before DeepSpeed reads a file -------------------
-    def teardown(self) -> None:
-        super().teardown()
-        restore_functional_linear()
-
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
         """DeepSpeed's engine writes every rank's files into a staging of this save's own; each rank hashes its own; rank 0
         writes the manifest and renames the staging in, holding the destination's lock (checkpoint.publish's protocol)."""

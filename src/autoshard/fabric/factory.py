@@ -1,5 +1,5 @@
 """``Fabric(strategy="auto-shard")``: a registered factory that builds the Fabric strategy of the backend the intent
-needs, as ``autoshard.lightning.auto_shard`` does for the Trainer (the same choice: ``needed_backend``).
+needs, as ``autoshard.lightning.auto_shard`` does for the Trainer (the same choice: ``engine.auto_shard.needed_backend``).
 
 Fabric's registry calls it when ``Fabric()`` is built, before any model is known: the choice reads the intent alone
 (NVMe or optimizer-only offload need DeepSpeed; everything else is fsdp2), and each strategy checks the models again at
@@ -15,11 +15,11 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from autoshard.adapters.fsdp2 import ParallelizeFn
+from autoshard.engine.auto_shard import needed_backend
 from autoshard.fabric.deepspeed import BACKEND as DEEPSPEED
 from autoshard.fabric.deepspeed import AutoShardDeepSpeedStrategy
 from autoshard.fabric.strategies import AutoShardStrategy
 from autoshard.intent import ShardingIntent
-from autoshard.lightning.auto_shard import needed_backend
 
 
 def auto_shard(

@@ -1,11 +1,12 @@
 """``Fabric(strategy="fsdp2")`` and ``Fabric(strategy="auto-shard")``: Fabric's ModelParallelStrategy sharding any
 ``nn.Module`` itself, with what the Trainer path guarantees, from the same code.
 
-The same code as ``autoshard.lightning.fsdp2.FSDP2Strategy``, called where Fabric shows the method: the setup
-sequence (``lightning.sharding``: the plan on the one mesh, or the guarantees around the user's sharding; after
-materialization ``init_from``, teachers copied from students, rank 0's unsharded parameters and buffers broadcast,
-FSDP2's lazy init), the precision plan (``BackendMixin``: bf16-mixed gathers in bf16 and reduces in fp32), tensor
-parallel from the model's own plan, no-grad forwards resharded (``lightning.guarantees``), and the selector's refusals.
+The same engine as ``autoshard.lightning.fsdp2.FSDP2Strategy``, called where Fabric shows the method: the checks
+when ``Fabric()`` is built (``engine.fsdp2``), the setup sequence (``engine.sharding``: the plan on the one mesh, or
+the guarantees around the user's sharding; after materialization ``init_from``, teachers copied from students, rank
+0's unsharded parameters and buffers broadcast, FSDP2's lazy init), the precision plan (``engine.base``: bf16-mixed
+gathers in bf16 and reduces in fp32), tensor parallel from the model's own plan, no-grad forwards resharded
+(``engine.guarantees``), and the selector's refusals.
 What Fabric adds: an optimizer built before setup is moved onto the sharded parameters (``fabric.optimizers``), several
 setup calls count (``fabric.setups``), and ``fabric.save`` / ``fabric.load`` go through the crash-safe writer
 (``fabric.checkpoint``).
@@ -18,7 +19,6 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
-from importlib import metadata
 from typing import Any
 
 import torch
@@ -38,63 +38,24 @@ from autoshard.adapters.fsdp2 import (
     per_shard_random_init,
     sync_buffers,
 )
-from autoshard.backends import fsdp2 as fsdp2_backend
 from autoshard.checkpoint.saves import all_gather_object
-from autoshard.errors import AutoShardError, BackendUnavailableError, IncompatibleBackendError, IntentError
+from autoshard.engine.auto_shard import fsdp2_auto_intent
+from autoshard.engine.compat import lightning_lacks
+from autoshard.engine.fsdp2 import FSDP2Checks
+from autoshard.engine.guarantees import reshard_after_no_grad_forward
+from autoshard.engine.meta_init import check_meta_init, copy_students_into_teachers
+from autoshard.engine.sharding import after_materialize, shard_module, unwrap_user_compile
+from autoshard.errors import AutoShardError
+from autoshard.fabric.base import FabricBackend
 from autoshard.fabric.checkpoint import FabricCheckpoint
 from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module, label, remap_optimizer, stale_parameters, stale_refusal
 from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, run_needs
-from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
+from autoshard.init_from import InitReport
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.base import BackendMixin
-from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING
-from autoshard.lightning.fsdp2 import fsdp2_auto_intent, refuse_shard_size_with_parallelize_fn, refuse_unsupported_precision
-from autoshard.lightning.guarantees import reshard_after_no_grad_forward
-from autoshard.lightning.meta_init import check_meta_init, copy_students_into_teachers
-from autoshard.lightning.sharding import after_materialize, shard_module, unwrap_user_compile
-from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
-from autoshard.precision import PrecisionPlan
-from autoshard.select import Decision
-from autoshard.units import fmt_bytes
 
-BACKEND = fsdp2_backend.BACKEND.name  # "fsdp2"
 _BUFFER_HOOK = "_autoshard_buffer_sync"
-
-
-def in_fabric_terms(text: str) -> str:
-    """A refusal written for the Trainer (shared with it, word for word), said to a Fabric user."""
-    return text.replace("Trainer(", "Fabric(").replace("the Trainer's", "Fabric's").replace("the Trainer", "Fabric")
-
-
-class FabricBackend(BackendMixin):
-    """BackendMixin (precision resolved once, the launch and construction checks, the selector) for Fabric's
-    strategies: Fabric calls the same ``_configure_launcher`` last when ``Fabric()`` is built, and holds the precision
-    plugin as ``precision``. The refusals are the Trainer's, said in Fabric's terms."""
-
-    @property
-    def precision_plugin(self) -> Any:
-        return self.precision  # type: ignore[attr-defined]
-
-    def _configure_launcher(self) -> None:  # private Lightning hook: autoshard.fabric.compat
-        try:
-            super()._configure_launcher()
-        except AutoShardError as exc:
-            raise type(exc)(in_fabric_terms(str(exc))) from None
-
-    def _check_construction(self) -> None:
-        budget = self._intent_to_check().memory_budget
-        if budget is not None:  # never ignored in silence: the Trainer's strategies decide it at fit, these do not yet
-            raise IntentError(
-                f"memory_budget={fmt_bytes(budget)} is decided at fit only under a Lightning Trainer (autoshard.lightning.budget,"
-                f" which simulates the LightningModule's training_step on the first training batch); under Fabric the step"
-                f" is your own loop, which autoshard cannot simulate, so Fabric's strategies do not decide it, and it would be"
-                f" ignored. Fix: decide it once with autoshard.budget.decide(module, batch, intent, world_size) on a"
-                f" LightningModule whose training_step runs your step, and pass its .chosen fields to the intent instead of"
-                f" memory_budget"
-            )
-        super()._check_construction()
 
 
 def teacher_plan(student: FSDP2Plan, path: str) -> FSDP2Plan:
@@ -142,7 +103,7 @@ def _sync_buffers_before_forward(module: nn.Module, mesh: Any) -> None:
     object.__setattr__(module, _BUFFER_HOOK, True)
 
 
-class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
+class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelStrategy):
     """``Fabric(strategy="fsdp2")``: pure FSDP by default (dp = world size, tp = 1), sharding at ``fabric.setup``.
 
     One mesh (``autoshard.mesh``), as on the Trainer side: Fabric's ``("data_parallel", "tensor_parallel")`` DeviceMesh,
@@ -155,7 +116,6 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
     """
 
     strategy_name = "fsdp2"
-    prefer = "fsdp2"
 
     def __init__(
         self,
@@ -167,11 +127,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
     ) -> None:
         gone = missing(ModelParallelStrategy)
         if gone:  # Fabric would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
-            raise BackendUnavailableError(
-                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's Fabric strategies"
-                f" hook (verified on lightning {SUPPORTED_LIGHTNING}). Fix: {PIN}"
-            )
-        self.intent = as_intent(intent, **intent_fields)
+            raise lightning_lacks(gone, "Fabric strategies hook")
+        self.intent = self._wanted(as_intent(intent, **intent_fields))
         super().__init__(
             parallelize_fn=self._shard,
             data_parallel_size="auto",
@@ -180,8 +137,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.user_parallelize_fn = parallelize_fn
-        self.parallel_mesh: ParallelMesh | None = None  # views of device_mesh, made in setup_environment
+        self.parallelize_fn = parallelize_fn  # the user's; Fabric's own is self._shard
         self.setups: list[Setup] = []  # every fabric.setup / setup_module call, in order
         self.plans: dict[int, FSDP2Plan] = {}  # autoshard's plan of each setup call (by its index), when it planned
         self.init_reports: dict[int, InitReport] = {}  # what this rank read for ShardingIntent(init_from=...)
@@ -192,46 +148,6 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
     def plan(self) -> FSDP2Plan | None:
         """The plan of the last setup call (the Trainer strategy's attribute of the same name)."""
         return self.plans.get(len(self.setups)) if self.setups else None
-
-    # -- Fabric() construction (BackendMixin._configure_launcher): what can be refused before a process starts --------
-    def _check_construction(self) -> None:
-        super()._check_construction()  # the run's dims, resolved once (hybrid sharding's and tensor parallel's too)
-        self._select(MethodNeeds(), self._prefer_at_construction())
-        assert self.dims is not None
-        # Set before Fabric's setup_environment, which keeps sizes that are not "auto" (Fabric's "auto" means tensor
-        # parallel = processes per node) and builds the one mesh with them.
-        self._data_parallel_size, self._tensor_parallel_size = self.dims.dp, self.dims.tp
-        refuse_shard_size_with_parallelize_fn(self.intent, self.user_parallelize_fn)
-
-    def _prefer_at_construction(self) -> str:
-        return self.prefer
-
-    def _resolve_precision(self) -> PrecisionPlan | None:
-        refuse_unsupported_precision(self.precision.precision, self)  # type: ignore[arg-type]
-        return super()._resolve_precision()
-
-    def _decide(self, needs: MethodNeeds) -> Decision:
-        decision = self._select(needs)
-        if decision.backend != BACKEND:
-            raise IncompatibleBackendError(
-                f"auto-shard chose {decision.backend} for these models, but Fabric was built for fsdp2."
-                f" Fix: use Fabric(strategy='{decision.strategy}')\n{decision.describe()}"
-            )
-        return decision
-
-    def describe_mesh(self) -> dict[str, Any]:
-        assert self.dims is not None
-        return self.dims.describe()
-
-    # -- In each process ------------------------------------------------------------------------------------------------
-    def setup_environment(self) -> None:
-        super().setup_environment()  # Fabric builds the one DeviceMesh, with the sizes _check_construction set
-        assert self.dims is not None
-        self.parallel_mesh = ParallelMesh.of(self.device_mesh, self.dims)
-
-    def _mesh(self) -> ParallelMesh:
-        assert self.parallel_mesh is not None, "the mesh exists once setup_environment has run"
-        return self.parallel_mesh
 
     # -- fabric.setup(model, *optimizers) / fabric.setup_module(model) -----------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
@@ -293,8 +209,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         sharded_by = None
         if is_sharded(module):
             sharded_by = "autoshard: modules already sharded (your fully_shard calls); the generic plan is skipped"
-        elif self.user_parallelize_fn is not None:
-            returned = self.user_parallelize_fn(module, mesh)
+        elif self.parallelize_fn is not None:
+            returned = self.parallelize_fn(module, mesh)
             module = returned if isinstance(returned, nn.Module) else module
             sharded_by = "autoshard: sharded by your parallelize_fn; the generic plan is skipped"
         plan = shard_module(
@@ -309,11 +225,6 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, ModelParallelStrategy):
         if plan is not None:
             self.plans[call] = plan
         return module
-
-    def _plan_init_from(self, module: nn.Module, needs: MethodNeeds) -> InitPlan | None:
-        if self.intent.init_from is None:
-            return None
-        return plan_everywhere(module, sources_of(self.intent.init_from), needs.ema_pairs, all_gather_object)
 
     # -- EMA teachers set up apart from their students ---------------------------------------------------------------
     def _live(self) -> list[tuple[int, nn.Module]]:
@@ -425,24 +336,13 @@ class AutoShardStrategy(FSDP2Strategy):
     strategy_name = "auto-shard"
     prefer = "auto"
 
-    def __init__(
-        self,
-        intent: ShardingIntent | Mapping[str, Any] | None = None,
-        parallelize_fn: ParallelizeFn | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
-    ) -> None:
-        wanted = fsdp2_auto_intent(
-            as_intent(intent, **intent_fields),
+    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
+        return fsdp2_auto_intent(
+            intent,
             "autoshard.fabric.AutoShardStrategy",
             "autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),",
             "autoshard's Fabric DeepSpeed strategy for this intent",
         )
-        super().__init__(wanted, parallelize_fn, process_group_backend, timeout)
-
-    def _prefer_at_construction(self) -> str:
-        return "fsdp2"
 
 
-__all__ = ["AutoShardStrategy", "FSDP2Strategy", "FabricBackend", "in_fabric_terms", "teacher_plan"]
+__all__ = ["AutoShardStrategy", "FSDP2Strategy", "teacher_plan"]

@@ -13,10 +13,11 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from autoshard.engine.fsdp2 import refuse_unsupported_precision
 from autoshard.lightning import guards
 from autoshard.lightning.auto_shard import auto_shard
 from autoshard.lightning.compat import check_lightning
-from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy, refuse_unsupported_precision
+from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy
 from autoshard.lightning.guards import TRAINER_KINDS, Change, installed
 
 

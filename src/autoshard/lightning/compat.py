@@ -1,4 +1,5 @@
-"""The one Lightning range autoshard supports, and every private Lightning member it touches: where, and why.
+"""Every private Lightning member the Trainer's strategies touch: where, and why (the supported range and the
+``Private`` record are ``autoshard.engine.compat``'s, shared with ``autoshard.fabric.compat``).
 
 Lightning may rename or drop a private member in any release. Each one autoshard uses is listed here, once;
 tests/lightning/test_compat.py checks every entry on the installed Lightning (so an upgrade that breaks one fails
@@ -19,15 +20,12 @@ Public behaviours relied on as well (tested where they are used, not listed belo
 from __future__ import annotations
 
 import functools
-import importlib
-from dataclasses import dataclass
 from importlib import metadata
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-SUPPORTED_LIGHTNING = ">=2.6,<2.7"  # the minor release the members below are verified on; pyproject.toml says the same
-PIN = f'pip install "lightning{SUPPORTED_LIGHTNING}"'
+from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private, absent
 
 _CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
 _FABRIC_CONNECTOR = "lightning.fabric.connector._Connector"
@@ -38,22 +36,6 @@ _LEFT_DEEPSPEED = (
     " strategy='autoshard-deepspeed' is refused"
 )
 _LEFT_FSDP2 = "strategy='fsdp2' and 'auto-shard' are refused (they could not set their mesh before Lightning does)"
-
-
-@dataclass(frozen=True)
-class Private:
-    """``owner`` (a dotted class or module path) has ``name``: a method or class, or, with ``on_instance``, an
-    attribute its ``__init__`` sets (only an instance shows it)."""
-
-    owner: str
-    name: str
-    used_in: str
-    why: str
-    on_instance: bool = False
-    without: str = ""  # what autoshard does when this Lightning lacks it (said by check_lightning)
-
-    def __str__(self) -> str:
-        return f"{self.owner.rpartition('.')[2]}.{self.name}"
 
 
 PRIVATE_MEMBERS: tuple[Private, ...] = (
@@ -93,7 +75,7 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_configure_launcher",
-        "lightning/base.py",
+        "engine/base.py",
         "overridden: the last step of Trainer construction, the first point where the Trainer's precision is"
         " known; precision, backend and mesh are checked there, before any process starts",
         without=_LEFT_FSDP2,
@@ -101,11 +83,11 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _MODEL_PARALLEL,
         "_data_parallel_size",
-        "lightning/fsdp2.py",
+        "engine/fsdp2.py",
         "set from the intent before Lightning resolves 'auto' (which means tensor parallel within a node)",
         on_instance=True,
     ),
-    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "lightning/fsdp2.py", "set with _data_parallel_size", on_instance=True),
+    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "engine/fsdp2.py", "set with _data_parallel_size", on_instance=True),
     Private(_MODEL_PARALLEL, "_save_distributed_checkpoint", "lightning/checkpoint.py", "read: a DCP directory or one full file", on_instance=True),
     Private(
         _MODEL_PARALLEL,
@@ -114,7 +96,7 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         "read: Trainer(sync_batchnorm=True), which ModelParallelStrategy ignores and autoshard applies",
         on_instance=True,
     ),
-    Private(_DEEPSPEED, "_configure_launcher", "lightning/base.py", "overridden, as for ModelParallelStrategy", without=_LEFT_DEEPSPEED),
+    Private(_DEEPSPEED, "_configure_launcher", "engine/base.py", "overridden, as for ModelParallelStrategy", without=_LEFT_DEEPSPEED),
     Private(
         _DEEPSPEED,
         "_layer_sync",
@@ -210,38 +192,14 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
 )
 
 
-def _resolve(path: str) -> object:
-    """A class or module from its dotted path."""
-    try:
-        return importlib.import_module(path)
-    except ImportError:
-        module, _, name = path.rpartition(".")
-        return getattr(importlib.import_module(module), name)
-
-
 def missing(owner: type | None = None) -> list[str]:
-    """The listed methods and classes (of ``owner`` only, if given) that the installed Lightning lacks.
-
-    Instance attributes need an instance: tests/lightning/test_compat.py builds one per owner.
-    """
-    return [str(member) for member in missing_members(owner)]
+    """The listed methods and classes (of ``owner`` only, if given) that the installed Lightning lacks."""
+    return [str(member) for member in absent(PRIVATE_MEMBERS, owner)]
 
 
 def missing_members(owner: type | None = None) -> list[Private]:
     """``missing``, as the listed entries."""
-    gone = []
-    for member in PRIVATE_MEMBERS:
-        if member.on_instance:
-            continue
-        try:
-            where = _resolve(member.owner)
-        except (ImportError, AttributeError):
-            where = None
-        if owner is not None and where is not owner:
-            continue
-        if not hasattr(where, member.name):
-            gone.append(member)
-    return gone
+    return absent(PRIVATE_MEMBERS, owner)
 
 
 @functools.cache
@@ -268,4 +226,4 @@ def check_lightning(version: str | None = None) -> None:
     )
 
 
-__all__ = ["PIN", "PRIVATE_MEMBERS", "SUPPORTED_LIGHTNING", "Private", "check_lightning", "missing", "missing_members"]
+__all__ = ["PRIVATE_MEMBERS", "check_lightning", "missing", "missing_members"]

@@ -10,12 +10,10 @@ Importing this module does not import deepspeed; constructing a strategy does.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import pickle
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,23 +25,31 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard.adapters.checkpointing import checkpoint_blocks, describe_checkpointing
-from autoshard.adapters.deepspeed import deepspeed_config, precision_config, provisional_config
+from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import deepspeed as deepspeed_backend
 from autoshard.budget import BudgetDecision, stored_differs
-from autoshard.capability import Feature
 from autoshard.checkpoint.formats import BUDGET_KEY, STATE_KEY
 from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
 from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.checkpoint.trust import WEIGHTS_ONLY_REFUSAL, untrusted, weights_only_loads
-from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
-from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.base import BackendMixin
+from autoshard.engine.compat import lightning_lacks
+from autoshard.engine.deepspeed import (
+    DeepSpeedRuntime,
+    IntentZeRO3,
+    cpu_accelerator_refusal,
+    deepspeed_accelerator,
+    require_deepspeed,
+    zero_dim_parameters,
+)
+from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.intent import ShardingIntent
+from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
-from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
+from autoshard.lightning.compat import missing
 from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
-from autoshard.precision import PRECISIONS, PrecisionPlan, resolve_precision
+from autoshard.precision import PRECISIONS, PrecisionPlan
 from autoshard.select import Decision
 
 if TYPE_CHECKING:
@@ -88,14 +94,6 @@ _ZERO_DIM_FIX = (
     "use strategy='fsdp2' (it keeps 0-dim parameters whole on every rank), or give the parameter shape (1,):"
     " nn.Parameter(torch.ones(1)) instead of nn.Parameter(torch.tensor(1.0))"
 )
-
-
-def zero_dim_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of the 0-dim parameters DeepSpeed has not converted yet: each one would crash deepspeed.initialize.
-
-    Parameters built under zero.Init (``configure_model`` at stage 3) carry ``ds_id`` and were sent already.
-    """
-    return [name for name, p in module.named_parameters() if p.dim() == 0 and not hasattr(p, "ds_id")]
 
 
 def _zero_dim_refusal(where: str, label: str) -> IncompatibleBackendError:
@@ -175,43 +173,6 @@ def _returned_by(module: torch.nn.Module, hook: str) -> Iterator[list[Any]]:
                 del module.__dict__[hook]
 
 
-def restore_functional_linear() -> bool:
-    """Put back ``torch.nn.functional.linear`` when ZeRO-3 left its own in the process; True when it did.
-
-    DeepSpeed's ``zero.Init`` (Lightning enters it for stage 3; ``deepspeed.initialize`` converts a module with it)
-    replaces ``torch.nn.functional.linear`` with its memory-efficient ``zero3_linear_wrap`` "until manually reset": every
-    model the process trains afterwards, under any strategy, would then run DeepSpeed's autograd Function for each
-    linear layer (seen here: selective activation checkpointing saved other tensors, and losses moved by 3e-4). A
-    strategy leaves the process as it found it: torch's own function, the one zero.Init saved before replacing it
-    (``linear_bk``), whoever replaced it first.
-    """
-    current = torch.nn.functional.linear
-    if getattr(current, "__module__", "") != "deepspeed.runtime.zero.linear":
-        return False
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
-
-    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
-    if original is None:
-        return False
-    torch.nn.functional.linear = original
-    return True
-
-
-def require_deepspeed() -> None:
-    """BackendUnavailableError with the install command when deepspeed is missing, importing nothing."""
-    if importlib.util.find_spec("deepspeed") is None:
-        raise BackendUnavailableError(
-            f"deepspeed is not installed: the DeepSpeed ZeRO-3 backend (strategy='autoshard-deepspeed' or"
-            f" Lightning's 'deepspeed*' names) needs it. Backend that works without it: fsdp2 (strategy='fsdp2')."
-            f" Fix: {deepspeed_backend.INSTALL}"
-        )
-    available = deepspeed_backend.check()
-    if not available.ok:
-        raise BackendUnavailableError(
-            f"{available.detail}: the DeepSpeed ZeRO-3 backend needs it. Backend that works: fsdp2 (strategy='fsdp2'). Fix: {available.fix}"
-        )
-
-
 def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
     try:
         return module.trainer if module is not None else None
@@ -219,13 +180,7 @@ def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
         return None
 
 
-def _deepspeed_accelerator() -> str:
-    from deepspeed.accelerator import get_accelerator
-
-    return str(get_accelerator().device_name())
-
-
-class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
+class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfigHook):
     """Lightning's DeepSpeedStrategy, plus autoshard's refusal at setup and a CPU (gloo) path.
 
     Registered under Lightning's own names, so ``Trainer(strategy="deepspeed_stage_3")`` refuses an EMA teacher or a
@@ -237,17 +192,9 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         gone = missing(DeepSpeedStrategy)
         if gone:  # Lightning would never call autoshard's overrides: the provisional config and no refusal
-            raise BackendUnavailableError(
-                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's DeepSpeed"
-                f" strategies hook (verified on lightning {SUPPORTED_LIGHTNING}). Backend that works: fsdp2"
-                f" (strategy='fsdp2'). Fix: {PIN}"
-            )
+            raise lightning_lacks(gone, "DeepSpeed strategies hook", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
         require_deepspeed()
         super().__init__(*args, **kwargs)
-
-    def teardown(self) -> None:
-        super().teardown()
-        restore_functional_linear()
 
     writes_manifest = False  # Lightning's own DeepSpeed saves (these names) record none: no warning when it is missing
 
@@ -316,13 +263,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         if self.zero_stage != 3:
             # Stages 1-2 keep whole parameters on every rank: EMA is safe there, and several forwards lose no prefetch.
             needs = dataclasses.replace(needs, ema_pairs=(), multi_forward=False)
-        try:
-            decision = self._select(needs)
-        except IncompatibleBackendError as err:
-            why = ""
-            if self.requested_as is not None:  # auto-shard picked DeepSpeed from the intent, before the method was known
-                why = f" ({self.requested_as} chose DeepSpeed when the Trainer was built, for what the intent asks.)"
-            raise type(err)(f"{type(module).__name__} cannot train under {self._label()}; refused before the engine is built.{why}\n{err}") from None
+        decision = self._select_before_engine(needs, type(module).__name__)
         self.needs, self.decision = needs, decision
         # After the matrix's refusals (an EMA teacher says more, and its fix, fsdp2, solves this too), and still
         # before deepspeed.initialize, which would fail on it.
@@ -334,7 +275,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
 
     # -- Lightning hooks --------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        accelerator = _deepspeed_accelerator()
+        accelerator = deepspeed_accelerator()
         if not self._on_cpu():
             if accelerator == "cpu":  # its engine would keep the model on the CPU and broadcast it on the nccl group
                 raise IncompatibleBackendError(
@@ -346,12 +287,7 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
             super().setup_environment()  # Lightning's CUDA path, unchanged
             return
         if accelerator != "cpu":
-            cell = deepspeed_backend.ROW[Feature.CPU_ACCELERATOR]
-            raise IncompatibleBackendError(
-                f"Trainer(accelerator='cpu') with DeepSpeed, but DeepSpeed's accelerator is '{accelerator}': {cell.reason}."
-                f" Backend that works on CPU: fsdp2 (strategy='fsdp2'). Fix: export DS_ACCELERATOR=cpu before Python"
-                f" starts, or {cell.remedy}"
-            )
+            raise cpu_accelerator_refusal(accelerator, self.front)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
 
     def setup_distributed(self) -> None:
@@ -362,15 +298,6 @@ class GuardedDeepSpeedStrategy(BackendMixin, _LightningConfigHook):
         reset_seed()
         self.set_world_ranks()
         _lightning_init_distributed(self)
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._on_cpu():
-            return torch.device("cpu", 0)  # DeepSpeed passes root_device.index as device_rank; None breaks it
-        return super().root_device
-
-    def _on_cpu(self) -> bool:
-        return bool(self.parallel_devices) and self.parallel_devices[0].type == "cpu"
 
     def setup(self, trainer: pl.Trainer) -> None:
         if _lightning_layer_sync(self) is not None and trainer.training and self.world_size > 1:
@@ -450,7 +377,7 @@ def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return fields, kwargs
 
 
-class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
+class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
     """``strategy="autoshard-deepspeed"``: ZeRO-3 whose config is generated from a ShardingIntent.
 
     The final config is built when Lightning first needs it, once the world size, the DataLoader batch size,
@@ -471,18 +398,9 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         fields, lightning_kwargs = _split_arguments(dict(kwargs))
-        base = as_intent(intent)
-        self.intent = base.replace(**fields) if fields else base
-        self.micro_batch_size = micro_batch_size
-        self.zero_overrides = dict(zero_overrides or {})
         self.checkpointed: dict[int, list[str]] = {}  # id(module) -> the blocks init_deepspeed checkpointed
-        # Intent-only refusals (tensor parallel) at construction, precision once the Trainer's is known, the method at
-        # setup. GuardedDeepSpeedStrategy.__init__ checks lightning and the deepspeed import.
-        provisional = provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
-        super().__init__(config=provisional, **lightning_kwargs)
-
-    def _intent_to_check(self) -> ShardingIntent:
-        return self.intent
+        provisional = self._provisional(intent, fields, micro_batch_size, zero_overrides)
+        super().__init__(config=provisional, **lightning_kwargs)  # checks lightning and the deepspeed import
 
     def init_deepspeed(self) -> None:
         """Activation checkpointing of the blocks (the intent's, or what a memory budget chose: the config is final
@@ -498,11 +416,6 @@ class AutoShardDeepSpeedStrategy(GuardedDeepSpeedStrategy):
                     f" DeepSpeed ZeRO-3: {len(blocks)} block(s): {', '.join(blocks)}"
                 )
         super().init_deepspeed()
-
-    def _resolve_precision(self) -> PrecisionPlan:
-        plan = resolve_precision(self.precision_plugin.precision, self.intent)
-        precision_config(plan)  # what ZeRO-3 cannot run (a param_dtype it cannot gather in) is refused now
-        return plan
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's save (DeepSpeed's engine writes every rank's files) through checkpoint.publish's publish protocol:
@@ -587,7 +500,5 @@ __all__ = [
     "GuardedDeepSpeedStrategy",
     "LIGHTNING_DEEPSPEED_NAMES",
     "register_deepspeed_strategies",
-    "require_deepspeed",
     "sync_batchnorm",
-    "zero_dim_parameters",
 ]

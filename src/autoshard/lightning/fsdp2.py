@@ -5,7 +5,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,72 +13,27 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, is_sharded, per_shard_random_init, sync_buffers, to_device_keeping_offloaded
-from autoshard.backends import fsdp2 as fsdp2_backend
-from autoshard.backends.matrix import cell
 from autoshard.batchnorm import convert_sync_batchnorm
-from autoshard.errors import BackendUnavailableError, IncompatibleBackendError, IntentError
-from autoshard.init_from import InitPlan, InitReport, plan_everywhere, sources_of
+from autoshard.engine.auto_shard import FSDP2, fsdp2_auto_intent
+from autoshard.engine.compat import lightning_lacks
+from autoshard.engine.fsdp2 import FSDP2Checks
+from autoshard.engine.guarantees import ExplainMixedDTensor, track_forwards
+from autoshard.engine.meta_init import check_meta_init, configure_model_counted_as_overridden
+from autoshard.engine.sharding import after_materialize, shard_module, unwrap_user_compile
+from autoshard.errors import IntentError
+from autoshard.init_from import InitReport
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.lightning.base import BackendMixin
+from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
 from autoshard.lightning.checkpoint import CheckpointMixin
-from autoshard.lightning.compat import PIN, SUPPORTED_LIGHTNING, missing
-from autoshard.lightning.guarantees import ExplainMixedDTensor, track_forwards
-from autoshard.lightning.meta_init import check_meta_init, configure_model_counted_as_overridden
-from autoshard.lightning.sharding import after_materialize, shard_module, unwrap_user_compile
-from autoshard.mesh import ParallelMesh
-from autoshard.needs import MethodNeeds, inspect_needs, recount_optimizers
-from autoshard.precision import Precision, PrecisionPlan, normalize_precision
-from autoshard.select import Decision, select_backend
+from autoshard.lightning.compat import missing
+from autoshard.needs import inspect_needs, recount_optimizers
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-BACKEND = fsdp2_backend.BACKEND.name  # "fsdp2": what a decision is compared with, never the literal
 
-FSDP2_PRECISIONS = tuple(p.value for p in Precision if cell("fsdp2", p.feature).support.usable)
-
-
-def refuse_unsupported_precision(trainer_precision: object, strategy: FSDP2Strategy) -> None:
-    """Refuse, in Trainer terms, a precision fsdp2 cannot run (the matrix's FP16_MIXED cell says why).
-
-    Called by the guard on the Trainer's precision flag, before Lightning's own check (which says ``Fabric(...)``,
-    skips strategies given by name, and on CPU turns 16-mixed into bf16-mixed right after), and at precision
-    resolution, for a precision plugin passed in ``plugins=``. The intent's precision, when stated, is named too.
-    """
-    try:
-        precision: Precision | None = normalize_precision(trainer_precision)
-    except IntentError:
-        precision = None  # 64-true, transformer-engine, ...: nothing autoshard plans for
-    if precision is not None and cell("fsdp2", precision.feature).support.usable:
-        return
-    name = strategy.strategy_name
-    reason = cell("fsdp2", precision.feature).reason if precision else "autoshard plans fsdp2 runs only for the precisions below"
-    why = ""
-    if strategy.prefer == "auto":
-        why = f" {name} picks its backend when the strategy is built, before the Trainer's precision is known, and took fsdp2 for this intent."
-    stated = strategy.intent.precision
-    also = f" ShardingIntent(precision='{stated}') states it too." if stated and stated == precision else ""
-    raise IncompatibleBackendError(
-        f"Trainer(strategy='{name}', precision='{precision or trainer_precision}') is not supported: {reason}.{also}{why}"
-        f" Valid choices with fsdp2: {', '.join(map(repr, FSDP2_PRECISIONS))}."
-        f" Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a"
-        f" single-optimizer method that needs fp16"
-    )
-
-
-def refuse_shard_size_with_parallelize_fn(intent: ShardingIntent, parallelize_fn: ParallelizeFn | None) -> None:
-    """A shard size is a setting of autoshard's own plan, which a parallelize_fn replaces: refused rather than ignored
-    (both strategies, when the Trainer / Fabric is built)."""
-    if intent.shard_size is not None and parallelize_fn is not None:
-        raise IntentError(
-            f"shard_size={intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
-            f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
-            f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
-        )
-
-
-class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelParallelStrategy):
+class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, CheckpointMixin, ModelParallelStrategy):
     """``strategy="fsdp2"``: pure FSDP by default (dp = world size, tp = 1), sharding at setup, no module change.
 
     One mesh (``autoshard.mesh``): ``device_mesh`` is Lightning's ``("data_parallel", "tensor_parallel")`` DeviceMesh,
@@ -92,7 +46,6 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
     """
 
     strategy_name = "fsdp2"
-    prefer = "fsdp2"
 
     def __init__(
         self,
@@ -104,11 +57,8 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
     ) -> None:
         gone = missing(ModelParallelStrategy)
         if gone:  # Lightning would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
-            raise BackendUnavailableError(
-                f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's fsdp2 strategies"
-                f" hook (verified on lightning {SUPPORTED_LIGHTNING}). Fix: {PIN}"
-            )
-        self.intent = as_intent(intent, **intent_fields)
+            raise lightning_lacks(gone, "fsdp2 strategies hook")
+        self.intent = self._wanted(as_intent(intent, **intent_fields))
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size="auto",
@@ -118,38 +68,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         )
         self.parallelize_fn = parallelize_fn
         self.plan: FSDP2Plan | None = None
-        self.parallel_mesh: ParallelMesh | None = None  # views of device_mesh, made in setup_environment
         self.init_report: InitReport | None = None  # what this rank read for ShardingIntent(init_from=...)
-
-    # -- Trainer construction (BackendMixin._configure_launcher): what can be refused before a process starts ----
-    def _check_construction(self) -> None:
-        self._select(MethodNeeds(), self._prefer_at_construction())
-        dims = self._resolve_dims()
-        # Set before Lightning's setup_environment, which keeps sizes that are not "auto" and builds the one mesh.
-        self._data_parallel_size, self._tensor_parallel_size = dims.dp, dims.tp
-        refuse_shard_size_with_parallelize_fn(self.intent, self.parallelize_fn)
-
-    def _prefer_at_construction(self) -> str:
-        return self.prefer
-
-    def _resolve_precision(self) -> PrecisionPlan | None:
-        refuse_unsupported_precision(self.precision_plugin.precision, self)
-        return super()._resolve_precision()
-
-    # -- In each process --------------------------------------------------------------------------------------
-    def setup_environment(self) -> None:
-        super().setup_environment()  # Lightning builds the one DeviceMesh, with the sizes _check_construction set
-        assert self.dims is not None
-        self.parallel_mesh = ParallelMesh.of(self.device_mesh, self.dims)
-
-    def _decide(self, needs: MethodNeeds) -> Decision:
-        decision = self._select(needs)
-        if decision.backend != BACKEND:
-            raise IncompatibleBackendError(
-                f"auto-shard chose {decision.backend} for this method, but the Trainer was built for fsdp2."
-                f" Fix: use strategy='{decision.strategy}'\n{decision.describe()}"
-            )
-        return decision
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -162,7 +81,7 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         self.decision = self._decide(self.needs)
         if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
             self._decide_budget(module, trainer)  # before anything is sharded: the plan below takes the chosen fields
-        init = self._plan_init_from(module)  # names missing, unexpected and reshaped weights before anything is sharded
+        init = self._plan_init_from(module, self.needs)  # names missing, unexpected and reshaped weights before anything is sharded
         on_meta = check_meta_init(module, init.covered if init is not None else frozenset())
         already_sharded = is_sharded(module)
         sharded_by = None
@@ -224,19 +143,8 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
                 f" configuration's peak), or let autoshard shard (no parallelize_fn, no fully_shard in configure_model)"
             )
         asked = self.intent.replace(pinned=tuple(dict.fromkeys((*self.intent.pinned, "shard_size"))))
-        self.budget_decision = decide_for_fit(self, trainer, asked, BACKEND)
+        self.budget_decision = decide_for_fit(self, trainer, asked, FSDP2)
         self.intent = self.budget_decision.intent(self.intent)
-
-    def _mesh(self) -> ParallelMesh:
-        assert self.parallel_mesh is not None, "the mesh exists once setup_environment has run"
-        return self.parallel_mesh
-
-    def _plan_init_from(self, module: torch.nn.Module) -> InitPlan | None:
-        """The intent's init_from matched against the module on every rank; the same error everywhere if any fails."""
-        if self.intent.init_from is None:
-            return None
-        assert self.needs is not None
-        return plan_everywhere(module, sources_of(self.intent.init_from), self.needs.ema_pairs, self._all_gather)
 
     # -- Buffers: rank 0's copy wins (BUFFER_RULE in autoshard.adapters.fsdp2; DDP's broadcast_buffers=True) --------
     def _sync_buffers(self) -> None:
@@ -259,28 +167,6 @@ class FSDP2Strategy(BackendMixin, ExplainMixedDTensor, CheckpointMixin, ModelPar
         self._sync_buffers()  # the checkpoint holds rank 0's buffers, and so does every rank after it
         return super().lightning_module_state_dict()
 
-    def describe_mesh(self) -> dict[str, Any]:
-        assert self.dims is not None
-        return self.dims.describe()
-
-
-def backend_for_intent(intent: ShardingIntent) -> str:
-    """The backend the intent alone needs (no method known yet, precision left to the Trainer): what ``auto-shard``
-    builds. Raises the selector's refusal when no backend can run the intent."""
-    return select_backend(MethodNeeds(), intent.replace(precision=None)).backend
-
-
-def fsdp2_auto_intent(wanted: ShardingIntent, label: str, build: str, returns: str) -> ShardingIntent:
-    """``wanted``, for an auto-shard strategy object on fsdp2 (the Trainer's and Fabric's): refused when only DeepSpeed
-    can run the intent, naming the factory (``build``) that would have returned DeepSpeed's strategy (``returns``)."""
-    needed = backend_for_intent(wanted)
-    if needed != BACKEND:
-        raise IntentError(
-            f"{label} is auto-shard's fsdp2 strategy, but this intent needs {needed} (only it has what the intent asks"
-            f" for), so an fsdp2 strategy object cannot run it. Fix: build it with {build} which returns {returns}"
-        )
-    return wanted
-
 
 class AutoShardStrategy(FSDP2Strategy):
     """``strategy="auto-shard"`` on fsdp2: the selector's backend, checked again against the module at setup.
@@ -295,22 +181,11 @@ class AutoShardStrategy(FSDP2Strategy):
     strategy_name = "auto-shard"
     prefer = "auto"
 
-    def __init__(
-        self,
-        intent: ShardingIntent | Mapping[str, Any] | None = None,
-        parallelize_fn: ParallelizeFn | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
-    ) -> None:
-        wanted = fsdp2_auto_intent(
-            as_intent(intent, **intent_fields),
+    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
+        return fsdp2_auto_intent(
+            intent,
             "AutoShardStrategy",
             "autoshard.lightning.auto_shard(...) and the same arguments (what Trainer(strategy='auto-shard') calls),",
             "autoshard's DeepSpeed strategy for this intent; in a LightningCLI config use class_path:"
             " autoshard.lightning.deepspeed.AutoShardDeepSpeedStrategy",
         )
-        super().__init__(wanted, parallelize_fn, process_group_backend, timeout)
-
-    def _prefer_at_construction(self) -> str:
-        return "fsdp2"

@@ -88,7 +88,7 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
     from lightning.pytorch.strategies import FSDPStrategy
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    from autoshard.lightning.environment import SLURM_READ_BY_LIGHTNING, check_slurm_numbers
+    from autoshard.engine.launch import SLURM_READ_BY_LIGHTNING, check_slurm_numbers
 
     def check_strategy(original: Callable[..., Any]) -> Callable[..., Any]:
         def check(self: Any) -> None:

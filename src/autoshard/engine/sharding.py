@@ -25,12 +25,12 @@ from autoshard.adapters.fsdp2 import (
     init_sharded_units,
     plan_fsdp2,
 )
+from autoshard.engine.guarantees import reshard_after_no_grad_forward, reshard_teachers
+from autoshard.engine.launch import check_node_groups
+from autoshard.engine.meta_init import copy_students_into_teachers
 from autoshard.errors import IntentError
 from autoshard.init_from import InitPlan, InitReport, load_init_from
 from autoshard.intent import ShardingIntent
-from autoshard.lightning.environment import check_node_groups
-from autoshard.lightning.guarantees import reshard_after_no_grad_forward, reshard_teachers
-from autoshard.lightning.meta_init import copy_students_into_teachers
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair, MethodNeeds
 from autoshard.precision import PrecisionPlan

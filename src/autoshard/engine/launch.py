@@ -1,7 +1,7 @@
 """One check of the launch, for every autoshard strategy: the world SLURM or torchrun started must be the one
-``Trainer(devices=N, num_nodes=M)`` describes, and ``shard_size='node'`` groups must be one node each.
+``Trainer(devices=N, num_nodes=M)`` (or ``Fabric(...)``) describes, and ``shard_size='node'`` groups must be one node each.
 
-Run when the Trainer is built (``BackendMixin._configure_launcher``), before any process waits in a collective: under
+Run when the Trainer or Fabric is built (``engine.base.BackendMixin._configure_launcher``), before any process waits in a collective: under
 srun or torchrun Lightning starts no launcher of its own, so its ``validate_settings`` never runs, for fsdp2 and
 DeepSpeed alike. ``check_node_groups`` runs at setup, where the ranks' node numbers can be gathered.
 """
@@ -16,7 +16,7 @@ from autoshard.errors import AutoShardError, IntentError
 
 def check_launch(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
     """A stale LOCAL_RANK, then torchrun's world, then SLURM's, against ``devices`` x ``num_nodes``: what every
-    strategy checks at construction."""
+    strategy checks at construction. Written in the Trainer's terms: Fabric's strategies restate them (``FrontEnd``)."""
     check_stale_local_rank(num_processes, num_nodes, environment)
     check_torchrun(num_processes, num_nodes, environment)
     check_slurm(num_processes, num_nodes, environment)

@@ -1,0 +1,128 @@
+"""What both fsdp2 strategies, the Trainer's (``lightning.fsdp2``) and Fabric's (``fabric.strategies``), do around
+Lightning's ModelParallelStrategy before anything is sharded: the construction checks (precision, the selector, the
+dims resolved once and given to Lightning's mesh, a shard size a parallelize_fn would ignore), the one mesh's views,
+and the decision at setup. One copy, so the two cannot drift; each front end adds only its own hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from autoshard.adapters.fsdp2 import ParallelizeFn
+from autoshard.backends.matrix import cell
+from autoshard.checkpoint.saves import all_gather_object
+from autoshard.engine.auto_shard import FSDP2
+from autoshard.engine.base import BackendMixin
+from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.init_from import InitPlan, plan_everywhere, sources_of
+from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelMesh
+from autoshard.needs import MethodNeeds
+from autoshard.precision import Precision, PrecisionPlan, normalize_precision
+from autoshard.select import Decision
+
+FSDP2_PRECISIONS = tuple(p.value for p in Precision if cell("fsdp2", p.feature).support.usable)
+
+
+def refuse_unsupported_precision(precision_flag: object, strategy: FSDP2Checks) -> None:
+    """Refuse, in Trainer terms (Fabric restates them: ``FrontEnd.restated``), a precision fsdp2 cannot run (the
+    matrix's FP16_MIXED cell says why).
+
+    Called by the guard on the Trainer's precision flag, before Lightning's own check (which says ``Fabric(...)``,
+    skips strategies given by name, and on CPU turns 16-mixed into bf16-mixed right after), and at precision
+    resolution, for a precision plugin passed in ``plugins=``. The intent's precision, when stated, is named too.
+    """
+    try:
+        precision: Precision | None = normalize_precision(precision_flag)
+    except IntentError:
+        precision = None  # 64-true, transformer-engine, ...: nothing autoshard plans for
+    if precision is not None and cell("fsdp2", precision.feature).support.usable:
+        return
+    name = strategy.strategy_name
+    reason = cell("fsdp2", precision.feature).reason if precision else "autoshard plans fsdp2 runs only for the precisions below"
+    why = ""
+    if strategy.prefer == "auto":
+        why = f" {name} picks its backend when the strategy is built, before the Trainer's precision is known, and took fsdp2 for this intent."
+    stated = strategy.intent.precision
+    also = f" ShardingIntent(precision='{stated}') states it too." if stated and stated == precision else ""
+    raise IncompatibleBackendError(
+        f"Trainer(strategy='{name}', precision='{precision or precision_flag}') is not supported: {reason}.{also}{why}"
+        f" Valid choices with fsdp2: {', '.join(map(repr, FSDP2_PRECISIONS))}."
+        f" Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a"
+        f" single-optimizer method that needs fp16"
+    )
+
+
+def refuse_shard_size_with_parallelize_fn(intent: ShardingIntent, parallelize_fn: ParallelizeFn | None) -> None:
+    """A shard size is a setting of autoshard's own plan, which a parallelize_fn replaces: refused rather than ignored
+    (both strategies, when the Trainer / Fabric is built)."""
+    if intent.shard_size is not None and parallelize_fn is not None:
+        raise IntentError(
+            f"shard_size={intent.shard_size!r} applies to autoshard's own plan, and a parallelize_fn replaces"
+            f" it, so the shard size would be ignored. Fix: drop parallelize_fn, or drop shard_size and pass"
+            f" fully_shard(..., mesh=init_device_mesh(device, (replicas, shard_size))) in your parallelize_fn"
+        )
+
+
+class FSDP2Checks(BackendMixin):
+    """Mixed in before ModelParallelStrategy by both fsdp2 strategies: what is checked when the Trainer (or Fabric) is
+    built, the mesh views made in each process, and the decision for the needs found at setup."""
+
+    strategy_name: str
+    prefer = "fsdp2"
+    parallelize_fn: ParallelizeFn | None  # the user's, which replaces autoshard's plan
+    parallel_mesh: ParallelMesh | None = None  # views of device_mesh, made in setup_environment
+    device_mesh: Any  # Lightning's one DeviceMesh, built with the dims set in _check_construction
+    _data_parallel_size: Any
+    _tensor_parallel_size: Any
+
+    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
+        """The intent this strategy runs (auto-shard's refuses one only DeepSpeed can run: ``fsdp2_auto_intent``)."""
+        return intent
+
+    # -- construction (BackendMixin._configure_launcher): what can be refused before a process starts ------------------
+    def _check_construction(self) -> None:
+        self._select(MethodNeeds(), FSDP2)  # auto-shard too: it took fsdp2 for this intent (engine.auto_shard)
+        dims = self._resolve_dims()  # hybrid sharding's and tensor parallel's too
+        # Set before Lightning's setup_environment, which keeps sizes that are not "auto" ("auto" means tensor parallel
+        # = processes per node) and builds the one mesh with them.
+        self._data_parallel_size, self._tensor_parallel_size = dims.dp, dims.tp
+        refuse_shard_size_with_parallelize_fn(self.intent, self.parallelize_fn)
+
+    def _resolve_precision(self) -> PrecisionPlan | None:
+        refuse_unsupported_precision(self.precision_plugin.precision, self)
+        return super()._resolve_precision()
+
+    # -- in each process ------------------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]  # Lightning builds the one DeviceMesh, with the sizes set above
+        assert self.dims is not None
+        self.parallel_mesh = ParallelMesh.of(self.device_mesh, self.dims)
+
+    def _mesh(self) -> ParallelMesh:
+        assert self.parallel_mesh is not None, "the mesh exists once setup_environment has run"
+        return self.parallel_mesh
+
+    def describe_mesh(self) -> dict[str, Any]:
+        assert self.dims is not None
+        return self.dims.describe()
+
+    def _plan_init_from(self, module: nn.Module, needs: MethodNeeds) -> InitPlan | None:
+        """The intent's init_from matched against the module on every rank; the same error everywhere if any fails."""
+        if self.intent.init_from is None:
+            return None
+        return plan_everywhere(module, sources_of(self.intent.init_from), needs.ema_pairs, all_gather_object)
+
+    def _decide(self, needs: MethodNeeds) -> Decision:
+        decision = self._select(needs)
+        if decision.backend != FSDP2:
+            raise IncompatibleBackendError(
+                f"auto-shard chose {decision.backend} for {self.front.checked}, but {self.front.the} was built for fsdp2."
+                f" Fix: use {self.front.strategy(decision.strategy)}\n{decision.describe()}"
+            )
+        return decision
+
+
+__all__ = ["FSDP2Checks", "FSDP2_PRECISIONS", "refuse_shard_size_with_parallelize_fn", "refuse_unsupported_precision"]
