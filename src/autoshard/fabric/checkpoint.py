@@ -26,9 +26,17 @@ from autoshard.checkpoint.formats import FORMAT_VERSION, LIGHTNING_META, STATE_K
 from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.readers import dcp_entries, saved_entries, saved_shapes
 from autoshard.checkpoint.resume import model_mismatch, resolve_for_load
-from autoshard.checkpoint.saves import publish_save, restore_rng, rng_state, verify_on_every_rank, write_full, write_sharded
+from autoshard.checkpoint.saves import (
+    all_gather_object,
+    on_rank0,
+    publish_save,
+    restore_rng,
+    rng_state,
+    verify_on_every_rank,
+    write_full,
+    write_sharded,
+)
 from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file
-from autoshard.lightning.checkpoint import CheckpointMixin
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 
@@ -65,12 +73,13 @@ def unmatched_keys_refusal(path: Path, missing: list[str]) -> KeyError:
     )
 
 
-class FabricCheckpoint(CheckpointMixin):
-    """``save_checkpoint`` / ``load_checkpoint`` with Fabric's signatures, on CheckpointMixin's writer: the staged DCP
-    shards of every rank, ``meta.pt`` with the manifest, rank 0's rename under the lock."""
+class FabricCheckpoint:
+    """``save_checkpoint`` / ``load_checkpoint`` with Fabric's signatures, on the writer of ``checkpoint.saves``."""
 
     intent: Any
     parallel_mesh: Any  # the strategy's one mesh (autoshard.mesh.ParallelMesh), made in setup_environment
+    global_rank: int
+    world_size: int
 
     # -- save ----------------------------------------------------------------------------------------------------
     def save_checkpoint(  # type: ignore[override]
@@ -116,14 +125,14 @@ class FabricCheckpoint(CheckpointMixin):
         metadata[STATE_KEY] = {
             "version": FORMAT_VERSION,
             "world_size": self.world_size,
-            "rng_states": self._all_gather(rng_state()),
+            "rng_states": all_gather_object(rng_state()),
             "fabric": {"modules": list(modules), "optimizers": [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]},
         }
         rank, world = self.global_rank, self.world_size
 
         def write(staged: Path, token: str) -> None:
             if full:
-                self._on_rank0(lambda: write_full(lambda f: torch.save({**tensors, **metadata}, f), staged, path, token))
+                on_rank0(lambda: write_full(lambda f: torch.save({**tensors, **metadata}, f), staged, path, token), rank, world, self.broadcast)  # type: ignore[attr-defined]
             else:
                 write_sharded(tensors, metadata, staged, rank, world, self.broadcast)  # type: ignore[attr-defined]
 
@@ -140,7 +149,7 @@ class FabricCheckpoint(CheckpointMixin):
         if not isinstance(state, dict) or not state:  # load_raw (a module alone), or no state: Lightning's own paths
             return ModelParallelStrategy.load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)  # type: ignore[arg-type]
         path = Path(self.broadcast(path))  # type: ignore[attr-defined]
-        resolved = Path(self._on_rank0(lambda: str(_resolve(path))))  # type: ignore[arg-type]
+        resolved = Path(on_rank0(lambda: str(_resolve(path)), self.global_rank, self.world_size, self.broadcast))  # type: ignore[arg-type, attr-defined]
         verified = verify_on_every_rank(resolved, self.global_rank, self.world_size)
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
@@ -154,7 +163,9 @@ class FabricCheckpoint(CheckpointMixin):
             metadata = self._load_full(resolved, modules, optimizers, strict, trust)
         extra = metadata.pop(STATE_KEY, None)
         if extra is not None:
-            self._restore_rng(extra)
+            said = restore_rng(extra, self.global_rank, self.world_size, "loaded", "random draws")
+            if said:
+                rank_zero_warn(said)
             if not verified:
                 rank_zero_warn(unverified_warning(resolved))
         requested = [k for k in state if k not in modules and k not in optimizers]
@@ -207,11 +218,6 @@ class FabricCheckpoint(CheckpointMixin):
         for key, optimizer in optimizers.items():
             set_optimizer_state_dict(owner_of(optimizer, modules, key), optimizer, optim_state_dict=loaded.pop(key), options=options)
         return loaded
-
-    def _restore_rng(self, extra: dict[str, Any]) -> None:
-        said = restore_rng(extra, self.global_rank, self.world_size, "loaded", "random draws")
-        if said:
-            rank_zero_warn(said)
 
 
 def _resolve(path: Path) -> Path:
@@ -304,6 +310,3 @@ def _load_failure(path: Path, modules: Mapping[str, nn.Module], exc: Any) -> Che
         f"cannot load {str(path)!r}: torch.distributed.checkpoint failed on rank(s) {ranks}: {exc}. Fix: load it with"
         f" the models and optimizers that wrote it, under the same keys"
     )
-
-
-__all__ = ["FabricCheckpoint", "owner_of"]

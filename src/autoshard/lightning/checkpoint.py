@@ -50,9 +50,6 @@ class CheckpointMixin:
     def _on_rank0(self, fn: Callable[[], T]) -> T | None:
         return on_rank0(fn, self.global_rank, self.world_size, self.broadcast)  # type: ignore[attr-defined]
 
-    def _all_gather(self, obj: Any) -> list[Any]:
-        return all_gather_object(obj)
-
     def _callback_optimizers(self) -> list[tuple[str, int, torch.optim.Optimizer]]:
         """(callback state_key, position, optimizer) for optimizers callbacks own (probes), in callback order.
 
@@ -100,7 +97,7 @@ class CheckpointMixin:
         extra: dict[str, Any] = {
             "version": FORMAT_VERSION,
             "world_size": self.world_size,
-            "rng_states": self._all_gather(rng_state()),
+            "rng_states": all_gather_object(rng_state()),
             "callback_optimizers": [{"callback": key, "index": index, "key": f"callback_optimizer_{n}"} for n, (key, index, _) in enumerate(entries)],
         }
         if self.budget_decision is not None:

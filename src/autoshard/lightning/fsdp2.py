@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, is_sharded, per_shard_random_init, sync_buffers, to_device_keeping_offloaded
 from autoshard.batchnorm import convert_sync_batchnorm
+from autoshard.checkpoint.saves import all_gather_object
 from autoshard.engine.auto_shard import FSDP2, fsdp2_auto_intent
 from autoshard.engine.compat import lightning_lacks
 from autoshard.engine.fsdp2 import FSDP2Checks
@@ -104,7 +105,7 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
             self.needs,
             self.precision_plan,
             sharded_by=sharded_by,
-            node_ranks=lambda: self._all_gather(self.node_rank),
+            node_ranks=lambda: all_gather_object(self.node_rank),
             sync_batchnorm=self._layer_sync is not None,
         )
         self._forwarded = track_forwards(module)
