@@ -212,6 +212,3 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (the median is kept)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.set_defaults(func=cmd_calibrate)
-
-
-__all__ = ["CalibrateError", "calibrate", "cmd_calibrate", "default_path", "register_cli", "write_rates"]

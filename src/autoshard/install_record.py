@@ -112,20 +112,3 @@ def register_strategy(
     target = fabric_registry_target(name) if kind is ChangeKind.FABRIC_REGISTRY else registry_target(name)
     record(Change(kind, target, f"{strategy.__module__}.{strategy.__qualname__}", why, undo))
     return previous
-
-
-__all__ = [
-    "CHANGES_BEGIN",
-    "CHANGES_END",
-    "FABRIC_KINDS",
-    "TRAINER_KINDS",
-    "Change",
-    "ChangeKind",
-    "changes_markdown",
-    "fabric_registry_target",
-    "installed",
-    "record",
-    "register_strategy",
-    "registry_target",
-    "uninstall",
-]

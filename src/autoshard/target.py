@@ -134,6 +134,3 @@ def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
     if not isinstance(module, pl.LightningModule):
         notes.append(f"{type(module).__name__} is a plain nn.Module, not a LightningModule: the Trainer needs one")
     return Built(module, callbacks, notes)
-
-
-__all__ = ["Built", "build_on_meta", "load_attribute", "load_target"]

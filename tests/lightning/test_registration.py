@@ -64,7 +64,7 @@ def outcome(**kwargs):
 stock = snapshot()
 import autoshard
 import autoshard.lightning as al
-from autoshard.lightning.guards import TRAINER_KINDS  # the Trainer's part of the one record (Fabric's stays)
+from autoshard.install_record import TRAINER_KINDS  # the Trainer's part of the one record (Fabric's stays)
 targets = [c.target for c in al.installed(TRAINER_KINDS)]
 installed = snapshot()
 FSDPStrategy()  # constructible with autoshard installed (other libraries' tests build it)
@@ -118,7 +118,7 @@ def test_the_docs_list_every_change_the_import_makes() -> None:
 
     import autoshard
     import autoshard.lightning
-    from autoshard.lightning.guards import CHANGES_BEGIN, CHANGES_END, ChangeKind, changes_markdown, installed
+    from autoshard.install_record import CHANGES_BEGIN, CHANGES_END, ChangeKind, changes_markdown, installed
 
     autoshard.register()
     page = (Path(__file__).resolve().parents[2] / "docs" / "lightning-changes.md").read_text()

@@ -5,18 +5,13 @@ destination ``PATH`` named ``NAME`` (docs/checkpoints.md, "One publish protocol"
    staging is made until it is renamed in, so writers to one ``PATH`` take turns and none removes another's files;
 2. stage: write under ``.NAME.autoshard-tmp.<pid>-<random>``, a name no other writer uses;
 3. fsync the files, the staging directory, then the parent after the rename;
-4. check, still under the lock, that what is at ``PATH`` now may be replaced (the caller's rule: never what
-   autoshard did not write);
+4. check, still under the lock, that what is at ``PATH`` may be replaced (never what autoshard did not write);
 5. rename (``commit``): a file in one step; a directory aside, in, and the old one removed.
 
-The offline writers (``consolidate``, ``convert``) add two steps around it, both here: ``output_clash``, the one check
-of their output path (before the checkpoint is read, and again under the lock), and ``Publisher.publish_with_manifest``,
-which records what they staged, with their kind, before the rename. A training save on every rank is ``saves``'.
-
-Here too: the hidden names beside a destination (staging, aside, lock), fsyncs, and the manifest, which records every
-file's size and sha256 (inside a directory; beside a single file, a sidecar) so that a load can tell a changed file
-before reading it (``integrity_problems``) and --force replace only an output of its own kind (``foreign_content``).
-Nothing here reads a checkpoint's content.
+The offline writers (``consolidate``, ``convert``) also check their output path (``output_clash``) and record a
+manifest of what they staged (``publish_with_manifest``). The manifest holds every file's size and sha256, so a load
+can tell a changed file (``integrity_problems``) and --force replaces only an output of its own kind. Nothing here
+reads a checkpoint's content.
 """
 
 from __future__ import annotations
@@ -51,9 +46,8 @@ def writer_token() -> str:
 
 
 def staging_path(path: str | os.PathLike[str], token: str = "") -> Path:
-    """Hidden sibling on the same filesystem (so the final rename is atomic); no '.ckpt' suffix, so
-    ModelCheckpoint's ``last*.ckpt`` search never picks it up. ``token`` (``writer_token()``) makes it one writer's;
-    without it, the single name autoshard used before, still recognised."""
+    """Hidden sibling on the same filesystem (so the rename is atomic), without '.ckpt' so ModelCheckpoint's
+    ``last*.ckpt`` search skips it; without ``token``, the single name older autoshard used, still recognised."""
     p = Path(path)
     return p.with_name(f".{p.name}{STAGING_SUFFIX}" + (f".{token}" if token else ""))
 
@@ -64,8 +58,7 @@ def token_of(staged: str | os.PathLike[str], path: str | os.PathLike[str]) -> st
 
 
 def staged_siblings(path: str | os.PathLike[str]) -> list[Path]:
-    """Every writer's staging of ``path`` (the tokenless name too), newest first: found by name, since each writer
-    picks its own."""
+    """Every writer's staging of ``path`` (the tokenless name too), newest first."""
     p = Path(path)
     base = staging_path(p).name
     try:
@@ -164,11 +157,9 @@ def listing(names: list[str], limit: int = 6) -> str:
 
 
 def foreign_content(path: str | os.PathLike[str], kind: str, legacy: bool = False) -> str | None:
-    """Why ``path`` is not an output autoshard wrote as ``kind`` and holding nothing else; None when it is one, so
-    ``--force`` may replace it. A directory: its manifest says ``kind`` and lists every file in it. A file: its
-    sidecar manifest says ``kind`` and lists it alone, at its size (not hashed: replacing a corrupted output is
-    what ``--force`` is for). ``legacy``: a manifest without a kind (an older autoshard) counts, where the caller
-    has other evidence of the kind."""
+    """Why ``path`` is not an output autoshard wrote as ``kind`` holding nothing else (None: ``--force`` may replace
+    it). A file's size is checked, not its hash: replacing a corrupted output is what ``--force`` is for.
+    ``legacy``: a manifest without a kind (an older autoshard) counts."""
     p = Path(path)
     if p.is_symlink():
         return f"it is a symlink to {os.readlink(p)!r}, and autoshard never writes one"
@@ -197,10 +188,8 @@ def foreign_content(path: str | os.PathLike[str], kind: str, legacy: bool = Fals
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
-    """Where a single-file checkpoint's manifest lives: next to it, visible, so it travels with the file.
-
-    A file cannot record its own hash, and torch.load / Lightning must keep reading the file unchanged.
-    """
+    """A single-file checkpoint's manifest: beside it, visible, so it travels with the file (which cannot hold its own
+    hash, and torch.load must keep reading unchanged)."""
     p = Path(path)
     return p.with_name(p.name + MANIFEST_SUFFIX)
 
@@ -217,9 +206,7 @@ def file_digest(path: Path) -> str:
 
 
 def describe_files(root: Path, names: Iterable[str], sync: bool = False) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"size", "sha256"}}`` for files under ``root``: what a manifest records and a check recomputes.
-
-    ``sync``: fsync each file first, for files their writer did not sync (DeepSpeed's)."""
+    """``{relative path: {"size", "sha256"}}``; ``sync``: fsync each file first (DeepSpeed's writer does not)."""
     if sync:
         for name in names:
             fsync_file(root / name)
@@ -227,10 +214,8 @@ def describe_files(root: Path, names: Iterable[str], sync: bool = False) -> dict
 
 
 def write_manifest(target: Path, files: Mapping[str, Mapping[str, Any]], kind: str | None = None) -> None:
-    """Written and fsynced inside a staging only: what makes a staging count (meta.pt's rename, the staged file's
-    rename) comes after, so a torn manifest is never read and needs no tmp + rename of its own.
-
-    ``kind`` names the writer (``KIND_*`` of each writer): ``--force`` replaces only an output of its own kind."""
+    """Written inside a staging only: what makes a staging count comes after, so a torn manifest is never read and
+    needs no rename of its own. ``kind`` names the writer."""
     body: dict[str, Any] = {"format": "autoshard-manifest", "version": 1, "algorithm": DIGEST}
     if kind is not None:
         body["kind"] = kind
@@ -240,18 +225,14 @@ def write_manifest(target: Path, files: Mapping[str, Mapping[str, Any]], kind: s
 
 
 def stage_sidecar(path: str | os.PathLike[str], token: str = "", kind: str | None = None) -> None:
-    """The manifest of the file staged for ``path`` by writer ``token``, staged beside it; ``commit`` swaps in the
-    file, then it."""
+    """The manifest of the file staged for ``path`` by writer ``token``, staged beside it."""
     p, staged = Path(path), staging_path(path, token)
     write_manifest(staging_path(sidecar_path(p), token), {p.name: describe_files(staged.parent, [staged.name])[staged.name]}, kind)
 
 
 def _manifest_of(path: Path) -> Path | None:
-    """The manifest describing checkpoint ``path``, or None (Lightning's own saves, autoshard before manifests).
-
-    For a file, a save interrupted between its two renames (the file, then its sidecar) leaves the new file with
-    the old sidecar and the new sidecar still staged; a staged sidecar without a staged file is that new one.
-    """
+    """The manifest of ``path``, or None. A save interrupted between its two renames (file, then sidecar) leaves the
+    new sidecar staged: a staged sidecar without a staged file is the one that describes ``path``."""
     if path.is_dir():
         found = path / MANIFEST
         return found if found.is_file() else None
@@ -264,10 +245,8 @@ def _manifest_of(path: Path) -> Path | None:
 
 
 def integrity_problems(path: str | os.PathLike[str], share: slice = slice(None)) -> list[str] | None:
-    """One line per file the manifest lists (its ``share`` of them: one rank's part) that is missing or changed.
-
-    None when ``path`` has no manifest. Sizes are compared first (no read); only equal sizes are hashed.
-    """
+    """One line per listed file (its ``share``: one rank's part) that is missing or changed; None without a manifest.
+    Only files of the recorded size are hashed."""
     p = Path(path)
     where = _manifest_of(p)
     if where is None:
@@ -326,13 +305,9 @@ class CheckpointWriteError(AutoShardError, OSError):
 
 
 def commit(staged: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
-    """Swap a complete ``staged`` checkpoint in under ``path``. Rank 0 only, after every rank finished writing.
-
-    A file over a file is one ``os.replace``, then its staged sidecar manifest (if any) is swapped in the same way
-    (``_manifest_of`` reads a crash between the two). A directory cannot be replaced in one step: the old one is
-    renamed aside, the new one renamed in, the old one removed. A crash at any instant leaves ``path``, or a complete
-    sibling that ``resolve_for_load`` finds; never a partial directory under ``path``.
-    """
+    """Swap a complete ``staged`` checkpoint in under ``path`` (rank 0, after every rank wrote). A directory cannot be
+    replaced in one step: the old one goes aside, the new one in. A crash at any instant leaves ``path`` or a complete
+    sibling that ``resolve_for_load`` finds, never a partial directory under ``path``."""
     staged, p = Path(staged), Path(path)
     fsync_dir(staged if staged.is_dir() else staged.parent)
     staged_sidecar = staging_path(sidecar_path(p), token_of(staged, p))
@@ -371,14 +346,9 @@ if hasattr(os, "register_at_fork"):
 
 
 class Publisher:
-    """One writer's turn at ``path``: the lock, a staging name of its own, and the publish step (the protocol in
-    the module docstring). Every autoshard writer goes through it.
-
-    ``with Publisher(path) as pub:`` write into ``pub.staged``, then ``pub.publish(check)``. Leaving the block
-    releases the lock; on an error it also removes this writer's staging, unless an interrupted swap left ``path``
-    missing (then the staging may be the newest complete copy, which the next save or load recovers). A writer whose
-    steps run apart (a Lightning save, across collectives) calls ``acquire`` and ``release`` itself.
-    """
+    """One writer's turn at ``path``: ``with Publisher(path) as pub:`` write into ``pub.staged``, then
+    ``pub.publish(check)``. On an error the staging is removed, unless an interrupted swap left ``path`` missing (the
+    staging may then be the newest complete copy, which the next save or load recovers)."""
 
     def __init__(self, path: str | os.PathLike[str], token: str | None = None) -> None:
         self.path = Path(path)
@@ -391,11 +361,8 @@ class Publisher:
         return staging_path(self.path, self.token)
 
     def acquire(self) -> Publisher:
-        """Take the destination's lock (waiting, with a warning naming the holder, while another writer has it).
-
-        The lock file is removed on release while still held, so a writer that waited on the removed file sees the
-        name now points elsewhere (or nowhere) and locks afresh: two writers never both hold "the" lock.
-        """
+        """Take the destination's lock, waiting with a warning naming the holder. The lock file is removed on release
+        while held, so a waiter checks that the name still points at its file: two writers never both hold it."""
         refusal = unwritable_refusal(self.path, before="anything was written")
         if refusal is not None:  # a parent that is a file, a read-only directory: said as such, not as a lock file
             raise CheckpointWriteError(refusal)
@@ -444,8 +411,7 @@ class Publisher:
         return self
 
     def _open_lock_file(self) -> int:
-        """The lock file's descriptor; a lock file that cannot be opened (another user's, left by a crash; a directory
-        in its place) is refused naming it, instead of an OSError from deep inside a save."""
+        """The lock file's descriptor; one that cannot be opened is refused by name, not as an OSError deep in a save."""
         try:
             return os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -463,10 +429,8 @@ class Publisher:
             ) from exc
 
     def clear_stale(self) -> list[Path]:
-        """An offline writer's first step under the lock: remove the stagings of ``path`` that writers which died
-        left (killed mid-write: a staging can be as large as the output), and return them, for the writer to say so.
-        Every live writer of ``path`` stages only while it holds this lock, so whatever staging is found now is a dead
-        one's. Without a lock (no flock on this filesystem) nothing is removed: another writer may be alive."""
+        """Remove and return the stagings dead writers left: a live writer stages only under this lock, so any found now
+        is a dead one's. Without a lock (no flock here) nothing is removed: another writer may be alive."""
         if self._fd is None:
             return []
         found = [p for p in staged_siblings(self.path) if token_of(p, self.path) != self.token]
@@ -492,16 +456,13 @@ class Publisher:
             self._fd = None
 
     def publish(self, check: Callable[[Path], None] | None = None) -> None:
-        """Under the lock: ``check(path)`` raises when what is at ``path`` now may not be replaced (something may
-        have appeared while this writer wrote); then ``commit``, which fsyncs the staging and the parent."""
+        """``check(path)`` under the lock (something may have appeared while this writer wrote), then ``commit``."""
         if check is not None:
             check(self.path)
         commit(self.staged, self.path)
 
     def publish_with_manifest(self, kind: str, check: Callable[[Path], None] | None = None) -> None:
-        """An offline writer's last step: the manifest of what it staged, with its ``kind`` (``--force`` replaces only
-        an output of the same kind), fsynced: inside a staged directory, beside a staged file (a sidecar); then
-        ``publish(check)``."""
+        """The manifest of what was staged, with its ``kind``, then ``publish(check)``."""
         staged = self.staged
         if staged.is_dir():
             files = [p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()]
@@ -520,10 +481,8 @@ class Publisher:
 
 
 def unwritable(path: str | os.PathLike[str]) -> str | None:
-    """Why nothing can be written at ``path``, or None. Asked before a large checkpoint is read.
-
-    Tried for real, by creating and removing a probe file in the nearest existing directory (what would hold
-    ``path`` or its missing parents): permission bits do not tell read-only mounts, ACLs or root apart."""
+    """Why nothing can be written at ``path``, or None: tried with a probe file, since permission bits do not tell
+    read-only mounts, ACLs or root apart."""
     parent = Path(path).parent
     existing = parent
     while not existing.exists() and existing != existing.parent:
@@ -543,8 +502,7 @@ def unwritable(path: str | os.PathLike[str]) -> str | None:
 
 
 def unwritable_refusal(out: str | os.PathLike[str], before: str = "reading the checkpoint") -> str | None:
-    """The refusal (with its Fix) of an output path nothing can be written at, or None: consolidate and convert
-    ask before they read a checkpoint that may be large, every save (``Publisher.acquire``) before it writes."""
+    """The refusal (with its Fix) of an output path nothing can be written at, or None."""
     problem = unwritable(out)
     if problem is None:
         return None
@@ -589,11 +547,8 @@ class OutputClash:
 def output_clash(
     out: str | os.PathLike[str], source: str | os.PathLike[str] | None, kind: str | None, *, force: bool, legacy: bool = False
 ) -> OutputClash | None:
-    """The one check of an offline writer's output path, asked before the checkpoint ``source`` is read and again
-    under the lock, before the rename; None when ``out`` may be written. Refused: ``out`` is, holds or lies inside
-    ``source`` (even with ``force``); nothing can be written there; something is there, unless ``force`` and it is
-    an output of ``kind`` holding nothing else (``foreign_content``, ``legacy`` passed on; ``kind`` None: unknown,
-    so nothing is replaced). --force never deletes what autoshard did not write."""
+    """The one check of an offline writer's output path, before ``source`` is read and again before the rename; None
+    when ``out`` may be written. --force never replaces ``source`` itself, nor what autoshard did not write."""
     shared = overlap(out, source) if source is not None and (Path(source).exists() or Path(source).is_symlink()) else None
     if shared is not None:
         return OutputClash(shared)
@@ -609,8 +564,7 @@ def output_clash(
 
 
 def output_refusal(found: OutputClash, out: Path, source: Path | None, force: bool, words: Mapping[Clash, str], **fill: str) -> str:
-    """An offline writer's refusal of its output path, in its own ``words``: one template per Clash, filled with
-    ``out``, ``source``, ``what`` is there, the clash's ``detail``, ``even`` (" even with --force") and ``fill``."""
+    """An offline writer's refusal of its output path, in its own ``words``: one template per Clash."""
     if found.clash is Clash.UNWRITABLE:
         return found.detail
     what = detect_format(out, verify=False).detail if found.clash in (Clash.EXISTS, Clash.FOREIGN) else ""

@@ -1,9 +1,7 @@
-"""The one reader's steps, from a path to a complete checkpoint: ``locate_checkpoint`` (detect the format; take the
-complete checkpoint an interrupted save left in its place, with a warning; else refuse with the fix, in the words of
-what was asked), then the manifest check, then the DeepSpeed tag. ``open_checkpoint`` runs the three for convert and
-consolidate; a resume (``resolve_for_load``, every strategy) runs the first on rank 0, then its backend's checks, and
-every rank checks its share of the manifest (``saves.verify_on_every_rank``). ``load_failure`` words a DCP load that
-failed.
+"""The one reader, from a path to a complete checkpoint: ``locate_checkpoint`` (the format, or the complete checkpoint
+an interrupted save left, or the refusal with the fix), the manifest check, the DeepSpeed tag. ``open_checkpoint``
+runs the three for convert and consolidate; a resume runs ``resolve_for_load`` on rank 0, then every rank checks its
+share of the manifest (``saves.verify_on_every_rank``).
 """
 
 from __future__ import annotations
@@ -40,12 +38,9 @@ RESUME = "resume"  # the action of a Lightning resume: its refusals name the bac
 
 
 def interrupted_save(path: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint an interrupted save left beside ``path`` (the newer one first), or None.
-
-    A staged directory (any writer's: each stages under its own name) counts only when its last file is in: DCP with
-    both .metadata (every rank wrote) and meta.pt (renamed in last), DeepSpeed with its manifest (written after
-    ``latest``); a staged file never does (it may be torn). What stands aside was committed before, so it is complete.
-    """
+    """The complete checkpoint an interrupted save left beside ``path`` (the newest first), or None. A staged
+    directory counts once its last file is in (DCP: meta.pt; DeepSpeed: the manifest); a staged file never does (it
+    may be torn); what stands aside was committed before, so it is complete."""
     aside = aside_path(path)
     for staged in staged_siblings(path):  # newest first
         if staged.is_dir() and not staged.is_symlink():
@@ -85,8 +80,7 @@ def _complete(path: Path) -> bool:
 
 
 def earlier_checkpoint(path: Path, action: str) -> str:
-    """The fix for an incomplete checkpoint: a complete one beside it, by name, where there is one (the path the
-    user just passed is no fix)."""
+    """The fix for an incomplete checkpoint: a complete one beside it, by name, where there is one."""
     others = [name for name in checkpoints_inside(path.parent) if name != path.name and _complete(path.parent / name)]
     if others:
         return f"{action} an earlier complete checkpoint, e.g. {str(path.parent / others[-1])!r}"
@@ -108,12 +102,9 @@ def locate_checkpoint(
     backend: str = "fsdp2",
     stacklevel: int = 2,
 ) -> CheckpointInfo:
-    """The one reader's first step: what ``path`` holds, as a complete checkpoint, or the refusal with the fix.
-
-    A save interrupted between its two renames leaves ``path`` missing and a complete sibling: that one is taken,
-    with a warning, so a crash at any instant of a save still reads. ``action`` words the refusal and the warning
-    ("convert", "consolidate", or RESUME, for which ``backend`` is the one resuming); ``stacklevel`` is the
-    warning's, counted from the caller."""
+    """What ``path`` holds, as a complete checkpoint, or the refusal with the fix: a save interrupted between its two
+    renames leaves ``path`` missing and a complete sibling, taken with a warning. ``action`` words both ("convert",
+    "consolidate", or RESUME, for which ``backend`` is the one resuming)."""
     info = detect_format(path)
     if info.complete:
         return info
@@ -154,12 +145,8 @@ def _not_readable(info: CheckpointInfo, action: str, error: type[CheckpointForma
 
 
 def resolve_for_load(path: str | os.PathLike[str], backend: str = "fsdp2", world_size: int | None = None) -> Path:
-    """The path to load for ``backend``, or CheckpointFormatError before anything is loaded.
-
-    The one reader's first step (``locate_checkpoint``), then what ``backend`` can resume: the manifest is checked
-    next, by every rank (its share), and DeepSpeed settles its tag from ``latest`` itself. ``world_size`` (the
-    resuming run's) is checked against a DeepSpeed ZeRO-3 checkpoint's partitions, which DeepSpeed cannot reshard.
-    """
+    """The path to load for ``backend``, or CheckpointFormatError before anything is loaded. ``world_size`` (the
+    resuming run's) is checked against ZeRO-3 partitions, which DeepSpeed cannot reshard."""
     info = locate_checkpoint(path, RESUME, backend=backend)
     p = info.path
     resumes = get_backend(backend).resumes
@@ -234,8 +221,7 @@ def _check_full_file(path: Path) -> None:
 
 
 def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
-    """Before a new save: if a crash between the two renames left ``path`` missing, put the newest complete
-    sibling back under ``path`` (so the new save's staging can be cleared without losing it). Rank 0 only."""
+    """Before a new save (rank 0): put back under ``path`` the complete sibling a crash between two renames left."""
     p = Path(path)
     staged_sidecar = orphan_sidecar(p) if p.is_file() else None
     if staged_sidecar is not None:
@@ -310,11 +296,8 @@ def load_failure(path: Path, model_name: str, model: Mapping[str, tuple[int, ...
 def open_checkpoint(
     path: str | os.PathLike[str], action: str, *, tag: str | None = None, error: type[CheckpointFormatError] = CheckpointFormatError
 ) -> CheckpointInfo:
-    """The one reader, for every command that reads a whole checkpoint in one process (``action``: convert,
-    consolidate): ``locate_checkpoint`` (detect the format, take the complete checkpoint an interrupted save left in
-    its place, with a warning), then every file checked against the manifest (a warning where there is none), then
-    the DeepSpeed tag settled (``tag``, else the one ``latest`` names, never another). ``error`` for what cannot be
-    read, with the fix."""
+    """The one reader for a command that reads a whole checkpoint in one process (``action``: convert, consolidate):
+    located, checked against its manifest, its DeepSpeed tag settled (``tag``, else ``latest``'s, never another)."""
     info = locate_checkpoint(path, action, error=error, stacklevel=3)
     if not check_integrity(info.path):
         warnings.warn(unverified_warning(info.path), stacklevel=3)
@@ -326,8 +309,8 @@ def open_checkpoint(
 
 
 def deepspeed_tag(info: CheckpointInfo, tag: str | None, action: str) -> str:
-    """The tag directory to read: ``tag`` if it is one, else the one ``latest`` names; refused otherwise, naming the
-    tags there, because reading another tag than the user meant converts other weights without a word."""
+    """``tag`` if it is one, else the one ``latest`` names; refused otherwise: another tag than the user meant would
+    convert other weights without a word."""
     p = info.path
     tags = deepspeed_layout.tags(p)
     present = f"its tags: {', '.join(tags)}" if tags else "it holds no tag directory with model states"
@@ -351,11 +334,9 @@ def deepspeed_tag(info: CheckpointInfo, tag: str | None, action: str) -> str:
 
 
 def stored_budget_decision(path: Any, trust_pickle: bool = False) -> dict[str, Any] | None:
-    """The memory-budget decision a checkpoint holds (``BudgetDecision.to_dict()``), None when it holds none, read
-    before anything is sharded and cheaply: a DCP directory's meta.pt (the trainer state, no tensor of the model), a
-    full file memory-mapped, a DeepSpeed tag's rank-0 model states (``client_state``, where Lightning's DeepSpeed
-    saves put the checkpoint dict). A path that is none of these is left to the load, which refuses it in words.
-    ``trust_pickle``: the fit's ``weights_only=False`` (the user trusts the file)."""
+    """The memory-budget decision a checkpoint holds, or None, read cheaply before anything is sharded (a DCP
+    directory's meta.pt, a full file, a DeepSpeed tag's rank-0 ``client_state``); anything else is left to the load,
+    which refuses it in words."""
     info = detect_format(path, verify=False)
     if info.format is Format.DCP:
         file = info.path / LIGHTNING_META
@@ -383,10 +364,7 @@ def corrupted(path: str | os.PathLike[str], problems: list[str]) -> CheckpointFo
 
 
 def check_integrity(path: str | os.PathLike[str]) -> bool:
-    """Every file of ``path`` against its manifest, in this process: CheckpointFormatError naming the bad file.
-
-    False (nothing checked) when there is no manifest; the caller warns once.
-    """
+    """Every file of ``path`` against its manifest, in this process; False when there is none (the caller warns)."""
     problems = integrity_problems(path)
     if problems:
         raise corrupted(path, problems)

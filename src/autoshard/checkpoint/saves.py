@@ -43,12 +43,9 @@ from autoshard.checkpoint.trust import CheckpointFormatError
 
 
 def check_replaceable(path: str | os.PathLike[str]) -> None:
-    """Saving swaps ``path`` out: refuse, before anything is written, unless what is there is autoshard's own earlier
-    save (its manifest says so, ``KIND_SAVE``), a training checkpoint Lightning wrote (``_trainer_checkpoint``: what
-    ModelCheckpoint replaces by design, e.g. ``last.ckpt`` of an earlier run without autoshard; refusing it would end a
-    run at its first save), a symlink (the swap replaces the link, never its target), an empty directory, or the
-    remains of an interrupted save. A user's own torch.save file, a text file, a folder of other files, a raw DCP
-    directory: each stays as it is."""
+    """Saving swaps ``path`` out: refused before anything is written, unless it is autoshard's own earlier save, a
+    checkpoint a Lightning Trainer wrote (ModelCheckpoint replaces those by design: refusing would end a run at its
+    first save), a symlink (the link is replaced, never its target), an empty directory or an interrupted save."""
     info = detect_format(path, verify=False)
     p = info.path
     if info.format is Format.MISSING or info.format is Format.INCOMPLETE or p.is_symlink():
@@ -103,9 +100,8 @@ def _unused_sibling(path: Path) -> Path:
 
 
 def prepare_staging(path: str | os.PathLike[str], token: str = "") -> Path:
-    """Clear what earlier interrupted saves left and return the empty staging path of writer ``token``. Rank 0
-    only, holding the destination's lock (``publish.Publisher``): every other writer of ``path`` waits for it,
-    so each staging found here is a dead writer's."""
+    """Clear what interrupted saves left (rank 0, under the lock: each staging found is a dead writer's) and return
+    writer ``token``'s staging path."""
     p = Path(path)
     finish_interrupted_commit(p)
     check_replaceable(p)
@@ -123,13 +119,11 @@ _PLAIN = (str, int, float, bool, type(None))
 
 
 class RankZeroTraceback(Exception):
-    """Rank 0's traceback, as text: the ``__cause__`` of its error re-raised on another rank, so the log of every
-    rank shows where rank 0 failed."""
+    """Rank 0's traceback, as the ``__cause__`` of its error re-raised on another rank."""
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
-    """What another rank needs to raise ``exc`` again: its class (module and name), its arguments where they are
-    plain values, its text and its traceback. Plain data: it travels through a broadcast."""
+    """What another rank needs to raise ``exc`` again, as plain data for a broadcast."""
     args: tuple[Any, ...] = tuple(exc.args)
     if isinstance(exc, OSError) and exc.errno is not None:  # the filename is not in args; str() shows it
         args = (exc.errno, exc.strerror, exc.filename) + ((None, exc.filename2) if exc.filename2 is not None else ())
@@ -145,9 +139,8 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 
 
 def rebuild_error(payload: dict[str, Any], rank: int) -> Exception:
-    """Rank 0's error as raised on ``rank``: the same class with the same text when that class is already imported
-    here and rebuilds from its arguments to the same text; else a RuntimeError naming it. Rank 0's traceback is its
-    ``__cause__``. Nothing is imported: a class this process never loaded falls back to RuntimeError."""
+    """Rank 0's error on ``rank``: the same class and text when that class is imported here and rebuilds from its
+    arguments to the same text (nothing is imported), else a RuntimeError naming it."""
     kind = payload["qualname"]
     found: Any = sys.modules.get(payload["module"])
     for part in kind.split("."):
@@ -167,10 +160,8 @@ def rebuild_error(payload: dict[str, Any], rank: int) -> Exception:
 
 
 def on_rank0(fn: Callable[[], T], rank: int, world_size: int, broadcast: Callable[[Any], Any]) -> T | None:
-    """Run ``fn`` on rank 0 and raise its error on every rank: a rank-0-only failure must not leave the others
-    waiting in a barrier until the process-group timeout. Rank 0 raises its own exception; the others raise the same
-    type with the same text (``rebuild_error``) and rank 0's traceback as the cause. Returns ``fn()``'s result,
-    broadcast."""
+    """Run ``fn`` on rank 0 and raise its error on every rank (a rank-0-only failure must not leave the others in a
+    barrier until the process-group timeout); returns ``fn()``'s result, broadcast."""
     result: Any = None
     error: dict[str, Any] | None = None
     original: Exception | None = None
@@ -213,9 +204,8 @@ def verify_on_every_rank(path: Path, rank: int, world_size: int) -> bool:
 
 
 def hash_on_every_rank(staged: Path, names: list[str], rank: int, sync: bool = False) -> dict[str, Any]:
-    """Every rank hashes the files it wrote (``names``), in parallel, while they are in its page cache: rank 0 hashing
-    them all after the barrier would cost the whole checkpoint on one rank (docs/checkpoints.md). Returns every rank's
-    entries; an error is raised on every rank. ``sync``: fsync them first (files their writer did not sync)."""
+    """Every rank hashes the files it wrote while they are in its page cache (rank 0 hashing them all would cost the
+    whole checkpoint on one rank); returns every rank's entries. ``sync``: fsync them first."""
     try:
         mine: dict[str, Any] | str = describe_files(staged, names, sync=sync)
     except OSError as exc:  # gathered first: a rank raising alone would leave the others in the collective
@@ -263,9 +253,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def write_shards(state: dict[str, Any], staged: Path) -> list[str]:
-    """Every rank writes its DCP shards; DCP writes .metadata last, once all ranks' files are synced. Returns the
-    files this rank wrote, relative to ``staged`` (a FileSystemWriter that records them: this rank hashes exactly
-    those; built here, since importing torch.distributed.checkpoint would cost every ``import autoshard``)."""
+    """Every rank writes its DCP shards; returns the files this rank wrote (the writer class is built here: importing
+    torch.distributed.checkpoint would cost every ``import autoshard``)."""
     from torch.distributed.checkpoint import FileSystemWriter, save
 
     class RecordingWriter(FileSystemWriter):
@@ -313,10 +302,8 @@ def write_full(save: Callable[[Path], None], staged: Path, path: Path, token: st
 
 
 def publish_save(path: Path, write: Callable[[Path, str], None], rank: int, world: int, broadcast: Callable[[Any], Any]) -> None:
-    """A save every rank takes part in, through the publish protocol: rank 0 holds ``path``'s lock from
-    ``begin_save`` to the rename; every rank writes (``write(staged, token)``) under rank 0's staging name, unique to
-    this save; rank 0 renames it in once all have. A failed save's staging stays for the next save to clear (it may
-    be complete)."""
+    """A save every rank takes part in: rank 0 holds ``path``'s lock until the rename; every rank writes under one
+    staging name. A failed save's staging stays for the next save to clear (it may be complete)."""
     token = broadcast(writer_token())
     held: list[Publisher] = []
     try:
@@ -329,10 +316,8 @@ def publish_save(path: Path, write: Callable[[Path, str], None], rank: int, worl
 
 
 def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: int, world: int, broadcast: Callable[[Any], Any]) -> None:
-    """A DeepSpeed engine's save (``write(staging)``: every rank writes its files) through the publish protocol, for
-    the Trainer and Fabric strategies alike: each rank fsyncs and hashes the files it wrote; rank 0 writes the
-    manifest fsdp2 saves write too. A crash leaves the previous checkpoint whole, and a resume checks every file
-    before DeepSpeed reads one."""
+    """A DeepSpeed engine's save (``write(staging)``) through the publish protocol, with the manifest fsdp2 saves
+    write: each rank fsyncs and hashes the files it wrote."""
     deepspeed_layout.check_version()  # the shares below follow DeepSpeed's file names
 
     def write_and_hash(staged: Path, token: str) -> None:

@@ -54,6 +54,3 @@ def fsdp2_auto_intent(wanted: ShardingIntent, label: str, build: str, returns: s
             f" for), so an fsdp2 strategy object cannot run it. Fix: build it with {build} which returns {returns}"
         )
     return wanted
-
-
-__all__ = ["DEEPSPEED_TAKES_NO_PARALLELIZE_FN", "FSDP2", "backend_for_intent", "fsdp2_auto_intent", "needed_backend"]

@@ -105,6 +105,3 @@ class BackendMixin:
             applied=self.requested_as,
             precision=self.precision_plan,
         )
-
-
-__all__ = ["BackendMixin"]

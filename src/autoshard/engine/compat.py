@@ -66,6 +66,3 @@ def lightning_lacks(gone: list[str], hooked_by: str, works: str = "") -> Backend
         f"lightning {metadata.version('lightning')} lacks {', '.join(gone)}, which autoshard's {hooked_by}"
         f" (verified on lightning {SUPPORTED_LIGHTNING}).{works} Fix: {PIN}"
     )
-
-
-__all__ = ["PIN", "SUPPORTED_LIGHTNING", "Private", "absent", "lightning_lacks", "resolve"]

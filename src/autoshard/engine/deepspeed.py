@@ -153,14 +153,3 @@ def cpu_accelerator_refusal(accelerator: str, front: FrontEnd) -> IncompatibleBa
 
 
 CPU = "accelerator='cpu'"
-
-
-__all__ = [
-    "DeepSpeedRuntime",
-    "IntentZeRO3",
-    "cpu_accelerator_refusal",
-    "deepspeed_accelerator",
-    "require_deepspeed",
-    "restore_functional_linear",
-    "zero_dim_parameters",
-]

@@ -44,5 +44,3 @@ class FrontEnd:
 
 TRAINER = FrontEnd("Trainer", "the Trainer", "strategy='{}'", "this method")
 FABRIC = FrontEnd("Fabric", "Fabric", "Fabric(strategy='{}')", "these models")
-
-__all__ = ["FABRIC", "TRAINER", "FrontEnd"]

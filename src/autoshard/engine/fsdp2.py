@@ -123,6 +123,3 @@ class FSDP2Checks(BackendMixin):
                 f" Fix: use {self.front.strategy(decision.strategy)}\n{decision.describe()}"
             )
         return decision
-
-
-__all__ = ["FSDP2Checks", "FSDP2_PRECISIONS", "refuse_shard_size_with_parallelize_fn", "refuse_unsupported_precision"]

@@ -221,17 +221,3 @@ def check_node_groups(node_ranks: list[int], shard: int) -> None:
             f" --distribution=cyclic does that), so each shard group would span nodes. Fix: launch with `srun"
             f" --distribution=block` (SLURM's default) or torchrun, which number the ranks node by node"
         )
-
-
-__all__ = [
-    "RENDEZVOUS_PORTS",
-    "SLURM_NUMBERS",
-    "SLURM_READ_BY_LIGHTNING",
-    "SLURM_TASK_LISTS",
-    "check_launch",
-    "check_node_groups",
-    "check_slurm",
-    "check_slurm_numbers",
-    "check_stale_local_rank",
-    "check_torchrun",
-]

@@ -76,6 +76,3 @@ def copy_students_into_teachers(module: torch.nn.Module, pairs: tuple[EMAPair, .
         teacher, student = module.get_submodule(pair.teacher), module.get_submodule(pair.student)
         for t, s in zip((*teacher.parameters(), *teacher.buffers()), (*student.parameters(), *student.buffers())):
             t.copy_(s)
-
-
-__all__ = ["check_meta_init", "configure_model_counted_as_overridden", "copy_students_into_teachers"]

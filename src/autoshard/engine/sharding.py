@@ -131,6 +131,3 @@ def after_materialize(
     broadcast_unsharded(module, mesh)
     init_sharded_units(module)  # before the first forward: what is frozen then (toggle_optimizer) does not count
     return report
-
-
-__all__ = ["after_materialize", "shard_module", "unwrap_user_compile"]

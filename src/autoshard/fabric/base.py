@@ -34,6 +34,3 @@ class FabricBackend(BackendMixin):
                 f" memory_budget"
             )
         super()._check_construction()
-
-
-__all__ = ["FabricBackend"]

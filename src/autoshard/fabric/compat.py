@@ -69,6 +69,3 @@ FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
 def missing(owner: type | None = None) -> list[str]:
     """The listed methods (of ``owner`` only, if given) that the installed Lightning Fabric lacks."""
     return [str(member) for member in absent(FABRIC_PRIVATE_MEMBERS, owner)]
-
-
-__all__ = ["FABRIC_PRIVATE_MEMBERS", "missing"]

@@ -173,6 +173,3 @@ class AutoShardDeepSpeedStrategy(FabricBackend, ds.IntentZeRO3, ds.DeepSpeedRunt
 def _no_ref() -> None:
     """DeepSpeed's setup record keeps no module: nothing is remapped or re-sharded after its single setup."""
     return None
-
-
-__all__ = ["AutoShardDeepSpeedStrategy"]

@@ -57,6 +57,3 @@ def fabric_target(model: ModelFactory, optimizers: OptimizerFactory | None = Non
 
     build.__name__ = build.__qualname__ = f"fabric_target({getattr(model, '__qualname__', type(model).__name__)})"
     return build
-
-
-__all__ = ["fabric_target"]

@@ -179,16 +179,3 @@ def stale_parameters(optimizer: torch.optim.Optimizer, snapshots: Iterable[Param
                 found.append((snapshot.owner, old))
                 break
     return found
-
-
-__all__ = [
-    "BUILD_AFTER",
-    "ParameterNames",
-    "check_trains_module",
-    "Remapped",
-    "label",
-    "optimizer_parameters",
-    "remap_optimizer",
-    "stale_parameters",
-    "stale_refusal",
-]

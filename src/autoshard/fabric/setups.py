@@ -107,14 +107,3 @@ def second_setup_refusal(label: str, earlier: Sequence[Setup], module: nn.Module
         f" Fix: use Fabric(strategy='fsdp2') (or 'auto-shard'), or put both models in one nn.Module and set it up once"
         f" with a single optimizer over both"
     )
-
-
-__all__ = [
-    "LIGHTNING_19773",
-    "Setup",
-    "cross_setup_pairs",
-    "optimizer_label",
-    "run_needs",
-    "second_setup_refusal",
-    "trains",
-]

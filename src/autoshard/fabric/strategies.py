@@ -343,6 +343,3 @@ class AutoShardStrategy(FSDP2Strategy):
             "autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),",
             "autoshard's Fabric DeepSpeed strategy for this intent",
         )
-
-
-__all__ = ["AutoShardStrategy", "FSDP2Strategy", "teacher_plan"]

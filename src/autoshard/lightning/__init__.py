@@ -14,11 +14,11 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from autoshard.engine.fsdp2 import refuse_unsupported_precision
+from autoshard.install_record import CHANGES_BEGIN, CHANGES_END, TRAINER_KINDS, Change, changes_markdown, installed, register_strategy
 from autoshard.lightning import guards
 from autoshard.lightning.auto_shard import auto_shard
 from autoshard.lightning.compat import check_lightning
 from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy
-from autoshard.lightning.guards import TRAINER_KINDS, Change, installed
 
 
 def _other_registration(registry: Any, name: str, ours: type) -> Any:
@@ -48,7 +48,7 @@ def register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     replaced = _other_registration(StrategyRegistry, "fsdp2", FSDP2Strategy)
-    guards.register_strategy(
+    register_strategy(
         StrategyRegistry,
         "fsdp2",
         FSDP2Strategy,
@@ -57,7 +57,7 @@ def register() -> None:
     )
     if replaced is not None:
         rank_zero_info(replaced_message("fsdp2", replaced))
-    guards.register_strategy(
+    register_strategy(
         StrategyRegistry,
         "auto-shard",
         auto_shard,  # a factory: AutoShardStrategy, or autoshard's DeepSpeed strategy when the intent needs it
@@ -82,11 +82,11 @@ def write_changes(path: str | Path) -> None:
     register()
     path = Path(path)
     text = path.read_text()
-    if guards.CHANGES_BEGIN not in text or guards.CHANGES_END not in text:
-        raise ValueError(f"{path} has no {guards.CHANGES_BEGIN} ... {guards.CHANGES_END} block to replace")
-    before, rest = text.split(guards.CHANGES_BEGIN, 1)
+    if CHANGES_BEGIN not in text or CHANGES_END not in text:
+        raise ValueError(f"{path} has no {CHANGES_BEGIN} ... {CHANGES_END} block to replace")
+    before, rest = text.split(CHANGES_BEGIN, 1)
     staged = path.with_name(f".{path.name}.tmp")
-    staged.write_text(before + guards.changes_markdown() + rest.split(guards.CHANGES_END, 1)[1])
+    staged.write_text(before + changes_markdown() + rest.split(CHANGES_END, 1)[1])
     os.replace(staged, path)  # atomic: a failed write leaves the page as it was
 
 

@@ -36,6 +36,3 @@ def auto_shard(
     chosen = get_backend(needed).strategy_class()(wanted, process_group_backend=process_group_backend, timeout=timeout)
     chosen.requested_as = AutoShardStrategy.strategy_name  # its refusals must not propose the auto-shard the user is on
     return chosen
-
-
-__all__ = ["auto_shard"]

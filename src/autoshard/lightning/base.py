@@ -18,6 +18,3 @@ class TrainerBackend(BackendMixin):
         from autoshard.lightning.budget import hand_back
 
         return hand_back(self, super().process_dataloader(dataloader))  # type: ignore[misc]
-
-
-__all__ = ["TrainerBackend"]

@@ -288,6 +288,3 @@ def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, b
     decision = BudgetDecision.from_dict(answer["decision"])
     rank_zero_info(decision.table())
     return decision
-
-
-__all__ = ["HandedBack", "decide_for_fit", "first_train_batch", "hand_back", "resuming_from"]

@@ -224,6 +224,3 @@ def check_lightning(version: str | None = None) -> None:
         f" {found}{lacks}. If a strategy fails, {PIN}",
         stacklevel=3,
     )
-
-
-__all__ = ["PRIVATE_MEMBERS", "check_lightning", "missing", "missing_members"]

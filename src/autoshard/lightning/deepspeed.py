@@ -1,10 +1,8 @@
 """DeepSpeed under Lightning: "autoshard-deepspeed" (ZeRO-3 from a ShardingIntent) and guarded Lightning names.
 
-Both strategies inspect the LightningModule and its callbacks before the DeepSpeed engine exists, and refuse
-what DeepSpeed cannot train (several optimizers, an EMA teacher under ZeRO-3) with the backend that works and the
-fix, instead of Lightning's opaque error or a silent mis-training; what it runs only partly (several forwards per
-step under ZeRO-3: no prefetch) is a warning.
-Importing this module does not import deepspeed; constructing a strategy does.
+Both refuse what DeepSpeed cannot train (several optimizers, an EMA teacher under ZeRO-3) before the engine
+exists, with the backend that works, instead of Lightning's opaque error or a silent mis-training. Importing this
+module does not import deepspeed; constructing a strategy does.
 """
 
 from __future__ import annotations
@@ -43,11 +41,11 @@ from autoshard.engine.deepspeed import (
     zero_dim_parameters,
 )
 from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.install_record import register_strategy
 from autoshard.intent import ShardingIntent
 from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
 from autoshard.lightning.compat import missing
-from autoshard.lightning.guards import register_strategy
 from autoshard.needs import inspect_needs, returned_optimizers
 from autoshard.precision import PRECISIONS, PrecisionPlan
 from autoshard.select import Decision
@@ -67,9 +65,6 @@ LIGHTNING_DEEPSPEED_NAMES: tuple[str, ...] = (
     "deepspeed_stage_3_offload",
     "deepspeed_stage_3_offload_nvme",
 )
-
-
-# The private Lightning members used below are listed, with why, in autoshard.lightning.compat.
 
 
 def _lightning_batch_size(strategy: DeepSpeedStrategy) -> int:
@@ -106,12 +101,8 @@ def _zero_dim_refusal(where: str, label: str) -> IncompatibleBackendError:
 
 
 def sync_batchnorm(module: torch.nn.Module) -> int:
-    """``Trainer(sync_batchnorm=True)`` under DeepSpeed: every BatchNorm layer normalizes with the global batch.
-
-    ZeRO (every stage) is data parallel over the whole world, so the layers synchronize over the default group.
-    The conversion is in place, by class (autoshard's SyncBatchNorm, which has a CPU path torch's lacks), before
-    the engine is built: parameters, buffers and optimizer references stay the same objects. Returns how many.
-    """
+    """``Trainer(sync_batchnorm=True)`` under DeepSpeed: ZeRO is data parallel over the whole world, so every BatchNorm
+    syncs over the default group; converted in place before the engine is built. Returns how many."""
     from autoshard.batchnorm import convert_sync_batchnorm
 
     return convert_sync_batchnorm(module, None)
@@ -149,10 +140,8 @@ class _LightningConfigHook(DeepSpeedStrategy):
 
 @contextmanager
 def _returned_by(module: torch.nn.Module, hook: str) -> Iterator[list[Any]]:
-    """Record what Lightning's own call of ``module.<hook>()`` returns: the hook still runs once, called by Lightning.
-
-    A temporary instance attribute wraps whatever is there now (the class method, or a callback's own wrapper).
-    """
+    """Record what Lightning's own call of ``module.<hook>()`` returns (a temporary instance attribute wraps it), so
+    the hook still runs once, called by Lightning."""
     had = hook in vars(module)
     current = getattr(module, hook)
     returned: list[Any] = []
@@ -181,11 +170,8 @@ def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
 
 
 class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfigHook):
-    """Lightning's DeepSpeedStrategy, plus autoshard's refusal at setup and a CPU (gloo) path.
-
-    Registered under Lightning's own names, so ``Trainer(strategy="deepspeed_stage_3")`` refuses an EMA teacher or a
-    probe optimizer with guidance. Stages 1-2 do not partition parameters: there only several optimizers are refused.
-    """
+    """Lightning's DeepSpeedStrategy, registered under Lightning's own names, plus autoshard's refusal at setup and a
+    CPU (gloo) path. Stages 1-2 do not partition parameters: there only several optimizers are refused."""
 
     prefer = BACKEND
 
@@ -199,17 +185,15 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
     writes_manifest = False  # Lightning's own DeepSpeed saves (these names) record none: no warning when it is missing
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Refuse a checkpoint of another backend (fsdp2 DCP, say) by name, a stale 'latest', ZeRO-3 partitions for
-        another world size, and one whose files differ from its manifest (autoshard-deepspeed saves record one)
-        naming the file, before DeepSpeed reads anything."""
+        """Refuse another backend's checkpoint, a stale 'latest', partitions of another world size and files that
+        differ from the manifest, before DeepSpeed reads anything."""
         if not (self.load_full_weights and self.zero_stage_3):
             checkpoint_path = resolve_for_load(checkpoint_path, BACKEND, world_size=self.world_size)
             verified = verify_on_every_rank(Path(checkpoint_path), self.global_rank, self.world_size)
             if not verified and self.writes_manifest:
                 rank_zero_warn(unverified_warning(checkpoint_path))
-        # DeepSpeed's engine reads every file with torch.load(weights_only=False): run it weights-only, with the types
-        # a Lightning / DeepSpeed checkpoint holds, so a crafted file runs no code. fit(weights_only=False) is the
-        # user saying they trust the file.
+        # DeepSpeed reads every file with torch.load(weights_only=False): weights-only here, so a crafted file runs no
+        # code, unless fit(weights_only=False) says the user trusts it.
         try:
             with weights_only_loads(trust_pickle=weights_only is False):
                 return super().load_checkpoint(checkpoint_path, weights_only)
@@ -235,8 +219,8 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
         return f"DeepSpeed ZeRO stage {self.zero_stage} ({type(self).__name__})"
 
     def _resolve_precision(self) -> PrecisionPlan | None:
-        """The Trainer's precision, judged like any other: one autoshard cannot plan for is refused here, never
-        replaced by the default (the method would be checked against a precision the run does not use)."""
+        """A Trainer precision autoshard cannot plan for is refused, never replaced by the default (the method would be
+        checked against a precision the run does not use)."""
         try:
             return super()._resolve_precision()
         except IntentError as err:
@@ -252,11 +236,8 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
         return ShardingIntent()
 
     def check_method(self, trainer: pl.Trainer, optimizers: Sequence[Any] | None = None) -> Decision:
-        """inspect_needs + select_backend for this module and its callbacks, then its 0-dim parameters; raises before
-        any engine exists.
-
-        ``optimizers``: what Lightning's own configure_optimizers call returned. No user hook is called here.
-        """
+        """The method's needs against the matrix, then its 0-dim parameters, before any engine exists; ``optimizers``:
+        what Lightning's own configure_optimizers call returned."""
         module = self.lightning_module
         assert module is not None, "check_method needs the LightningModule connected (Trainer.fit does that)"
         needs = inspect_needs(module, trainer, optimizers=optimizers, call_hooks=False)
@@ -265,8 +246,7 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
             needs = dataclasses.replace(needs, ema_pairs=(), multi_forward=False)
         decision = self._select_before_engine(needs, type(module).__name__)
         self.needs, self.decision = needs, decision
-        # After the matrix's refusals (an EMA teacher says more, and its fix, fsdp2, solves this too), and still
-        # before deepspeed.initialize, which would fail on it.
+        # After the matrix's refusals: an EMA teacher says more, and its fix (fsdp2) solves this too.
         zero_dim = zero_dim_parameters(module)
         if zero_dim:  # every rank sees the same module: every rank refuses, none waits in a collective
             names = ", ".join(repr(n) for n in zero_dim)
@@ -301,15 +281,12 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
 
     def setup(self, trainer: pl.Trainer) -> None:
         if _lightning_layer_sync(self) is not None and trainer.training and self.world_size > 1:
-            # Lightning's DeepSpeedStrategy ignores Trainer(sync_batchnorm=True): each rank would normalize with its
-            # own batch while the user asked for the global one. One rank's batch is the global batch: nothing to do.
-            # Lightning's teardown reverts it, as under DDP.
+            # Lightning's DeepSpeedStrategy ignores Trainer(sync_batchnorm=True); its teardown reverts it, as under DDP.
             assert self.lightning_module is not None
             count = sync_batchnorm(self.lightning_module)
             rank_zero_info(f"autoshard: sync_batchnorm=True: {count} BatchNorm layer(s) normalize with the global batch")
-        # The method is checked once, when all of it is known: callbacks' setup() and configure_model have run, and,
-        # when fitting, Lightning's own configure_optimizers call (in _init_optimizers) has returned, so that probe
-        # optimizers appended there are counted. Otherwise (no such call) it is checked here, from what exists.
+        # Checked once all of it is known: when fitting, after Lightning's configure_optimizers call (in
+        # _init_optimizers), so that probe optimizers appended there count; otherwise here.
         if not self._lightning_calls_configure_optimizers(trainer):
             self.report_decision(self.check_method(trainer))
         super().setup(trainer)
@@ -378,12 +355,8 @@ def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 
 class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
-    """``strategy="autoshard-deepspeed"``: ZeRO-3 whose config is generated from a ShardingIntent.
-
-    The final config is built when Lightning first needs it, once the world size, the DataLoader batch size,
-    ``accumulate_grad_batches`` and ``gradient_clip_val`` are known. The Trainer's precision is the source of truth:
-    it is resolved with the intent once, when the Trainer is built, and the config translates that plan.
-    """
+    """``strategy="autoshard-deepspeed"``: ZeRO-3 whose config is generated from a ShardingIntent when Lightning first
+    needs it, once the world size, batch size, ``accumulate_grad_batches`` and ``gradient_clip_val`` are known."""
 
     strategy_name = "autoshard-deepspeed"
     writes_manifest = True
@@ -403,9 +376,8 @@ class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
         super().__init__(config=provisional, **lightning_kwargs)  # checks lightning and the deepspeed import
 
     def init_deepspeed(self) -> None:
-        """Activation checkpointing of the blocks (the intent's, or what a memory budget chose: the config is final
-        here) right before ``deepspeed.initialize``: configure_model has run, and DeepSpeed's hooks, registered by the
-        engine, then gather a block's parameters again for its recomputation. Once per module (a later stage finds it)."""
+        """Activation checkpointing right before ``deepspeed.initialize`` (the config is final here), so DeepSpeed's
+        hooks gather a block's parameters again for its recomputation. Once per module."""
         module = self.lightning_module
         if module is not None and id(module) not in self.checkpointed:
             blocks = checkpoint_blocks(module, self.intent, self.needs)
@@ -418,10 +390,8 @@ class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
         super().init_deepspeed()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's save (DeepSpeed's engine writes every rank's files) through checkpoint.publish's publish protocol:
-        rank 0 holds the destination's lock; the engine writes into a staging of this save's own; each rank fsyncs
-        and hashes the files it wrote; rank 0 writes the manifest fsdp2 saves write too, and renames the staging in.
-        A crash leaves the previous checkpoint whole, and a resume checks every file before DeepSpeed reads one."""
+        """Lightning's save through the publish protocol (``publish_deepspeed_save``): a crash leaves the previous
+        checkpoint whole, and a resume checks every file before DeepSpeed reads one."""
         if self.budget_decision is not None:  # in DeepSpeed's client state: a resume reads it before the config exists
             checkpoint[STATE_KEY] = {BUDGET_KEY: self.budget_decision.to_dict()}
         if storage_options is not None or self.deepspeed_engine.use_node_local_storage():
@@ -448,8 +418,7 @@ class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
         if trainer is None:
             return True  # no Trainer yet: keep the provisional config (Lightning leaves its own unformatted too)
         if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
-            # The config is first needed here (setup, or zero.Init around configure_model): before anything is
-            # partitioned. The offload chosen replaces the intent's; the fields you set are kept.
+            # The config is first needed here, before anything is partitioned.
             self.budget_decision = decide_for_fit(self, trainer, self.intent, BACKEND)
             self.intent = self.budget_decision.intent(self.intent)
         self.config = deepspeed_config(
@@ -466,11 +435,8 @@ class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
 
 
 def register_deepspeed_strategies(registry: Any) -> None:
-    """Register "autoshard-deepspeed" and point Lightning's DeepSpeed names at the guarded class; idempotent.
-
-    When this Lightning lacks a DeepSpeedStrategy member autoshard hooks, Lightning's names stay Lightning's own
-    (check_lightning has warned): a user's explicit strategy="deepspeed" is never refused for autoshard's sake.
-    """
+    """Register "autoshard-deepspeed" and point Lightning's DeepSpeed names at the guarded class; idempotent. When
+    a hooked member is gone, Lightning's names stay its own: strategy="deepspeed" is never refused for autoshard's sake."""
     register_strategy(
         registry,
         "autoshard-deepspeed",
@@ -493,12 +459,3 @@ def register_deepspeed_strategies(registry: Any) -> None:
             " optimizers; at stage 3 an EMA teacher), and runs on CPU (gloo)",
             **entry["init_params"],
         )
-
-
-__all__ = [
-    "AutoShardDeepSpeedStrategy",
-    "GuardedDeepSpeedStrategy",
-    "LIGHTNING_DEEPSPEED_NAMES",
-    "register_deepspeed_strategies",
-    "sync_batchnorm",
-]

@@ -23,18 +23,7 @@ from typing import Any
 
 from autoshard.backends import fsdp1
 from autoshard.errors import IncompatibleBackendError
-from autoshard.install_record import (
-    CHANGES_BEGIN,
-    CHANGES_END,
-    TRAINER_KINDS,
-    Change,
-    ChangeKind,
-    changes_markdown,
-    installed,
-    record,
-    register_strategy,
-    registry_target,
-)
+from autoshard.install_record import TRAINER_KINDS, Change, ChangeKind, record
 from autoshard.install_record import uninstall as uninstall_changes
 
 FSDP1_REFUSAL = (
@@ -145,20 +134,3 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
         "precision='16-mixed' under fsdp2 / auto-shard is refused in Trainer terms, for strategy names too (Lightning"
         " checks instances only, says 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
     )
-
-
-__all__ = [
-    "CHANGES_BEGIN",
-    "CHANGES_END",
-    "Change",
-    "ChangeKind",
-    "FSDP1_REFUSAL",
-    "TRAINER_KINDS",
-    "changes_markdown",
-    "fsdp1_refusal",
-    "install_guards",
-    "installed",
-    "register_strategy",
-    "registry_target",
-    "uninstall",
-]

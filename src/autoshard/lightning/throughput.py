@@ -1,31 +1,13 @@
 """``autoshard.ThroughputMonitor``: Lightning's own ``ThroughputMonitor`` callback, with what it asks of the user
 filled in, for any strategy (autoshard's fsdp2 and DeepSpeed strategies included).
 
-Lightning's callback logs samples, items and FLOPs per second and MFU when it is given a ``batch_size_fn``, a
-``length_fn``, a ``flops_per_batch`` attribute on the module and the device's peak FLOP/s. This one supplies each:
-
-- **FLOPs per batch**: torch's ``FlopCounterMode`` counts the fit's second training batch on rank 0 as it really runs
-  (forward and backward on this rank's micro-batch; the optimizer step's element-wise ops count nothing). Nothing is
-  called that the fit would not call: no copy of the module, no extra ``training_step``, no ``configure_optimizers``.
-  Not the first batch: a ``torch.compile``'d module first called under a dispatch mode is never compiled (measured on
-  torch 2.13), and the first batch is where compilation happens. With activation checkpointing the recomputed forward
-  is counted too (what the device computes); MFU as papers define it leaves recomputation out: pass
-  ``flops_per_batch=`` for that. A module's own ``flops_per_batch`` attribute (Lightning's convention) or the argument
-  wins over the count. Under tensor parallelism the counter sees DTensor matmuls at their full shapes (too high by up
-  to the tensor-parallel size): a warning says so.
-- **Peak FLOP/s per device**: ``peak_flops=`` when given, else Lightning's table of GPUs
-  (``lightning.fabric.utilities.throughput.get_available_flops``) for the run's compute dtype, with the H200 at its
-  dense figures (``DENSE_PEAKS``: Lightning lists its with-sparsity ones, under names ``torch.cuda.get_device_name``
-  does not return). No peak (a CPU, an unknown GPU): MFU is not logged, the rest is.
-- **Samples**: the first dimension of the first tensor in the batch (``batch_size``).
-- **Tokens**: the element count of the first integer tensor with two or more dimensions (token ids, batch x
-  sequence: ``token_count``); a batch without one logs no tokens.
-
-Metrics, under Lightning's names (``train/device/samples_per_sec``, ``train/device/flops_per_sec``,
-``train/device/mfu``, ``train/time``, ...; with several ranks also the global ``train/samples_per_sec``, ...), plus
-``{stage}/device/step_time`` (seconds per batch), ``{stage}/device/tflops_per_sec`` and
-``{stage}/device/tokens_per_sec`` (and the global ``tokens_per_sec``). Rates are rolling averages over
-``window_size`` batches (Lightning's default: 100), logged every ``log_every_n_steps`` once the window is full.
+FLOPs are counted by torch's ``FlopCounterMode`` on the fit's second training batch, on rank 0, as it really runs
+(no extra call of any user hook). Not the first batch: a ``torch.compile``'d module first called under a dispatch
+mode is never compiled (measured on torch 2.13). Recomputation under activation checkpointing is counted (papers' MFU
+leaves it out: pass ``flops_per_batch=``); under tensor parallelism DTensor matmuls count at full shape (too high by
+up to the tensor-parallel size: a warning says so). The H200's peaks are its dense figures (``DENSE_PEAKS``):
+Lightning lists with-sparsity ones, under names ``torch.cuda.get_device_name`` does not return. The metrics are
+Lightning's plus ``step_time``, ``tflops_per_sec`` and ``tokens_per_sec`` (docs/guide.md).
 """
 
 from __future__ import annotations
@@ -147,8 +129,7 @@ def tensor_parallel_size(strategy: Any) -> int:
 
 
 class Meter(Throughput):
-    """Lightning's ``Throughput`` with the three figures users look for besides its own: seconds per batch,
-    TFLOP/s per device and tokens per second (Lightning's "items": what ``length_fn`` counts)."""
+    """Lightning's ``Throughput`` plus seconds per batch, TFLOP/s per device and tokens per second (its "items")."""
 
     def compute(self) -> dict[str, int | float]:
         metrics = super().compute()
@@ -165,8 +146,8 @@ class Meter(Throughput):
 
 
 class _Flops:
-    """What Lightning's ThroughputMonitor reads of the module it is handed: ``flops_per_batch``, and nothing else.
-    Handed instead of the user's module, which is never given an attribute."""
+    """Handed to Lightning's ThroughputMonitor instead of the user's module (never given an attribute): it reads only
+    ``flops_per_batch``."""
 
     def __init__(self, flops: int | None) -> None:
         self.flops_per_batch = flops
@@ -285,15 +266,3 @@ class ThroughputMonitor(LightningThroughputMonitor):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_counting()
-
-
-__all__ = [
-    "DENSE_PEAKS",
-    "Meter",
-    "ThroughputMonitor",
-    "batch_size",
-    "compute_dtype",
-    "device_peak_flops",
-    "tensor_parallel_size",
-    "token_count",
-]
