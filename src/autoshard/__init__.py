@@ -81,11 +81,8 @@ def _loaded(name: str) -> bool:
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Registers the strategies right after ``lightning.pytorch`` has executed, then takes itself off sys.meta_path.
-
-    When ``autoshard.lightning`` is what imports Lightning (``from autoshard.lightning import FSDP2Strategy`` first),
-    its ``register`` does not exist yet at that moment: then registration waits for ``autoshard.lightning`` itself.
-    """
+    """Registers the strategies right after ``lightning.pytorch`` has executed (or, when ``autoshard.lightning`` is
+    what imports it, once that has), then takes itself off sys.meta_path."""
 
     def find_spec(self, name: str, path: Any = None, target: ModuleType | None = None) -> ModuleSpec | None:
         if name not in (_LIGHTNING, _OURS, _FABRIC) or self not in sys.meta_path:

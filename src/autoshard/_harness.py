@@ -33,9 +33,8 @@ LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a child that starts its own process group: without the launcher variables an
-    earlier in-process fit left behind (its MASTER_PORT may still be bound here, and the child would fail with
-    EADDRINUSE)."""
+    """This process's environment without the launcher variables an earlier in-process fit left (its MASTER_PORT may
+    still be bound: EADDRINUSE in the child)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(extra)
     return env
@@ -48,10 +47,8 @@ def free_port() -> int:
 
 
 def run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int = 2, timeout: float = 240) -> list[dict[str, Any]]:
-    """Start ``nprocs`` ranks of ``script``; each must write ``out_dir/rank{R}.json``. Returns them in rank order.
-
-    A free port can be taken by another job between our pick and rank 0's bind: that one failure is retried once.
-    """
+    """Start ``nprocs`` ranks of ``script``; each writes ``out_dir/rank{R}.json``. A port taken between our pick and
+    rank 0's bind is retried once."""
     try:
         return _run_workers(script, args, out_dir, nprocs, timeout)
     except AssertionError as exc:
@@ -171,11 +168,8 @@ def quiet_trainer(**kwargs: Any) -> Any:
 
 @contextmanager
 def count_collectives() -> Iterator[dict[str, dict[str, int]]]:
-    """Bytes FSDP2 moves while inside, per collective and dtype: ``{"all_gather": {"bfloat16": n}, ...}``.
-
-    fully_shard calls ``torch.distributed.all_gather_single`` / ``reduce_scatter_single``, looked up at each call, so
-    wrapping them sees every collective with its real dtype: the gathered output, and the full gradient reduced.
-    """
+    """Bytes FSDP2 moves while inside, per collective and dtype: fully_shard looks its collectives up at each call,
+    so wrapping them sees each one's real dtype."""
     import torch.distributed as dist
 
     counts: dict[str, dict[str, int]] = {"all_gather": {}, "reduce_scatter": {}}

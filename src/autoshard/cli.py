@@ -1,10 +1,6 @@
-"""The ``autoshard`` command: one small function per subcommand, so new ones (explain, consolidate) slot in.
-
-``--version``, ``--help`` and ``matrix`` import neither torch nor Lightning, so they answer at once: the
-subcommands whose modules import torch are listed by name and built only when chosen.
-
-No parser accepts abbreviations (``--devices`` once became ``--devices-per-node``), and with ``--json`` every error,
-argparse's own included, is one JSON object on stdout with exit status 1.
+"""The ``autoshard`` command. ``--version``, ``--help`` and ``matrix`` import neither torch nor Lightning, so they
+answer at once: the other subcommands are built only when chosen. No parser accepts abbreviations (``--devices`` once
+became ``--devices-per-node``); with ``--json`` every error is one JSON object on stdout, exit status 1.
 """
 
 from __future__ import annotations
@@ -79,11 +75,7 @@ def add_matrix(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_parser(load: Container[str] = tuple(LAZY)) -> argparse.ArgumentParser:
-    """The parser with every subcommand; a new subcommand is one ``add_<name>(subparsers)`` line here.
-
-    Of the LAZY subcommands only those in ``load`` are built in full (their module imported); the others appear in
-    ``--help`` with their one-line help and cannot be parsed.
-    """
+    """The parser with every subcommand; of the LAZY ones only those in ``load`` are built in full (imported)."""
     parser = Parser(
         prog="autoshard",
         allow_abbrev=False,
@@ -132,15 +124,9 @@ def usage_fix(message: str, parser: argparse.ArgumentParser) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; an autoshard refusal prints its message (not a traceback) and exits 1.
-
-    A command line argparse refuses exits 2 with the usage, as argparse does, but with a Fix; under --json it is one
-    JSON object on stdout and exit 1, like every other error (an unexpected exception included).
-
-    stdout carries the command's result alone: while the command's modules load and it runs, whatever else would
-    print there (DeepSpeed's accelerator log line, a library's print) goes to stderr. A reader that closes the pipe
-    early (``| head``) ends the command quietly; SIGTERM ends it as an exception, so a writer removes its staging.
-    """
+    """Run one subcommand; an autoshard refusal prints its message (not a traceback) and exits 1. stdout carries the
+    result alone (a library's print goes to stderr); a closed pipe ends quietly; SIGTERM raises, so a writer removes
+    its staging."""
     stdout = sys.stdout
     try:
         return _main(list(sys.argv[1:] if argv is None else argv), stdout)

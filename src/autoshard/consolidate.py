@@ -100,13 +100,8 @@ def consolidate(
     force: bool = False,
     trust_pickle: bool = False,
 ) -> Consolidated:
-    """Write one plain ``torch.save`` file of full, unsharded weights from a DCP, DeepSpeed or full checkpoint.
-
-    Runs in one CPU process whatever world size wrote the checkpoint; ``model.load_state_dict(torch.load(out))``
-    on the unsharded module then passes with ``strict=True``. The checkpoint's files are checked against its manifest
-    first, and unpickled without running code unless ``trust_pickle`` (``checkpoint.load_torch_file``). An existing output is never touched without ``force``; with it, only a file consolidate wrote (its
-    sidecar manifest says so) is replaced, and only by the complete new one (checkpoint.publish's publish protocol).
-    """
+    """Write one plain ``torch.save`` file of full weights from a DCP, DeepSpeed or full checkpoint, in one CPU process
+    whatever world size wrote it. ``force`` replaces only a file consolidate wrote."""
     start = time.perf_counter()
     out = Path(out_path)
     _check_output(out, force, Path(ckpt))
@@ -158,10 +153,7 @@ REFUSALS[Clash.HOLDS] = REFUSALS[Clash.INSIDE]  # HOLDS needs a directory at OUT
 
 
 def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
-    """Refuse, before reading the checkpoint (and again under the lock, before the rename): a directory, then what
-    ``publish.output_clash`` refuses for every offline writer (the checkpoint itself or a path inside it, a
-    place nothing can be written, an existing file, unless ``force`` and consolidate wrote it: its sidecar manifest
-    says so), in consolidate's words."""
+    """``publish.output_clash`` (and a directory), in consolidate's words."""
     if out.is_dir():
         raise CheckpointFormatError(f"cannot write {str(out)!r}: it is a directory. Fix: name a file, e.g. {str(out / 'weights.pt')!r}")
     found = output_clash(out, source, KIND_CONSOLIDATE, force=force)
@@ -171,9 +163,7 @@ def _check_output(out: Path, force: bool, source: Path | None = None) -> None:
 
 
 def _write_new(tensors: dict[str, torch.Tensor], out: Path, force: bool, source: Path) -> None:
-    """checkpoint.publish's publish protocol: under ``out``'s lock, staged under this writer's own name and fsynced with
-    its sidecar manifest, ``out`` checked again (another writer may have published meanwhile), then renamed. A
-    failure at any point leaves ``out`` as it was and removes the staging."""
+    """Through the publish protocol: a failure at any point leaves ``out`` as it was."""
     with Publisher(out) as publisher:
         for stale in publisher.clear_stale():
             warnings.warn(
@@ -193,9 +183,8 @@ def cmd_consolidate(args: argparse.Namespace, stream: TextIO | None = None) -> i
 
 
 def refuse_module_run(command: str, usage: str, argv: Sequence[str]) -> int:
-    """``python -m autoshard.<command>``: the module holds what ``autoshard <command>`` runs and is no command of its
-    own (it used to exit 0 having done nothing); refused with the command line that runs it, the same arguments
-    kept. Under --json the refusal is one JSON object on stdout, as every autoshard command's errors are."""
+    """``python -m autoshard.<command>`` is no command (it used to exit 0 having done nothing): refused with the
+    command line that runs it."""
     words = " ".join(shlex.quote(a) for a in argv) or usage
     message = (
         f"`python -m autoshard.{command}` is not a command: that module holds what `autoshard {command}` runs, so"

@@ -1,19 +1,9 @@
 """``ShardingIntent(init_from=PATH)``: pretrained weights into a sharded model, each rank reading only its slices.
 
-Meta-device init keeps a large model off every rank's memory until it is sharded, but ``reset_parameters()`` then
-draws random weights: fine-tuning would need every rank to load the whole model first. Here the weights file is
-matched against the model by name and shape before anything is sharded (the same verdict on every rank), and once
-the shards exist each rank copies into its local shard only the rows it owns:
-
-- safetensors (a file, or a Hugging Face directory with ``model.safetensors`` or its index): ``safe_open(...)
-  .get_slice(name)[rows]`` reads those bytes from the memory-mapped file;
-- a torch state dict file (``consolidate``'s output, a Lightning ``.ckpt``): ``torch.load(mmap=True)``; pages of
-  rows other ranks own are never touched;
-- a DCP directory (an fsdp2 checkpoint, the ``convert --to dcp`` output): ``torch.distributed.checkpoint.load``
-  into the model's DTensors, which reads the chunks each rank needs.
-
-Tied weights (``lm_head.weight`` is ``wte.weight``) need one name in the file; an EMA teacher absent from the file
-starts as a copy of its student.
+Meta-device init keeps a large model off every rank's memory, but ``reset_parameters()`` then draws random weights.
+Here the file is matched against the model by name and shape before anything is sharded (the same verdict on every
+rank), and each rank then copies only the rows it owns: safetensors slices and torch files memory-mapped, DCP read
+into the model's DTensors. Tied weights need one name in the file; an EMA teacher absent from it copies its student.
 """
 
 from __future__ import annotations
@@ -67,9 +57,8 @@ class WeightsFile:
     dtypes: dict[str, str] = field(default_factory=dict)  # name -> dtype as torch names it ("float16"), from headers
 
     def __post_init__(self) -> None:
-        """Weights saved from a model the user compiled (``model._orig_mod.layers.0...``) are read under the eager names,
-        which the model has by then (``adapters.compile`` unwraps compiled modules before anything is planned). Not for
-        DCP, read by its stored keys, and never when two stored names would become one."""
+        """Weights saved from a compiled model (``_orig_mod.``) read under the eager names the model has by then; not
+        for DCP (read by its stored keys), nor when two stored names would become one."""
         eager = {k: eager_name(k) for k in self.shapes}
         if self.kind == "dcp" or all(k == v for k, v in eager.items()) or len(set(eager.values())) < len(eager):
             return

@@ -1,11 +1,8 @@
 """The one record of what ``import autoshard`` changes in Lightning: the Trainer's strategy registry, its accelerator
 connector, and Fabric's own strategy registry, each change kept as it is made, so it can be listed and undone.
 
-It sits below everything and imports nothing (not even Lightning): the Trainer side (``autoshard.lightning``, which
-imports ``lightning.pytorch``) and the Fabric side (``autoshard.fabric``, registered the moment ``lightning.fabric``
-loads, without ``lightning.pytorch``) both write here. docs/lightning-changes.md is generated from it
-(``changes_markdown``); ``autoshard.uninstall()`` undoes all of it, ``autoshard.lightning.uninstall()`` and
-``autoshard.fabric.uninstall()`` their own part.
+It imports nothing (not even Lightning), so the Trainer side and the Fabric side (registered without
+``lightning.pytorch``) both write here. docs/lightning-changes.md is generated from it.
 """
 
 from __future__ import annotations
@@ -68,9 +65,7 @@ CHANGES_END = "<!-- END GENERATED CHANGES -->"
 
 
 def changes_markdown() -> str:
-    """The table of ``installed()`` that docs/lightning-changes.md embeds between its markers: grouped by kind (the
-    Trainer's registry, its connector, Fabric's registry), each group in the order the changes were made, so the page
-    does not depend on whether Lightning or autoshard was imported first."""
+    """The table docs/lightning-changes.md embeds, grouped by kind, so it does not depend on import order."""
     order = list(ChangeKind)
     lines = [CHANGES_BEGIN, "| # | What | Kind | Now | Why |", "|---|---|---|---|---|"]
     for i, c in enumerate(sorted(_INSTALLED, key=lambda c: order.index(c.kind)), 1):
@@ -98,8 +93,7 @@ def register_strategy(
     **init_params: Any,
 ) -> Any:
     """``registry.register(name, strategy, ..., override=True)``, recorded with the entry it replaces (returned; None:
-    the name was free). ``strategy``: a strategy class, or a factory that returns a strategy (``"auto-shard"``); the
-    Trainer's and Fabric's registries take both and call it with ``init_params`` when the Trainer / Fabric is built."""
+    the name was free). ``strategy``: a class, or a factory that returns one."""
     previous = dict.get(registry, name)  # the raw entry: registry.get() would instantiate the strategy
     registry.register(name, strategy, description=description, override=True, **init_params)
 

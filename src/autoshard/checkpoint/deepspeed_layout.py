@@ -1,20 +1,13 @@
 """Everything autoshard knows about DeepSpeed's checkpoint files, in one place, pinned to the releases it was checked on.
 
 A DeepSpeed checkpoint directory holds ``latest`` (the name of the tag DeepSpeed loads) and one directory per tag.
-Under ZeRO-3 a tag holds, for each data-parallel rank R, ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (module
-buffers, parameter shapes, the client state: Lightning's checkpoint) and ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``
-(rank R's flat fp32 partition of every sub-group, with its optimizer state); ZeRO-1/2 write one
-``mp_rank_00_model_states.pt``. Each parameter's slice on a rank is ``ceil(numel / world)`` elements, the last one
-zero-padded. The names, patterns, keys and partition rules here are the only spelling of that layout in autoshard:
-``formats`` and ``resume`` (detection, resume checks), ``convert`` (reads and writes ZeRO-3), ``consolidate`` (through DeepSpeed's
-zero_to_fp32) and ``saves`` (the autoshard-deepspeed save) all use them.
+Under ZeRO-3 a tag holds, for each data-parallel rank R, ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (buffers,
+parameter shapes, Lightning's checkpoint as the client state) and ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``
+(rank R's flat fp32 partition of every sub-group, with its optimizer state). Each parameter's slice on a rank is
+``ceil(numel / world)`` elements, the last one zero-padded.
 
-None of this is a DeepSpeed API: it is what DeepSpeed's engine (``DeepSpeedEngine._get_ckpt_name``,
-``_get_rank_zero_ckpt_name``, ``_save_checkpoint``) and ``zero_to_fp32`` do in the releases of ``SUPPORTED_DEEPSPEED``.
-``PRIVATE_MEMBERS`` is the one list of DeepSpeed members autoshard calls, unpickles or mirrors, with where and why;
-tests/test_deepspeed_compat.py checks every entry on the installed DeepSpeed, and checks the names and the partition
-rules here against DeepSpeed's own functions. ``check_version`` warns once when the installed DeepSpeed is outside
-the range. Importing this module imports no deepspeed.
+None of this is a DeepSpeed API: ``PRIVATE_MEMBERS`` lists the members it mirrors, and tests/test_deepspeed_compat.py
+checks them and the partition rules against the installed DeepSpeed. Importing this module imports no deepspeed.
 """
 
 from __future__ import annotations

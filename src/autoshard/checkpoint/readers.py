@@ -1,8 +1,5 @@
-"""What a checkpoint holds, read in one process, shared by ``convert``, ``consolidate``, ``init_from`` and the resumes:
-a DCP checkpoint's entries from its .metadata alone, or loaded as full tensors (any saved world size, no process
-group); the module's weights among them; a flat ``{name: tensor}`` state dict; the headers of Hugging Face's
-safetensors files (names, shapes, dtypes and where each tensor's bytes are), whose file names ``convert --to
-safetensors`` writes. A torch file is read by ``trust.load_torch_file``.
+"""What a checkpoint holds, read in one process (no process group, any saved world size), shared by ``convert``,
+``consolidate``, ``init_from`` and the resumes.
 """
 
 from __future__ import annotations
@@ -46,10 +43,7 @@ def saved_entries(entries: Iterable[tuple[tuple[str, ...], Any]]) -> dict[str, d
 
 
 def dcp_entries(path: Path) -> list[tuple[tuple[str, ...], Any]]:
-    """(path in the saved state dict, storage metadata) of every entry of a DCP checkpoint, from .metadata alone.
-
-    The path is what the planner flattened (``("state_dict", "layer.weight")``), else the key split at its first dot.
-    """
+    """(path in the saved state dict, storage metadata) of every entry of a DCP checkpoint, from .metadata alone."""
     metadata = read_dcp_metadata(path)
     planned = metadata.planner_data or {}
     return [(tuple(map(str, planned.get(fqn) or fqn.split(".", 1))), item) for fqn, item in metadata.state_dict_metadata.items()]
@@ -67,10 +61,8 @@ def dcp_keys(path: Path) -> set[str]:
 
 
 def load_dcp_entries(path: Path, keys: Iterable[str] | None = None, trust_pickle: bool = False) -> dict[str, Any]:
-    """Top-level entries of a DCP checkpoint (all when ``keys`` is None) as full, nested tensors, read in this one
-    process: no process group, any saved world size. Entries not asked for stay on disk. .metadata is checked by
-    ``read_dcp_metadata`` first and the non-tensor entries (which DCP unpickles with weights_only=False) are read
-    under ``weights_only_loads``."""
+    """Top-level entries of a DCP checkpoint (all when ``keys`` is None) as full tensors; the non-tensor entries, which
+    DCP unpickles with weights_only=False, are read under ``weights_only_loads``."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -113,9 +105,8 @@ class Stored:
 
 
 def safetensors_header(files: Iterable[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, Stored], dict[str, str], dict[str, str]]:
-    """The JSON header of each file (8-byte length, then JSON): names, dtypes, shapes, byte offsets; no tensor read.
-    A file shorter than its header says is refused here, at planning, so every rank refuses it (a rank reading past
-    the end only at load time would fail alone while the others wait in the next collective)."""
+    """The JSON header of each file; one shorter than its header says is refused here, at planning, on every rank (a
+    rank failing alone at load time would leave the others in the next collective)."""
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, Stored] = {}
     tied: dict[str, str] = {}

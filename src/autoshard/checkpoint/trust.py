@@ -1,8 +1,5 @@
-"""Reading checkpoint files without running their code: ``load_torch_file`` (``torch.load(weights_only=True)`` with
-exactly the types in ``TRUSTED_TYPES`` allowed), ``weights_only_loads`` (the same for a library that calls torch.load
-itself: DCP, DeepSpeed's zero_to_fp32), and ``read_dcp_metadata`` (DCP's .metadata, unpickled with only the classes
-DCP writes into it). Every reader of the package, and ``init_from``, unpickles through here; the refusals name what a
-file wanted and how to read it anyway (``--trust-pickle``).
+"""Reading checkpoint files without running their code: every reader unpickles through here, with exactly the types
+in ``TRUSTED_TYPES`` allowed; the refusals name what a file wanted and how to read it anyway (``--trust-pickle``).
 """
 
 from __future__ import annotations
@@ -66,9 +63,8 @@ def trusted_types(import_missing: bool = False) -> list[Any]:
 
 @contextmanager
 def weights_only_loads(trust_pickle: bool = False) -> Iterator[None]:
-    """Every torch.load inside reads weights only, with TRUSTED_TYPES allowed, even one that passes
-    weights_only=False (DeepSpeed's zero_to_fp32 and DCP's byte entries do): torch's own TORCH_FORCE_WEIGHTS_ONLY_LOAD
-    switch, set for the duration. With ``trust_pickle`` nothing changes."""
+    """Every torch.load inside reads weights only, even one that passes weights_only=False (zero_to_fp32, DCP's byte
+    entries): torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD, set for the duration."""
     if trust_pickle:
         yield
         return
@@ -121,9 +117,8 @@ def unreadable(path: Path, exc: BaseException, action: str) -> CheckpointFormatE
 
 
 def load_torch_file(path: str | os.PathLike[str], *, action: str = "read", trust_pickle: bool = False, untrusted_fix: str | None = None) -> Any:
-    """``torch.load`` of one file, on the CPU, memory-mapped where torch can: weights_only with TRUSTED_TYPES, so the
-    file runs no code (UntrustedPickleError names what it wanted); a truncated or damaged file is a
-    CheckpointFormatError naming it, not torch's traceback. ``trust_pickle`` unpickles anything (the user's opt-in)."""
+    """``torch.load`` of one file on the CPU, memory-mapped where torch can, running no code unless ``trust_pickle``;
+    a damaged file is a CheckpointFormatError naming it, not torch's traceback."""
     p = Path(path)
     try:
         with open(p, "rb") as f:

@@ -1,15 +1,11 @@
 """The DeepSpeed ZeRO-3 layout (``strategy='autoshard-deepspeed'``, Lightning's DeepSpeedStrategy): read into a
 TrainingState, written for any world size, precision and sub-group size.
 
-DeepSpeed has no function that returns per-parameter optimizer state in memory, so the flat buffers are cut here with
-the layout DeepSpeed records (``param_shapes``: names, shapes and order per sub-group; each parameter's rank slice is
-``ceil(numel / world)`` elements, the last one zero-padded), exactly as its own ``zero_to_fp32`` and ``ds_to_universal``
-cut them; the tests check the weights against ``zero_to_fp32`` and the moments against
-``deepspeed.utils.safe_get_full_optimizer_state`` of a live engine. Why not DeepSpeed's ``ds_to_universal``: it writes
-one file per parameter fragment through a temporary directory and a process pool, writes ``latest_universal`` into the
-*parent* of its output, drops each parameter's ``step``, and its output loads only with ``checkpoint.load_universal``
-in the resuming config (which skips the module's buffers). File names, partition rules and the engine's keys are
-``autoshard.checkpoint.deepspeed_layout``'s.
+DeepSpeed has no function that returns per-parameter optimizer state in memory, so the flat buffers are cut here by
+the layout it records (``param_shapes``), as its own ``zero_to_fp32`` cuts them (the tests compare with it and with a
+live engine's ``safe_get_full_optimizer_state``). Not ``ds_to_universal``: it writes ``latest_universal`` into the
+*parent* of its output, drops each parameter's ``step``, and its output loads only with ``load_universal`` (which
+skips the module's buffers).
 """
 
 from __future__ import annotations
@@ -77,9 +73,7 @@ def _rank_files(folder: Path) -> tuple[list[Path], list[Path]]:
 
 
 def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> TrainingState:
-    """A ZeRO-3 checkpoint (Lightning's DeepSpeedStrategy or autoshard-deepspeed) into full per-parameter tensors:
-    each sub-group's flat fp32 partitions and optimizer state cut by ``param_shapes``, in order, as zero_to_fp32's
-    ``_get_fp32_state_dict_from_zero3_checkpoint`` cuts the weights."""
+    """A ZeRO-3 checkpoint into full per-parameter tensors, each sub-group's flat partitions cut by ``param_shapes``."""
     models, optims, bf16 = _load_rank_files(path, tag, trust_pickle)
     head, world = models[0], len(models)
     sub_groups: list[OrderedDict[str, torch.Size]] = list(head["param_shapes"])
@@ -232,11 +226,8 @@ class _Layout:
 def write_deepspeed(
     state: TrainingState, staged: Path, world_size: int, precision: str, sub_group_size: int = deepspeed_layout.SUB_GROUP_SIZE
 ) -> dict[str, Any]:
-    """Per-rank ZeRO-3 files for ``world_size`` ranks, the layout DeepSpeed's own ``load_checkpoint`` reads (no
-    universal-checkpoint config needed): fp32 flat partitions and optimizer state per sub-group, module buffers,
-    frozen parameters' partitions, Lightning's trainer state as the client state. ``precision`` is the resuming
-    run's: DeepSpeed looks for ``bf16_zero_pp_rank_*`` optimizer files under bf16 and ``zero_pp_rank_*`` otherwise,
-    and an fp16 run needs its dynamic loss scale, which only a DeepSpeed fp16 checkpoint has."""
+    """Per-rank ZeRO-3 files for ``world_size`` ranks, as DeepSpeed's own ``load_checkpoint`` reads them. ``precision``
+    is the resuming run's: the optimizer files' names depend on it, and fp16 needs a dynamic loss scale."""
     deepspeed = require_deepspeed(state.source)
     scaler = _loss_scaler(state, precision)
     layout = _layout(state, world_size, sub_group_size)

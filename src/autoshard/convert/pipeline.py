@@ -1,10 +1,8 @@
 """``convert(SRC, DST, to)``: any checkpoint autoshard reads, as a ``TrainingState``, written in another layout.
 
-Reading starts with the one checkpoint reader (``checkpoint.open_checkpoint``: detect, recover an interrupted save,
-check the manifest, settle a DeepSpeed tag); each format's module then reads or writes its layout (``dcp``,
-``deepspeed``, ``torch_file``, ``safetensors``), and ``output`` checks DST and publishes it. What is checked here is
-what the conversion asks: a target the source is not already, the world size and precision a DeepSpeed output is
-written for, ``--module`` and ``--frozen``.
+Read by the one checkpoint reader, converted by each format's module, published by ``output``. Checked here: what
+the conversion asks (a target the source is not already, a DeepSpeed output's world size and precision, ``--module``,
+``--frozen``).
 """
 
 from __future__ import annotations
@@ -93,9 +91,8 @@ def read_checkpoint(
     trust_pickle: bool = False,
     weights_only: bool = False,
 ) -> TrainingState:
-    """Any checkpoint autoshard knows, checked against its manifest first, as a TrainingState. Files are unpickled
-    without running code unless ``trust_pickle``; ``weights_only`` (--to safetensors) skips optimizer state that
-    cannot be named rather than refusing it."""
+    """Any checkpoint autoshard knows as a TrainingState; ``weights_only`` (--to safetensors) skips optimizer state
+    that cannot be named rather than refusing it."""
     say = progress or (lambda _: None)
     info = open_checkpoint(path, "convert", tag=tag, error=ConvertError)  # detect, recover, verify, settle the tag
     source = info.path
@@ -256,9 +253,8 @@ def _converted(state: TrainingState, to: str, out: Path, target_world: int | Non
 
 
 def _check_world_size(state: TrainingState, world_size: int) -> None:
-    """ZeRO-3 splits every parameter across the ranks, padded to a multiple of them, and writes two files per rank:
-    past the element count of the largest parameter, the extra ranks would hold padding only. Refused before anything
-    is written (``--world-size 1000000`` on a 0.05 MiB model once wrote 190,187 files, 1.5 GB, before it was stopped)."""
+    """Past the element count of the largest parameter, extra ZeRO-3 ranks would hold padding only (``--world-size
+    1000000`` on a 0.05 MiB model once wrote 190,187 files, 1.5 GB, before it was stopped)."""
     partitioned = set(state.trained()) | state.frozen
     params = [n for n in state.tensors if n in partitioned]
     if not params:

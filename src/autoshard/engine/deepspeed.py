@@ -27,14 +27,8 @@ from autoshard.select import Decision
 
 def restore_functional_linear() -> bool:
     """Put back ``torch.nn.functional.linear`` when ZeRO-3 left its own in the process; True when it did.
-
-    DeepSpeed's ``zero.Init`` (Lightning enters it for stage 3; ``deepspeed.initialize`` converts a module with it)
-    replaces ``torch.nn.functional.linear`` with its memory-efficient ``zero3_linear_wrap`` "until manually reset": every
-    model the process trains afterwards, under any strategy, would then run DeepSpeed's autograd Function for each
-    linear layer (seen here: selective activation checkpointing saved other tensors, and losses moved by 3e-4). A
-    strategy leaves the process as it found it: torch's own function, the one zero.Init saved before replacing it
-    (``linear_bk``), whoever replaced it first.
-    """
+    ``zero.Init`` replaces it "until manually reset": every model trained afterwards, under any strategy, would run
+    DeepSpeed's autograd Function (seen here: losses moved by 3e-4). ``linear_bk`` is torch's, saved by zero.Init."""
     current = torch.nn.functional.linear
     if getattr(current, "__module__", "") != "deepspeed.runtime.zero.linear":
         return False
@@ -63,18 +57,13 @@ def require_deepspeed() -> None:
 
 
 def zero_dim_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of the 0-dim parameters DeepSpeed has not converted yet: each one would crash deepspeed.initialize.
-
-    Parameters built under zero.Init (``configure_model`` at stage 3) carry ``ds_id`` and were sent already.
-    """
+    """Names of the 0-dim parameters not yet converted (no ``ds_id``): each one would crash deepspeed.initialize."""
     return [name for name, p in module.named_parameters() if p.dim() == 0 and not hasattr(p, "ds_id")]
 
 
 class DeepSpeedRuntime(BackendMixin):
-    """Strategy mixin for both front ends' DeepSpeed strategies: the method refused before the engine exists, the
-    process left with torch's own linear at teardown, and DeepSpeed on CPU devices (gloo). Lightning blocks CPU in three places: the root device (here), its
-    ``setup_environment`` and its distributed setup, which each front end replaces in its own terms
-    (``cpu_accelerator_refusal``)."""
+    """Strategy mixin for both DeepSpeed strategies: the method refused before the engine exists, torch's linear
+    restored at teardown, and a CPU root device (Lightning blocks CPU in two more places, each front end's own)."""
 
     parallel_devices: list[torch.device] | None
 

@@ -38,12 +38,8 @@ def _outermost(units: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
 
 
 def reshard_teachers(module: nn.Module, pairs: Iterable[EMAPair]) -> list[str]:
-    """Make every FSDP unit of each EMA teacher reshard after forward; returns their names.
-
-    ``fully_shard``'s default leaves the group that first runs forward (a teacher's root) unsharded after it, for
-    a backward that never comes to a no_grad teacher: the positional EMA update then mixes its plain tensors with
-    the student's DTensors. ``set_reshard_after_forward`` is FSDPModule's public switch for exactly that.
-    """
+    """Make every FSDP unit of each EMA teacher reshard after forward; returns their names. ``fully_shard``'s default
+    leaves a root gathered for a backward that never comes to a no_grad teacher."""
     names: list[str] = []
     for pair in pairs:
         for name, unit in fsdp_units(module.get_submodule(pair.teacher), prefix=pair.teacher):
@@ -58,13 +54,9 @@ def _reshard_if_no_grad(unit: nn.Module, args: Any, output: Any) -> None:
 
 
 def reshard_after_no_grad_forward(module: nn.Module) -> int:
-    """Every FSDP unit reshards after a forward run without grad (a teacher, validation); returns how many units.
-
-    A unit that is first to run forward becomes an FSDP root and, by default, stays gathered after it, waiting for
-    a backward; without grad none comes, and reading its parameters (an EMA update, a metric) then meets plain
-    tensors where the rest of the model holds DTensors. Which unit becomes a root is only known at run time, so
-    every unit gets the forward hook (registered after FSDP's own; once per unit; a no-op for resharded units).
-    """
+    """Every FSDP unit reshards after a forward run without grad; returns how many units. A unit first to run forward
+    becomes a root and stays gathered for a backward that never comes; which one is known only at run time, so
+    every unit gets the hook."""
     units = fsdp_units(module)
     for _, unit in units:
         if not getattr(unit, _RESHARD_HOOK, False):
@@ -74,11 +66,8 @@ def reshard_after_no_grad_forward(module: nn.Module) -> int:
 
 
 def track_forwards(module: nn.Module) -> set[int]:
-    """The ids of the FSDP units called since the set was last cleared (the strategy clears it at each step).
-
-    A unit never called in a step never had its parameters gathered: it is the one a step that mixes Tensor and
-    DTensor read directly. Idempotent: a second setup reuses the hooks and the set.
-    """
+    """The ids of the FSDP units called since the set was last cleared (at each step): a unit never called is the one
+    a step that mixes Tensor and DTensor read directly."""
     log: set[int] | None = getattr(module, _FORWARD_LOG, None)
     if log is None:
         log = set()
@@ -142,10 +131,7 @@ def call_instead(names: list[str]) -> str:
 
 
 class ExplainMixedDTensor:
-    """Strategy mixin: Lightning's step calls, with torch's "mixed torch.Tensor and DTensor" explained by module name.
-
-    Only that RuntimeError is translated; the strategy's setup sets ``_forwarded`` (see track_forwards).
-    """
+    """Strategy mixin: torch's "mixed torch.Tensor and DTensor" in a step explained by module name."""
 
     _forwarded: set[int] | None = None
 

@@ -1,9 +1,8 @@
 """One check of the launch, for every autoshard strategy: the world SLURM or torchrun started must be the one
 ``Trainer(devices=N, num_nodes=M)`` (or ``Fabric(...)``) describes, and ``shard_size='node'`` groups must be one node each.
 
-Run when the Trainer or Fabric is built (``engine.base.BackendMixin._configure_launcher``), before any process waits in a collective: under
-srun or torchrun Lightning starts no launcher of its own, so its ``validate_settings`` never runs, for fsdp2 and
-DeepSpeed alike. ``check_node_groups`` runs at setup, where the ranks' node numbers can be gathered.
+Run when the Trainer or Fabric is built, before any process waits in a collective: under srun or torchrun Lightning
+starts no launcher of its own, so its ``validate_settings`` never runs.
 """
 
 from __future__ import annotations
@@ -29,14 +28,9 @@ RENDEZVOUS_PORTS = ("MASTER_PORT", "STANDALONE_PORT")
 
 
 def check_stale_local_rank(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
-    """A ``LOCAL_RANK`` left in the shell makes Lightning take the process for one a launcher started (its
-    ``LightningEnvironment.creates_processes_externally``): it starts no other process and waits for the rest of the
-    world in ``init_process_group`` ("MEMBER: 1/2") forever. Refused before any process waits when nothing else a
-    launcher sets is there: no rendezvous port, so no other process could ever join this one.
-
-    ``environment``: the cluster environment Lightning chose (None: detected, torchrun and SLURM first). torchrun,
-    SLURM and the other cluster environments set their own variables and are checked by their own rules.
-    """
+    """A ``LOCAL_RANK`` left in the shell makes Lightning take the process for one a launcher started: it then waits
+    for the rest of the world in ``init_process_group`` forever. Refused when no rendezvous port says another process
+    could join. ``environment``: the cluster environment Lightning chose (None: detected)."""
     from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
     world = num_processes * num_nodes
@@ -115,17 +109,10 @@ def _slurm_first(*names: str) -> tuple[str, str] | None:
 
 
 def check_slurm(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
-    """Under srun the world comes from SLURM, not ``devices=`` / ``num_nodes=``: a mismatch must stop before any
-    process waits, and it must stop here, as ModelParallelStrategy starts no launcher under SLURM, so Lightning's own
-    ``SLURMEnvironment.validate_settings`` never runs (and it reads ``SLURM_NTASKS_PER_NODE`` as a plain number).
-
-    ``environment``: the cluster environment Lightning chose (None: detected as Lightning does, torchrun first, so
-    torchrun started inside an srun allocation is checked by ``check_torchrun``, not here). Tasks per node are read
-    from the step (``SLURM_STEP_TASKS_PER_NODE``, what srun started), else ``SLURM_NTASKS_PER_NODE``, else the
-    allocation's ``SLURM_TASKS_PER_NODE`` (``"2(x3)"``, ``"4,2"``), else ``SLURM_NTASKS`` / nodes; nodes from the
-    step (``SLURM_STEP_NUM_NODES``), else ``SLURM_NNODES`` / ``SLURM_JOB_NUM_NODES``. ``shard_size='node'`` resolves
-    to ``devices``, so it is the tasks of one node once this check passes.
-    """
+    """Under srun the world comes from SLURM, not ``devices=`` / ``num_nodes=``, and Lightning's own
+    ``SLURMEnvironment.validate_settings`` never runs (it also reads ``SLURM_NTASKS_PER_NODE`` as a plain number).
+    Tasks per node come from the step, else the job (``"2(x3)"``, ``"4,2"``); torchrun inside an srun allocation is
+    ``check_torchrun``'s."""
     from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
     if environment is not None and not isinstance(environment, SLURMEnvironment):
@@ -172,13 +159,9 @@ def check_slurm(num_processes: int, num_nodes: int, environment: object | None =
 
 
 def check_torchrun(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
-    """Under torchrun the world comes from its ``--nnodes`` x ``--nproc-per-node``, not ``devices=`` / ``num_nodes=``.
-
-    Lightning never compares the two for ModelParallelStrategy (no launcher of its own when processes are started
-    outside), so a forgotten ``num_nodes=2`` only fails once the process group exists, with Lightning's "sizes ...
-    should equal the world size", and ``shard_size='node'`` would have resolved to the whole world (no hybrid
-    sharding). ``environment``: the cluster environment Lightning chose (None: detected).
-    """
+    """Under torchrun the world comes from ``--nnodes`` x ``--nproc-per-node``, which Lightning never compares with
+    ``devices=`` / ``num_nodes=``: a forgotten ``num_nodes=2`` would fail only once the process group exists, and
+    ``shard_size='node'`` would span the whole world."""
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
     if environment is not None and not isinstance(environment, TorchElasticEnvironment):
@@ -202,14 +185,9 @@ def check_torchrun(num_processes: int, num_nodes: int, environment: object | Non
 
 
 def check_node_groups(node_ranks: list[int], shard: int) -> None:
-    """``shard_size='node'`` promises one node per shard group; the mesh (``autoshard.mesh``) numbers ranks
-    (replica, shard, tensor parallel) with tensor parallel innermost, so a node's group is ``shard`` consecutive ranks
-    (the shard group times the tensor-parallel size).
-
-    torchrun and SLURM's default block distribution number the ranks node by node; ``srun --distribution=cyclic``
-    deals them round-robin, and a group would then span nodes: every all-gather and reduce-scatter on the network.
-    ``node_ranks``: each global rank's node rank, in rank order (the same list on every rank, so the same error).
-    """
+    """``shard_size='node'`` promises one node per shard group of consecutive ranks; ``srun --distribution=cyclic``
+    deals ranks round-robin, and a group would then span nodes (every collective on the network). ``node_ranks``:
+    each rank's node, the same list on every rank, so the same error."""
     groups = [node_ranks[i : i + shard] for i in range(0, len(node_ranks), shard)]
     spans = [(i, sorted(set(g))) for i, g in enumerate(groups) if len(set(g)) > 1]
     if spans:

@@ -1,11 +1,5 @@
-"""The FSDP2 setup sequence both fsdp2 strategies run, the Trainer's (``lightning.fsdp2``) and Fabric's
-(``fabric.strategies``): one copy, so a guarantee added to one is had by both.
-
-``shard_module`` runs before the parameters are materialized: autoshard's plan on the run's one mesh, or, when the
-user sharded (``configure_model``, their own ``fully_shard`` calls, a ``parallelize_fn``), the plan's guarantees
-around their layout. ``after_materialize`` runs once the meta shards hold values, before the first forward. What
-differs between the two strategies (when Lightning / Fabric materializes, the user's hook and its return value, the
-optimizers, teachers set up apart in Fabric) stays in each strategy.
+"""The FSDP2 setup sequence both fsdp2 strategies run: one copy, so a guarantee added to one is had by both.
+``shard_module`` runs before the parameters are materialized, ``after_materialize`` once they hold values.
 """
 
 from __future__ import annotations
@@ -37,9 +31,8 @@ from autoshard.precision import PrecisionPlan
 
 
 def unwrap_user_compile(module: nn.Module) -> list[str]:
-    """Every ``torch.compile`` wrapper inside ``module`` replaced by the module it wraps (``adapters.compile``), said on
-    rank 0: called at setup before the needs are inspected, so that EMA pairs, the plan and every checkpoint see the
-    eager names; the plan compiles the blocks inside them in place."""
+    """Every ``torch.compile`` wrapper inside ``module`` replaced by the module it wraps, before the needs are
+    inspected, so that EMA pairs, the plan and every checkpoint see the eager names."""
     unwrapped = unwrap_compiled(module)
     if unwrapped:
         rank_zero_info(
@@ -60,14 +53,9 @@ def shard_module(
     node_ranks: Callable[[], list[int]],
     sync_batchnorm: bool = False,
 ) -> FSDP2Plan | None:
-    """Shard ``module`` on ``mesh`` by autoshard's plan and return it (printed on rank 0), or, when ``sharded_by``
-    says who already did (the line said on rank 0), keep the plan's guarantees around their layout and return None.
-
-    Either way: unsharded trainable parameters get their gradients averaged over every data-parallel rank, EMA pairs
-    are checked to be sharded alike, and a teacher's units (and, for the user's layout, every unit forwarded without
-    grad) reshard after forward. ``node_ranks``: every rank's node rank, gathered only for ``shard_size='node'``
-    under hybrid sharding, to check that shard groups are nodes (a collective: every rank calls this).
-    """
+    """Shard ``module`` by autoshard's plan and return it, or, when ``sharded_by`` says who already did, keep the
+    plan's guarantees around their layout and return None. ``node_ranks`` (a collective) is called only for
+    ``shard_size='node'`` under hybrid sharding."""
     if sharded_by is not None:
         # Refused rather than training eager while the user believes it compiled; a module whose blocks are compiled
         # already (by the user, or by autoshard's plan in an earlier setup of the same module: validate after fit) passes.
@@ -106,18 +94,9 @@ def after_materialize(
     ema_pairs: tuple[EMAPair, ...],
     apart: Iterable[tuple[nn.Module, EMAPair]] = (),
 ) -> InitReport | None:
-    """What follows materialization, in this order, before the first forward; returns what this rank read for
-    ``init_from`` (None without it).
-
-    1. Gradient hooks again: materialization replaced parameters (meta init) or swapped their contents.
-    2. ``init_from`` loaded into the materialized shards, its report said on rank 0.
-    3. After meta init or ``init_from``, EMA teachers the files do not hold start as copies of their (loaded)
-       students: inside the module (``ema_pairs``, or the plan's ``copy_teachers``) and set up apart (``apart``:
-       Fabric's teachers set up in their own call, each with its student in a container and the pair naming them).
-    4. Rank 0's copy of whatever stays whole (parameters, buffers) on every rank.
-    5. FSDP2's lazy init with every parameter counted trainable (``init_sharded_units``): what is frozen at the first
-       forward (a GAN's toggled discriminator) does not decide a unit's reduce dtype.
-    """
+    """What follows materialization, before the first forward; returns what this rank read for ``init_from``.
+    Gradient hooks go on again (materialization replaced parameters); FSDP2's lazy init counts every parameter
+    trainable, so what is frozen at the first forward (a GAN's discriminator) does not decide a reduce dtype."""
     average_unsharded_gradients(module, mesh)
     report = None
     if init is not None:  # after materialization, before teachers copy students and rank 0's copy is broadcast

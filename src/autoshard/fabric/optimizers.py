@@ -1,11 +1,8 @@
 """The optimizer built before ``fabric.setup``: moved onto the sharded parameters by name, or refused; never stale.
 
-``fully_shard`` (and materializing a meta-device model) puts new Parameter objects into the module. An optimizer
-built before that still holds the old ones: it would step tensors the model no longer uses, silently (under Fabric's
-own ModelParallelStrategy the model never moves: tests/fabric/test_fabric.py measures it on 2 CPU ranks). Each parameter is found again by its name in the module, in place in its param group (so the group's
-hyper-parameters, and any object that shares the group's list, such as LBFGS, see the new ones), and its state moves
-with it, cut to this rank's shard. Accelerate's ``fsdp2_switch_optimizer_parameters`` swaps the parameters by data
-pointer, for an optimizer that has not stepped yet; here a state that cannot be cut is refused, with the Fix.
+``fully_shard`` puts new Parameter objects into the module; an optimizer built before still holds the old ones and
+would silently step tensors the model no longer uses. Each parameter is replaced in place in its param group (so any
+object sharing the group's list, such as LBFGS, sees it), and its state is cut to this rank's shard.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ BUILD_AFTER = (
 
 @dataclass
 class ParameterNames:
-    """The parameters a module held when ``fabric.setup`` received it, by id, with their names: weak references, so a
-    model whose old parameters nothing else holds frees them at once (only an optimizer built before setup keeps them).
-    """
+    """The parameters a module held when ``fabric.setup`` received it, by id, with their names, weakly held."""
 
     owner: str  # the module's class name, for messages
     refs: dict[int, tuple[weakref.ref[torch.Tensor], str]]
@@ -73,9 +68,8 @@ def stale_refusal(optimizer: str, owner: str, names: list[str], why: str) -> Aut
 
 
 def check_trains_module(module: nn.Module, optimizers: list[torch.optim.Optimizer], earlier: Iterable[ParameterNames] = ()) -> None:
-    """Refuse, before anything is sharded, an optimizer handed to ``fabric.setup`` with ``module`` that holds none of
-    its trainable parameters (built over another module): accepted, the model would compute gradients that nothing
-    applies, and never train. ``earlier``: the parameter names of models set up before, to say whose it holds."""
+    """Refuse an optimizer handed with ``module`` that holds none of its trainable parameters: the model would never
+    train. ``earlier``: the parameter names of models set up before, to say whose it holds."""
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     if not trainable:
         return  # a frozen model: no parameter of it could train anyway
@@ -117,11 +111,8 @@ def _cut_state(value: Any, old: torch.Tensor, new: torch.Tensor) -> tuple[Any, b
 
 
 def remap_optimizer(optimizer: torch.optim.Optimizer, before: ParameterNames, module: nn.Module, name: str) -> Remapped:
-    """Move every parameter ``optimizer`` holds from ``before`` (the module's parameters when setup received it) onto
-    the parameter the module holds now under the same name, keeping its param group and its state; parameters of
-    other modules are left alone. Refuses (naming them) parameters that cannot be moved: the name is gone from the
-    module (a parallelize_fn replaced the submodule), or a state tensor has neither the parameter's shape nor none.
-    """
+    """Move every parameter ``optimizer`` holds from ``before`` onto the one the module holds now under the same name,
+    with its state; refuses (naming them) those whose name is gone or whose state cannot be cut."""
     now = dict(module.named_parameters(remove_duplicate=False))
     current = {id(p) for p in now.values()}
     moves: list[tuple[list[Any], int, torch.Tensor, torch.Tensor]] = []
@@ -165,9 +156,7 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, before: ParameterNames, mo
 
 
 def stale_parameters(optimizer: torch.optim.Optimizer, snapshots: Iterable[ParameterNames], live: set[int]) -> list[tuple[str, str]]:
-    """(module, parameter name) of every parameter ``optimizer`` holds that a set-up module held before its setup and
-    no longer does (``live``: the ids of the parameters the set-up modules hold now): what ``remap_optimizer`` could
-    not move. Empty when the optimizer trains only live parameters."""
+    """(module, parameter name) of every parameter ``optimizer`` holds that a set-up module no longer does."""
     found = []
     snapshots = list(snapshots)
     for p in optimizer_parameters(optimizer):

@@ -1,15 +1,7 @@
 """``Fabric(strategy="fsdp2")`` and ``Fabric(strategy="auto-shard")``: Fabric's ModelParallelStrategy sharding any
-``nn.Module`` itself, with what the Trainer path guarantees, from the same code.
-
-The same engine as ``autoshard.lightning.fsdp2.FSDP2Strategy``, called where Fabric shows the method: the checks
-when ``Fabric()`` is built (``engine.fsdp2``), the setup sequence (``engine.sharding``: the plan on the one mesh, or
-the guarantees around the user's sharding; after materialization ``init_from``, teachers copied from students, rank
-0's unsharded parameters and buffers broadcast, FSDP2's lazy init), the precision plan (``engine.base``: bf16-mixed
-gathers in bf16 and reduces in fp32), tensor parallel from the model's own plan, no-grad forwards resharded
-(``engine.guarantees``), and the selector's refusals.
-What Fabric adds: an optimizer built before setup is moved onto the sharded parameters (``fabric.optimizers``), several
-setup calls count (``fabric.setups``), and ``fabric.save`` / ``fabric.load`` go through the crash-safe writer
-(``fabric.checkpoint``).
+``nn.Module`` itself, on the engine the Trainer's ``FSDP2Strategy`` uses, called where Fabric shows the method. What
+Fabric adds: optimizers built before setup moved onto the sharded parameters, several setup calls counted as one
+method, teachers set up apart from their students.
 """
 
 from __future__ import annotations
@@ -151,9 +143,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
 
     # -- fabric.setup(model, *optimizers) / fabric.setup_module(model) -----------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
-        """The first place Fabric shows a model with its optimizers: the optimizers count towards the decision, and each
-        one built before setup is moved onto the sharded parameters (by name, state and param groups kept); one that
-        holds none of the module's parameters (built over another module) is refused before anything is sharded."""
+        """The first place Fabric shows a model with its optimizers: they count towards the decision, and each one built
+        before setup is moved onto the sharded parameters by name."""
         check_trains_module(module, optimizers, [s.before for s in self.setups])
         self._arriving = [optimizer_label(module, o) for o in optimizers]
         try:
@@ -163,8 +154,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
         return module, [self._adopt(o, label(o, i if len(optimizers) > 1 else None)) for i, o in enumerate(optimizers)], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Decide from the module (and the optimizers handed with it, if any), shard, materialize, load init_from,
-        broadcast what stays whole. Alone (the FSDP2-recommended order), the optimizers are checked when they arrive."""
+        """Decide, shard, materialize, load init_from, broadcast what stays whole. Alone (the FSDP2-recommended order),
+        the optimizers are checked when they arrive."""
         call = len(self.setups) + 1
         unwrap_user_compile(module)  # before anything reads names: the needs, the plan, optimizers moved by name
         before = ParameterNames.of(module)
@@ -195,8 +186,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
         return module
 
     def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
-        """Fabric's parallelize_fn: autoshard's plan, or the user's parallelize_fn / fully_shard calls plus the
-        guarantees; a teacher set up apart from its student gets the student's units."""
+        """Fabric's parallelize_fn: autoshard's plan, the user's sharding plus the guarantees, or a student's units."""
         assert self._pending is not None, "called by ModelParallelStrategy.setup_module only"
         call, needs, student = self._pending
         if student is not None and student[0] in self.plans:
@@ -255,9 +245,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
         return owner.get_submodule(student[1])
 
     def _shard_earlier_teachers(self, module: nn.Module, call: int) -> None:
-        """A teacher set up before its student was planned alone (frozen: left whole); now that the student's plan
-        exists, shard the teacher like it (its parameters are whole and equal on every rank: each keeps its shard).
-        A meta-initialized one then starts as a copy of its student, as when it is set up after it."""
+        """A teacher set up before its student was left whole (frozen); shard it like the student now that its plan
+        exists (its parameters are equal on every rank: each keeps its shard)."""
         for t_call, t_path, s_call, s_path in cross_setup_pairs(self._live()):
             if s_call != call or t_call == call:
                 continue
@@ -284,8 +273,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
 
     # -- optimizers -----------------------------------------------------------------------------------------------------
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``fabric.setup_optimizers`` after ``setup_module``: the optimizer is moved onto the sharded parameters if it
-        was built before, counted with the setup call whose model it trains, and the decision is made again."""
+        """``fabric.setup_optimizers`` after ``setup_module``: moved if built before, counted with its model's setup
+        call, and the decision made again."""
         optimizer = self._adopt(optimizer, label(optimizer))
         owner = self._owner(optimizer)
         if owner is not None:
@@ -326,12 +315,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
 
 
 class AutoShardStrategy(FSDP2Strategy):
-    """``Fabric(strategy="auto-shard")`` on fsdp2: the selector's backend, checked again against each model at setup.
-
-    The name ``"auto-shard"`` is registered to the factory ``autoshard.fabric.auto_shard``, which builds this class,
-    or autoshard's Fabric DeepSpeed strategy when the intent alone requires DeepSpeed (NVMe or optimizer-only offload),
-    as for the Trainer; built directly, this class refuses such an intent with that fix.
-    """
+    """``Fabric(strategy="auto-shard")`` on fsdp2, checked again against each model at setup; built directly, it
+    refuses an intent only DeepSpeed runs (the factory ``autoshard.fabric.auto_shard`` builds that one instead)."""
 
     strategy_name = "auto-shard"
     prefer = "auto"

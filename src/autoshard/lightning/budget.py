@@ -1,14 +1,9 @@
 """``ShardingIntent(memory_budget=...)`` at fit, for autoshard's Lightning strategies (fsdp2 and DeepSpeed).
 
-The decision is made once, before anything is sharded: on rank 0, on the first batch of the train DataLoader (the
-micro-batch ``training_step`` receives; never ``example_input_array``, whose forward alone is a lower bound of a
-step's peak, see ``autoshard.budget``), then broadcast, so every rank trains with the same configuration. Rank 0 logs
-the decision table. A checkpoint stores the decision (``lightning.checkpoint``); a resume keeps it unless the budget,
-the world, the backend or the micro-batch changed, and says which. An impossible budget raises ``BudgetRefusedError``
-on every rank, with the smallest world size that fits.
-
-Reading the first batch changes nothing training sees (``first_train_batch``): the generators it drew from are put
-back, and an iterable that does not restart gets the batch back (``hand_back``, the strategies' ``process_dataloader``).
+Decided once, before anything is sharded, on rank 0, on the first batch of the train DataLoader (never
+``example_input_array``, whose forward alone is a lower bound of a step's peak), then broadcast. Reading that batch
+changes nothing training sees: the generators it drew from are put back, and an iterable that does not restart gets
+the batch back (``hand_back``).
 """
 
 from __future__ import annotations
@@ -44,11 +39,8 @@ def _lightning_data_source(trainer: pl.Trainer) -> Any:
 
 
 class HandedBack:
-    """A train DataLoader (or any iterable) whose first iteration starts with the batch the budget's peek read from it,
-    then goes on where the peek stopped: for an iterable that a second ``iter()`` does not restart (a one-shot
-    ``IterableDataset`` whose ``__iter__`` returns one generator, a generator passed as the DataLoader), so training
-    sees every batch it would have seen without a budget. Later iterations (the next epochs) are the loader's own;
-    anything else is read from the loader."""
+    """A loader a second ``iter()`` does not restart, whose first iteration starts with the batch the budget's peek
+    read from it, so training sees every batch it would have seen without a budget."""
 
     def __init__(self, loader: Any, first: Any, rest: Iterator[Any]) -> None:
         self.loader = loader
@@ -82,9 +74,8 @@ def _state_holder(loader: Any) -> Any:
 
 
 def _continues(loader: Any) -> bool:
-    """Whether a second ``iter()`` of ``loader`` goes on where the first stopped instead of starting again: an iterable
-    whose ``__iter__`` returns the same iterator each time (one generator held by an IterableDataset, a generator
-    passed as the loader). A map-style dataset restarts from its sampler; a generator-function ``__iter__`` restarts."""
+    """Whether a second ``iter()`` of ``loader`` goes on where the first stopped (one generator held by an
+    IterableDataset, a generator passed as the loader)."""
     from torch.utils.data import DataLoader, IterableDataset
 
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
@@ -97,9 +88,8 @@ def _continues(loader: Any) -> bool:
 
 
 def _random_states(loaders: list[Any]) -> list[tuple[Any, Any]]:
-    """(generator, its state) of every random number generator a DataLoader draws from besides the global ones: its
-    own ``generator``, its sampler's and batch sampler's (a shuffling ``RandomSampler(generator=g)``), its dataset's,
-    found among their attributes (torch, numpy and python generators)."""
+    """(generator, its state) of every generator a DataLoader, its samplers and its dataset hold besides the global
+    ones."""
     import numbers
 
     from torch.utils.data import DataLoader, Dataset, Sampler
@@ -150,13 +140,8 @@ def _set_random_state(obj: Any, state: Any) -> None:
 
 
 def first_train_batch(trainer: pl.Trainer, strategy: Any = None) -> Any:
-    """One micro-batch as ``training_step`` receives it: the first of the train DataLoader(s), combined as Lightning
-    combines them, or None when there is none. Training then sees the very batches, in the same order, as without a
-    budget: every random number generator the peek drew from is put back (the global ones, and a DataLoader's,
-    sampler's or dataset's own ``generator``), so a shuffling sampler and the workers' seeds draw the same numbers;
-    and an iterable that a second ``iter()`` does not restart (a one-shot ``IterableDataset``) gets the peeked batch
-    back in front of its next iteration (``strategy.process_dataloader``: ``hand_back``), so none is lost.
-    """
+    """One micro-batch as ``training_step`` receives it, or None. Every generator the peek drew from is put back, so
+    a shuffling sampler and the workers' seeds draw the same numbers, and a one-shot iterable gets the batch back."""
     from lightning.pytorch.utilities import CombinedLoader
 
     source = _lightning_data_source(trainer)
@@ -241,15 +226,9 @@ def resuming_from(trainer: pl.Trainer) -> tuple[Any, bool | None]:
 
 
 def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, backend: str) -> BudgetDecision:
-    """The decision this fit trains with, the same on every rank, made before anything is sharded.
-
-    On rank 0: the checkpoint's decision when the fit resumes with the same budget, world, backend and micro-batch (``said``
-    says it was kept, or why it was decided again); else ``decide`` on the module (copied to meta, never changed),
-    the first train batch, the strategy's precision and the callbacks that hold optimizers (probes), the simulated
-    steps in this process beside the live process group (its registry parked meanwhile). The answer is broadcast; a refusal is raised on every rank
-    (``on_rank0``: same type, same text). Rank 0 logs the table: the choice with its peak, then every cheaper
-    configuration with its peak and why it does not fit.
-    """
+    """The decision this fit trains with, the same on every rank: on rank 0 the checkpoint's when the fit resumes with
+    the same budget, world, backend and micro-batch, else ``decide`` on a meta copy of the module and the first batch
+    (the live process group's registry parked meanwhile); broadcast, and a refusal raised on every rank."""
     module = strategy.lightning_module
     world = strategy.world_size
 

@@ -31,14 +31,8 @@ T = TypeVar("T")
 
 
 class CheckpointMixin:
-    """Mixed in before ModelParallelStrategy in FSDP2Strategy; overrides save_checkpoint / load_checkpoint.
-
-    Save: every rank writes into a hidden staging sibling; rank 0 swaps it in only after all ranks finished, so a
-    crash at any instant leaves the previous checkpoint (or the complete new one) and never a partial one under the
-    final name. The staging holds a manifest (size + sha256 of every file) before it counts as complete.
-    Load: the path is checked before anything is read, with the fix for a wrong format, then every file against the
-    manifest.
-    """
+    """FSDP2Strategy's save and load on ``checkpoint.saves``: a crash at any instant leaves the previous checkpoint or
+    the complete new one, never a partial one; a load checks the path, then every file against the manifest."""
 
     # Provided by ModelParallelStrategy; declared for readers and type checkers.
     _save_distributed_checkpoint: bool
@@ -51,10 +45,8 @@ class CheckpointMixin:
         return on_rank0(fn, self.global_rank, self.world_size, self.broadcast)  # type: ignore[attr-defined]
 
     def _callback_optimizers(self) -> list[tuple[str, int, torch.optim.Optimizer]]:
-        """(callback state_key, position, optimizer) for optimizers callbacks own (probes), in callback order.
-
-        Lightning saves only ``trainer.optimizers``; these would restart from scratch on resume.
-        """
+        """(callback state_key, position, optimizer) of the optimizers callbacks own (probes): Lightning saves only
+        ``trainer.optimizers``."""
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = getattr(module, "_trainer", None)
         if trainer is None:
@@ -120,11 +112,8 @@ class CheckpointMixin:
         publish_save(path, write, rank, world, self.broadcast)  # type: ignore[attr-defined]
 
     def _write_full(self, checkpoint: dict[str, Any], staged: Path, path: Path, token: str) -> None:
-        """The file, then its manifest, both staged; ``commit`` swaps in the file, then the manifest.
-
-        The file must be complete when this returns (it is hashed and renamed next): Lightning's AsyncCheckpointIO
-        returns before writing, so the write goes through the CheckpointIO it wraps, in this thread. Its copy of
-        every tensor (made so that training can go on while a thread writes) would only double rank 0's memory."""
+        """The file must be complete when this returns (it is hashed next): under AsyncCheckpointIO the write goes
+        through the CheckpointIO it wraps (its copy of every tensor would only double rank 0's memory)."""
         from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
         io = self.checkpoint_io  # type: ignore[attr-defined]

@@ -37,13 +37,9 @@ if TYPE_CHECKING:
 class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, CheckpointMixin, ModelParallelStrategy):
     """``strategy="fsdp2"``: pure FSDP by default (dp = world size, tp = 1), sharding at setup, no module change.
 
-    One mesh (``autoshard.mesh``): ``device_mesh`` is Lightning's ``("data_parallel", "tensor_parallel")`` DeviceMesh,
-    built with the dims resolved when the Trainer was built; ``parallel_mesh`` holds the views the plan takes of it
-    (hybrid sharding's ``("dp_replicate", "dp_shard")``, the tensor-parallel ranks). The sampler, buffers, unsharded
-    gradients and SyncBatchNorm span every data-parallel rank; the ranks of a tensor-parallel group read one batch.
-    ``tensor_parallel_size > 1`` lays the model out by its own plan (``_tp_plan``, transformers' tp plans) before
-    ``fully_shard``. ``parallelize_fn(module, device_mesh)`` replaces the generic plan; ``device_mesh["data_parallel"]``
-    is the dp slice, ``device_mesh["tensor_parallel"]`` the tensor-parallel one.
+    ``device_mesh`` is Lightning's ``("data_parallel", "tensor_parallel")`` DeviceMesh, built with the dims resolved
+    when the Trainer was built; ``parallel_mesh`` holds the views the plan takes of it. ``parallelize_fn(module,
+    device_mesh)`` replaces the generic plan.
     """
 
     strategy_name = "fsdp2"
@@ -170,14 +166,9 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
 
 
 class AutoShardStrategy(FSDP2Strategy):
-    """``strategy="auto-shard"`` on fsdp2: the selector's backend, checked again against the module at setup.
-
-    The name ``"auto-shard"`` is registered to the factory ``autoshard.lightning.auto_shard``, which builds this class,
-    or autoshard's DeepSpeed strategy when the intent alone requires DeepSpeed (NVMe or optimizer-only offload); built
-    directly, this class refuses such an intent with that fix. The method is only known at setup, where a misfit is
-    refused. Precision takes no part in that choice: the Trainer's is not known at construction, so the intent's is
-    ignored there too, and a precision only DeepSpeed runs is refused once the Trainer is built, wherever it was stated.
-    """
+    """``strategy="auto-shard"`` on fsdp2, checked again against the module at setup; built directly, it refuses an
+    intent only DeepSpeed runs (the factory ``autoshard.lightning.auto_shard`` builds that one instead). Precision
+    takes no part in the choice: the Trainer's is not known at construction."""
 
     strategy_name = "auto-shard"
     prefer = "auto"

@@ -1,18 +1,10 @@
 """What ``import autoshard`` changes in the Trainer's Lightning, done through the one record of changes
 (``autoshard.install_record``), so that it can be listed and undone.
 
-Two kinds of change on the Trainer's side, and no other (docs/lightning-changes.md is generated from the record,
-Fabric's registry entries included, and tests/lightning/test_registration.py checks the page against it and that
-``uninstall`` restores Lightning exactly):
-- ``StrategyRegistry`` entries: autoshard's own names, and Lightning's "deepspeed*" names pointed at autoshard's
-  guarded subclass (``register_strategy``);
-- three wrapped methods of Lightning's accelerator connector, where a Trainer's run is configured (``install_guards``):
-  FSDP1 is refused there, by name or as an object, and so is a precision fsdp2 cannot run, and a SLURM number that
-  is not one (``SLURM_NTASKS=abc``). ``FSDPStrategy`` itself
-  is left as Lightning wrote it: other libraries construct it (stable-pretraining's tests do, to test their refusal).
-
-A member this Lightning lacks is left alone, never wrapped: ``autoshard.lightning.compat.check_lightning`` warns once
-and names what then stays as Lightning has it.
+Registry entries, and three wrapped methods of Lightning's accelerator connector (``install_guards``): FSDP1 is
+refused there, and so are a precision fsdp2 cannot run and a SLURM number that is not one. ``FSDPStrategy`` itself is
+left as Lightning wrote it: other libraries construct it (stable-pretraining's tests do, to test their refusal). A
+member this Lightning lacks is never wrapped (``check_lightning`` says so).
 """
 
 from __future__ import annotations
@@ -66,12 +58,7 @@ def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[
 
 
 def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], None]) -> None:
-    """Idempotent: where a Trainer is configured, refuse FSDP1 (a name or an object), a precision fsdp2 cannot run,
-    and (where a Trainer or Fabric is configured) a SLURM number Lightning would read with a bare ``int()``.
-
-    ``fsdp2_class`` / ``refuse_precision``: autoshard's fsdp2 strategy and its precision check, passed in by
-    ``autoshard.lightning.register`` (this module sits below the strategies).
-    """
+    """Idempotent; ``fsdp2_class`` / ``refuse_precision`` are passed in, as this module sits below the strategies."""
     from lightning.fabric.connector import _Connector as FabricConnector
     from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
     from lightning.pytorch.strategies import FSDPStrategy
