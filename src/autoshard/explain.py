@@ -36,6 +36,7 @@ from autoshard.memory import (
     parse_size,
     with_step,
 )
+from autoshard.mesh import ParallelDims
 from autoshard.needs import MethodNeeds, inspect_needs
 from autoshard.precision import resolve_precision
 from autoshard.select import Decision, features_needed, select_backend
@@ -514,8 +515,7 @@ def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_p
     kept, dropped = [], []
     for size in sizes:
         try:
-            intent.hsdp_sizes(size, nodes_for(size, devices_per_node))
-            intent.mesh_sizes(size, nodes_for(size, devices_per_node))
+            ParallelDims.resolve(intent, size, nodes_for(size, devices_per_node))
         except IntentError:
             dropped.append(size)
         else:

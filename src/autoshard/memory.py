@@ -29,11 +29,13 @@ from autoshard.memory_model import (
     Layout,
     MemoryEstimate,
     Param,
+    RankInputs,
     Traffic,
     Unit,
     UnshardedPart,
     shard_rows,
 )
+from autoshard.mesh import ParallelDims, hybrid_sizes
 from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import AUTO, select_backend
@@ -167,36 +169,24 @@ def _layout(
     return layout, TensorParallelCost(tp, full, tuple(tp_plan.collectives(module)), precision.compute.bytes)
 
 
-def _with_tensor_parallel(
-    estimator: Any,
-    layout: Layout,
-    tp: TensorParallelCost,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
-    intent: ShardingIntent,
-    world_size: int,
-    rank: int,
-    *,
-    overrides: Mapping[str, int],
-    num_nodes: int,
-    zero_init: bool,
-    tokens: int | None,
-    full_model_states: int,
-) -> MemoryEstimate:
+def _with_tensor_parallel(estimator: Any, layout: Layout, tp: TensorParallelCost, inputs: RankInputs, tokens: int | None) -> MemoryEstimate:
     """The estimate of one rank of a data-parallel x tensor-parallel run, from the backend's own estimator.
 
     Ranks are numbered tensor parallel innermost (``autoshard.mesh``): the ranks of one tensor-parallel coordinate form
-    the data-parallel world fully_shard shards over, so the estimator sees that world (world size / tp ranks, its
-    nodes' share of them) and parameters already cut to one tensor-parallel rank's slice. Its states are exact per
-    rank; ``full_model_states`` (the whole parameters' states, the same at every world size) is the unsharded figure;
-    the plan's collectives join the traffic rows, over the tp ranks of one node, for ``tokens`` tokens per micro-batch
-    (a note gives bytes per token without them).
+    the data-parallel world fully_shard shards over, so the estimator sees that world (``inputs.dims`` without its
+    tensor-parallel ranks, its nodes' share of them) and parameters already cut to one tensor-parallel rank's slice.
+    Its states are exact per rank; the whole parameters' states (the same at every world size) are the unsharded
+    figure; the plan's collectives join the traffic rows, over the tp ranks of one node, for ``tokens`` tokens per
+    micro-batch (a note gives bytes per token without them).
     """
-    intent.mesh_sizes(world_size, num_nodes)  # refuses a tensor-parallel size that does not fit this world
-    dp = world_size // tp.size
+    world_size, num_nodes, dims = inputs.world_size, inputs.num_nodes, inputs.dims
+    dp = dims.dp
     per_node = world_size // num_nodes
     dp_nodes = num_nodes if dp % num_nodes == 0 and per_node % tp.size == 0 else 1
-    inner = intent.replace(tensor_parallel_size=1, data_parallel_size=None)
-    est = estimator(layout, sourced, inner, dp, rank // tp.size, overrides=overrides, num_nodes=dp_nodes, zero_init=zero_init)
+    inner = inputs.intent.replace(tensor_parallel_size=1, data_parallel_size=None)
+    dp_dims = replace(dims, tp=1)
+    est = estimator(layout, replace(inputs, intent=inner, dims=dp_dims, rank=inputs.rank // tp.size, num_nodes=dp_nodes))
+    whole = estimator(tp.full, replace(inputs, intent=inner, dims=ParallelDims(), rank=0, num_nodes=1)).full_model_states
     spans_nodes = tp.size > per_node
     traffic: list[Traffic] = []
     per_token: dict[str, int] = {}
@@ -220,8 +210,8 @@ def _with_tensor_parallel(
     return replace(
         est,
         world_size=world_size,
-        rank=rank,
-        full_model_states=full_model_states,
+        rank=inputs.rank,
+        full_model_states=whole,
         shard_group=est.shard_group * tp.size,
         num_nodes=num_nodes,
         traffic=(*est.traffic, *(t for t in traffic if t.bytes)),
@@ -405,9 +395,6 @@ def estimate_memory_many(
         sourced = [("given", o) for o in (returned_optimizers(list(optimizers)) or list(optimizers))]
     layout, tp = _layout(module, intent, needs, backend, precision)
     estimator = get_backend(backend).memory
-    if tp is not None:  # the whole parameters' states: one figure for every world size
-        inner = intent.replace(tensor_parallel_size=1, data_parallel_size=None)
-        whole = estimator(tp.full, sourced, inner, 1, 0, overrides=dict(state_tensors or {}), num_nodes=1, zero_init=zero_init).full_model_states
     out = []
     for world_size in world_sizes:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -415,37 +402,18 @@ def estimate_memory_many(
         if not 0 <= rank < world_size:
             raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
         nodes = num_nodes if devices_per_node is None else nodes_for(world_size, devices_per_node)
-        if tp is not None:
-            out.append(
-                _with_tensor_parallel(
-                    estimator,
-                    layout,
-                    tp,
-                    sourced,
-                    intent,
-                    world_size,
-                    rank,
-                    overrides=dict(state_tensors or {}),
-                    num_nodes=nodes,
-                    zero_init=zero_init,
-                    tokens=tokens,
-                    full_model_states=whole,
-                )
-            )
-            continue
-        out.append(
-            estimator(
-                layout,
-                sourced,
-                intent,
-                world_size,
-                rank,
-                overrides=dict(state_tensors or {}),
-                num_nodes=nodes,
-                zero_init=zero_init,
-            )
-        )
+        inputs = RankInputs(sourced, intent, _dims(intent, world_size, nodes, tp), rank, nodes, dict(state_tensors or {}), zero_init)
+        out.append(estimator(layout, inputs) if tp is None else _with_tensor_parallel(estimator, layout, tp, inputs, tokens))
     return out
+
+
+def _dims(intent: ShardingIntent, world_size: int, num_nodes: int, tp: TensorParallelCost | None) -> ParallelDims:
+    """The layout an estimate is for: resolved in full under a model's tensor-parallel plan; otherwise the
+    data-parallel split alone over every rank (the table assumes pure data parallel, explain says so)."""
+    if tp is not None:
+        return ParallelDims.resolve(intent, world_size, num_nodes)
+    replicas, shard = hybrid_sizes(intent, world_size, num_nodes) or (1, world_size)
+    return ParallelDims(replicas, shard)
 
 
 def nodes_for(world_size: int, devices_per_node: int) -> int:

@@ -17,6 +17,7 @@ from autoshard.activations.stand_in import StandInTrainer, returned_schedulers
 from autoshard.activations.world import data_parallel_mesh
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 from autoshard.needs import held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan
 
@@ -99,11 +100,11 @@ def prepare_run(
     with mode:
         _fake_parameters(module, callbacks, convert)
     needs = inspect_needs(module, callbacks=callbacks, call_hooks=False)
-    mesh = data_parallel_mesh(intent, world_size)
+    dims = ParallelDims.resolve(intent, world_size, num_nodes)
+    mesh = data_parallel_mesh(dims)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = plan_fsdp2(module, intent, needs, precision)
-        plan.hsdp = intent.hsdp_sizes(world_size, num_nodes)
+        plan = plan_fsdp2(module, intent, needs, precision, dims=dims)
         plan.apply(module, mesh)  # outside the fake mode: it reads the mesh's real rank tensor
     if intent.offload != "none":
         notes.append(

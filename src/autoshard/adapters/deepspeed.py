@@ -13,6 +13,7 @@ from autoshard.backends import Availability, on_backend
 from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 from autoshard.needs import MethodNeeds
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import select_backend
@@ -112,7 +113,7 @@ def check_intent(
         precision=precision,
     )
     if world_size is not None:
-        intent.mesh_sizes(world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
+        ParallelDims.resolve(intent, world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
 
 
 def provisional_config(intent: ShardingIntent, *, micro_batch_size: int | None, zero_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

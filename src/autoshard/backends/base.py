@@ -14,7 +14,7 @@ from packaging.version import InvalidVersion, Version
 from autoshard.capability import Feature, Format, Row, Support
 
 if TYPE_CHECKING:
-    from autoshard.memory_model import MemoryEstimate
+    from autoshard.memory_model import Layout, MemoryEstimate, RankInputs
     from autoshard.precision import PrecisionPlan
 
 
@@ -70,9 +70,9 @@ class Backend:
     lightning: str = ""
     # How it runs a resolved PrecisionPlan (autoshard.precision.on_backend); None: no precision rules.
     precision: Callable[[PrecisionPlan], PrecisionPlan] | None = None
-    # Per-rank bytes (layout, optimizers, intent, world_size, rank, *, overrides, num_nodes, zero_init) -> MemoryEstimate,
-    # on memory.py's shared layout; None: estimate_memory does not cover it.
-    memory: Callable[..., MemoryEstimate] | None = None
+    # Per-rank bytes (layout, memory_model.RankInputs) -> MemoryEstimate, on memory.py's shared layout; None:
+    # estimate_memory does not cover it.
+    memory: Callable[[Layout, RankInputs], MemoryEstimate] | None = None
     host_memory: str = "CPU memory (offloaded)"  # memory_table's label for the bytes it keeps in CPU memory
     writes: Format | None = None  # the checkpoint format it saves
     resumes: tuple[Format, ...] = ()  # the formats checkpoint.resolve_for_load lets it resume from

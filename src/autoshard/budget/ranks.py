@@ -7,6 +7,7 @@ from __future__ import annotations
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate
+from autoshard.mesh import hybrid_sizes
 
 MAX_RANKS = 4096  # the search for "more ranks" stops here
 MAX_DECISION_RANKS = MAX_RANKS
@@ -32,7 +33,7 @@ def world_sizes_after(world_size: int, devices_per_node: int | None, intent: Sha
     out = []
     for n in sorted(set(sizes)):
         try:
-            intent.hsdp_sizes(n, max(1, n // per_node) if devices_per_node else 1)
+            hybrid_sizes(intent, n, max(1, n // per_node) if devices_per_node else 1)
         except IntentError:
             continue
         out.append(n)

@@ -19,16 +19,26 @@ from autoshard.adapters.fsdp2.plan import PARALLELIZE_FN_HINT, FSDP2Plan, Replic
 from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
 
 
 def plan_fsdp2(
-    module: nn.Module, intent: ShardingIntent | None = None, needs: MethodNeeds | None = None, precision: PrecisionPlan | None = None
+    module: nn.Module,
+    intent: ShardingIntent | None = None,
+    needs: MethodNeeds | None = None,
+    precision: PrecisionPlan | None = None,
+    *,
+    dims: ParallelDims | None = None,
+    sync_batchnorm: bool = False,
 ) -> FSDP2Plan:
     """Decide what to ``fully_shard``: every parameter-owning block, then every trainable subtree; never the root.
 
     ``precision``: the run's resolved plan (the strategy's, from the Trainer); None plans for the intent's.
+    ``dims``: the run's resolved layout (its hybrid split and tensor-parallel ranks); None before a world is known
+    (explain, the memory estimate): the intent's tensor_parallel_size, pure FSDP. ``sync_batchnorm``:
+    Trainer(sync_batchnorm=True), which the plan's summary states.
     """
     intent = intent or ShardingIntent()
     needs = needs or MethodNeeds()
@@ -43,7 +53,7 @@ def plan_fsdp2(
             f"exclude names {', '.join(map(repr, unknown))}, not a module of {type(module).__name__}: top-level modules"
             f" are {top}. Fix: name module paths as printed by `print(model)`, or drop them from exclude"
         )
-    tp_plan = tensor_parallel_plan(module, intent.tensor_parallel_size)
+    tp_plan = tensor_parallel_plan(module, dims.tp if dims is not None else intent.tensor_parallel_size)
     teachers = {p.teacher for p in needs.ema_pairs}
     for pair in needs.ema_pairs:
         check_ema_structure(module, pair)
@@ -138,7 +148,19 @@ def plan_fsdp2(
     if compiled and needs.compiled:
         user = ", ".join(f"'{p}'" for p in needs.compiled)
         notes.append(f"compiled by the model ({user}): its blocks are compiled in place before fully_shard, names stay eager")
-    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, precision=precision, tp_plan=tp_plan, compiled=compiled)
+    return FSDP2Plan(
+        units,
+        replicated,
+        tuple(needs.ema_pairs),
+        intent,
+        notes,
+        buffers,
+        sync_batchnorm=sync_batchnorm,
+        precision=precision,
+        hsdp=dims.hsdp if dims is not None else None,
+        tp_plan=tp_plan,
+        compiled=compiled,
+    )
 
 
 def _compiled(module: nn.Module, units: list[ShardUnit], intent: ShardingIntent, needs: MethodNeeds) -> tuple[str, ...]:
