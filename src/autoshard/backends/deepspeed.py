@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from autoshard.backends.base import Availability, Backend, require, require_all
+from autoshard.backends.base import Availability, Backend, BudgetChoices, require, require_all
 from autoshard.capability import Feature, Format, no, partial, yes
 from autoshard.errors import IntentError
 from autoshard.precision import Dtype, PrecisionPlan
@@ -226,6 +226,22 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     return estimate
 
 
+def host_bytes(states: MemoryEstimate, offload: str, reshard: bool) -> int:
+    """Per step: 'optimizer' sends the gradient partition to the host and brings the updated parameter partition
+    back; 'params' also brings the parameter partition in for the forward's and the backward's gathers."""
+    return {"none": 0, "optimizer": states.parameters + states.gradients, "params": 2 * states.parameters + states.gradients}[offload]
+
+
+BUDGET = BudgetChoices(
+    fields=("activation_checkpointing", "offload"),  # no resharding, no shard group under ZeRO-3
+    offload=("none", "optimizer", "params"),
+    selective=False,  # the matrix refuses it (Feature.SELECTIVE_CHECKPOINTING: ZeRO-3's gathers run inside the block)
+    host_bytes=host_bytes,
+    peaks="DeepSpeed ZeRO-3 (its estimator + the simulated activations)",
+    limits="under DeepSpeed autoshard sets the offload and activation checkpointing only; strategy='fsdp2' can also reshard and group shards",
+    check="autoshard.adapters.deepspeed:check_intent",
+)
+
 BACKEND = Backend(
     name=BACKEND_NAME,
     strategy="autoshard-deepspeed",
@@ -236,6 +252,7 @@ BACKEND = Backend(
     precision=precision,
     memory=memory,
     host_memory="CPU memory (DeepSpeed, per node)",
+    budget=BUDGET,
     writes=Format.DEEPSPEED,
     resumes=(Format.DEEPSPEED, Format.FULL),
 )

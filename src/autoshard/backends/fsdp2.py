@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autoshard.backends.base import Availability, Backend, require
+from autoshard.backends.base import Availability, Backend, BudgetChoices, require
 from autoshard.capability import Feature, Format, no, partial, yes
 
 if TYPE_CHECKING:
@@ -187,6 +187,21 @@ def traffic(layout: Layout, params: Mapping[int, Any], world_size: int, group: i
     return tuple(t for t in out if t.bytes)
 
 
+def host_bytes(states: MemoryEstimate, offload: str, reshard: bool) -> int:
+    """offload='params' (CPUOffloadPolicy): each rank's shard of the parameters copied in for every all-gather (twice
+    when resharded after forward), its gradient shard copied out."""
+    if offload == "none":
+        return 0
+    return (states.parameters + states.ema_teacher) * (2 if reshard else 1) + states.gradients
+
+
+BUDGET = BudgetChoices(
+    fields=("reshard_after_forward", "activation_checkpointing", "offload", "shard_size"),
+    offload=("none", "params"),
+    selective=True,
+    host_bytes=host_bytes,
+)
+
 BACKEND = Backend(
     name=BACKEND_NAME,
     strategy="fsdp2",
@@ -196,6 +211,7 @@ BACKEND = Backend(
     lightning="autoshard.lightning.fsdp2:FSDP2Strategy",
     precision=precision,
     memory=memory,
+    budget=BUDGET,
     writes=Format.DCP,
     resumes=(Format.DCP, Format.FULL),
 )

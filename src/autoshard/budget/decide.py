@@ -15,14 +15,9 @@ from typing import Any
 
 import torch
 
-from autoshard.adapters.deepspeed import check_intent as check_deepspeed_intent
-from autoshard.backends import get_backend
-from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
-from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.backends import get_backend, load
 from autoshard.budget.batch import batch_function, batch_rows
 from autoshard.budget.decision import (
-    DEEPSPEED_FIELDS,
-    FREE_FIELDS,
     BudgetDecision,
     BudgetRefusedError,
     Rates,
@@ -53,7 +48,7 @@ def decide(
     callbacks: Sequence[Any] = (),
     rates: Rates | None = None,
     progress: Callable[[str], None] | None = None,
-    backend: str = FSDP2,
+    backend: str = "fsdp2",
     device_type: str | None = None,
 ) -> BudgetDecision:
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
@@ -156,18 +151,16 @@ def decide(
             budget_bytes, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, described, kept, rates, num_nodes, backend, headroom
         )
     peak = sim.step(most, world_size)[0].device
+    choices = get_backend(backend).budget
+    assert choices is not None  # _check_budget_backend refused a backend without one
     where = f"world size {world_size}" + (f" ({num_nodes} nodes)" if num_nodes > 1 else "")
     head = (
         f"memory_budget {fmt_bytes(budget_bytes)} per rank"
         + (f" (a peak of {fmt_bytes(limit)} with its {headroom.words()})" if limit != budget_bytes else "")
         + f" cannot be met at {where}"
-        + (" under DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if backend == DEEPSPEED else "")
+        + (f" under {choices.peaks}" if choices.peaks else "")
         + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
-        + (
-            " (under DeepSpeed autoshard sets the offload and activation checkpointing only; strategy='fsdp2' can also reshard and group shards)"
-            if backend == DEEPSPEED
-            else ""
-        )
+        + (f" ({choices.limits})" if choices.limits else "")
     )
     smallest = smallest_world_size(sim, most, world_size, limit)
     if smallest is not None:
@@ -199,17 +192,17 @@ def decide(
 def _check_budget_backend(intent: ShardingIntent, backend: str) -> str:
     """Refuse a memory budget on a backend it cannot decide for, or an intent that backend cannot run; returns the
     backend's canonical name."""
-    name = get_backend(backend).name
-    if name not in (FSDP2, DEEPSPEED):
-        raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {name}. Fix: backend='fsdp2'")
-    if name == DEEPSPEED:  # what ZeRO-3 cannot run (tensor parallel, selective checkpointing), with the matrix's text
-        check_deepspeed_intent(intent)
-    return name
+    chosen = get_backend(backend)
+    if chosen.budget is None:
+        raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {chosen.name}. Fix: backend='fsdp2'")
+    if chosen.budget.check:  # what the backend cannot run (ZeRO-3: tensor parallel, selective checkpointing), in the matrix's words
+        load(chosen.budget.check)(intent)
+    return chosen.name
 
 
 def _kept(intent: ShardingIntent, free: list[str], backend: str) -> tuple[str, ...]:
-    """The fields the decision leaves as the user set them (under DeepSpeed, those it has no say in are not named)."""
-    fields = DEEPSPEED_FIELDS if backend == DEEPSPEED else FREE_FIELDS
+    """The fields the decision leaves as the user set them (those the backend's budget has no say in are not named)."""
+    fields = get_backend(backend).budget.fields  # type: ignore[union-attr]
     return tuple(f for f in fields if f not in free and (f != "shard_size" or intent.shard_size is not None))
 
 

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.backends import get_backend
 from autoshard.budget.batch import cut_batch
 from autoshard.budget.decision import describe_config
 from autoshard.errors import IntentError
@@ -34,7 +34,7 @@ class Simulator:
         devices_per_node: int | None,
         num_nodes: int,
         progress: Callable[[str], None] | None,
-        backend: str = FSDP2,
+        backend: str = "fsdp2",
     ) -> None:
         from autoshard.memory import collect_optimizers
         from autoshard.needs import inspect_needs
@@ -94,7 +94,7 @@ class Simulator:
         if key not in self.step_cache:
             # DeepSpeed: only the activations of fsdp2's step with the same blocks checkpointed are added to its estimator's
             # states (they do not depend on the offload)
-            whole = self.backend == FSDP2
+            whole = get_backend(self.backend).simulates_its_step
             step = self._measure(config if whole else {k: v for k, v in config.items() if k == "activation_checkpointing"}, world_size, divisor)
             self.step_cache[key] = (with_step(self.states(config, world_size), step, whole), step.flops)
         return self.step_cache[key]
@@ -105,7 +105,7 @@ class Simulator:
         key = (config_key(config), world_size, divisor)
         if key not in self.measured:
             if self.progress is not None:
-                what = describe_config(config) + ("" if self.backend == FSDP2 else ": activations for DeepSpeed")
+                what = describe_config(config) + ("" if get_backend(self.backend).simulates_its_step else ": activations for DeepSpeed")
                 self.progress(f"simulating one step on {world_size} fake ranks ({what}" + (f", micro-batch / {divisor}" if divisor > 1 else "") + ")")
             step = measure_step(
                 self.factory,
