@@ -23,7 +23,7 @@ from autoshard.activations import call_batch, load_batch, measure_step
 from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
-from autoshard.budget import BudgetDecision, BudgetReport, Option, auto_entries, batch_rows, check_budget, cut_batch
+from autoshard.budget import Ask, BudgetDecision, BudgetReport, Option, auto_entries, batch_rows, check_budget, cut_batch
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
@@ -459,16 +459,9 @@ def explain(
     if not whole_step and report.memory and report.memory[0].activations:
         report.notes.append(f"activations come from a simulated FSDP2 step of the same method; {chosen}'s own buffers are its estimator's figures")
     if budget_bytes is not None:
-        report.budget = check_budget(
-            estimate,
-            intent,
-            max(sizes),
-            budget_bytes,
-            devices_per_node=devices_per_node,
-            batch_rows=rows,
-            lacks=_lacks,
-            checkpointable=bool(checkpointable_blocks(module, intent, needs)),
-        )
+        checkpointable = bool(checkpointable_blocks(module, intent, needs))
+        ask = Ask(devices_per_node, rows, checkpointable, _lacks)
+        report.budget = check_budget(estimate, intent, max(sizes), budget_bytes, ask=ask)
         if auto:
             report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
     return report

@@ -20,7 +20,7 @@ One module per concern, bottom to top (the import-linter contract in pyproject.t
 
 from __future__ import annotations
 
-from autoshard.budget.advice import BudgetReport, Change, Evaluate, Option, check_budget
+from autoshard.budget.advice import Ask, BudgetReport, Change, Evaluate, Option, check_budget
 from autoshard.budget.batch import batch_function, batch_rows, cut_batch
 from autoshard.budget.decide import auto_entries, decide
 from autoshard.budget.decision import (
@@ -47,6 +47,7 @@ __all__ = [
     "default_rates",
     "read_rates",
     "Headroom",
+    "Ask",
     "BudgetDecision",
     "BudgetReport",
     "Change",

@@ -4,6 +4,8 @@ decision's search."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate
@@ -38,3 +40,18 @@ def world_sizes_after(world_size: int, devices_per_node: int | None, intent: Sha
             continue
         out.append(n)
     return out
+
+
+def smallest_fitting_world(sizes: list[int], rest: int, states_at: Callable[[int], int], fits: Callable[[int], bool], budget: int) -> int | None:
+    """The first of ``sizes`` at which a run fits: predicted by bisection as ``rest`` (what does not shrink with ranks:
+    activations, what stays whole) plus ``states_at(n)`` (the model states on the device at n ranks, which shrink
+    monotonically), then confirmed with ``fits`` on that size and the next two. The one world-size search of the
+    ``--budget`` advice and of the decision's refusal."""
+    predict = lambda n: rest + states_at(n)  # noqa: E731
+    if not sizes or predict(sizes[-1]) > budget:
+        return None
+    lo, hi = 0, len(sizes) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if predict(sizes[mid]) <= budget else (mid + 1, hi)
+    return next((n for n in sizes[lo : lo + 3] if fits(n)), None)

@@ -34,7 +34,7 @@ from autoshard.backends import BudgetChoices, get_backend
 from autoshard.budget.batch import batch_function
 from autoshard.budget.decision import OFFLOAD_SAVING, Cost, Rates, Tried, default_rates, describe_config
 from autoshard.budget.meta import meta_factory
-from autoshard.budget.ranks import states_on_device, world_sizes_after
+from autoshard.budget.ranks import smallest_fitting_world, states_on_device, world_sizes_after
 from autoshard.budget.simulator import Simulator, config_key
 from autoshard.errors import AutoShardError
 from autoshard.intent import SELECTIVE, ShardingIntent
@@ -237,25 +237,15 @@ def _first_error(message: str) -> str:
 
 
 def smallest_world_size(sim: Simulator, config: dict[str, Any], world_size: int, budget: int) -> int | None:
-    """The smallest world size above ``world_size`` at which ``config`` fits: predicted from model states (they shrink
-    with ranks, activations do not) by bisection, then confirmed by a simulated step (the next sizes when not)."""
+    """The smallest world size above ``world_size`` at which ``config`` fits (``ranks.smallest_fitting_world``)."""
     here, _ = sim.step(config, world_size)
-    rest = here.device - states_on_device(sim.states(config, world_size))
-    sizes = world_sizes_after(world_size, sim.devices_per_node, sim.base.replace(**config))
-    predict = lambda n: rest + states_on_device(sim.states(config, n))  # noqa: E731
-    if not sizes or predict(sizes[-1]) > budget:
-        return None
-    lo, hi = 0, len(sizes) - 1
-    while lo < hi:  # the first size predicted to fit (states shrink monotonically with ranks)
-        mid = (lo + hi) // 2
-        if predict(sizes[mid]) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    for n in sizes[lo : lo + 3]:
-        if sim.step(config, n)[0].device <= budget:
-            return n
-    return None
+    return smallest_fitting_world(
+        world_sizes_after(world_size, sim.devices_per_node, sim.base.replace(**config)),
+        here.device - states_on_device(sim.states(config, world_size)),
+        lambda n: states_on_device(sim.states(config, n)),
+        lambda n: sim.step(config, n)[0].device <= budget,
+        budget,
+    )
 
 
 def largest_micro_batch(sim: Simulator, config: dict[str, Any], world_size: int, budget: int, rows: int | None) -> tuple[int, int] | None:
