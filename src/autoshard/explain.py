@@ -338,13 +338,34 @@ def explain(
         features=features_needed(needs, intent, accelerator),
         notes=list(built.notes),
     )
+    if not _decide_and_plan(report, backend, accelerator, max(world_sizes), micro_batch_size):
+        return report
+    sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
+    estimates = _Estimates(report, built.callbacks, sourced, factory, make_batch, devices_per_node, progress)
+    estimates.prepare(simulate)
+    estimates.table_states(sizes)
+    report.memory = [estimates.estimate(Option(intent, size)) for size in sizes]
+    _say_what_is_missing(report, estimates, asked=budget_bytes is not None or (simulate and make_batch is not None))
+    if budget_bytes is not None:
+        checkpointable = bool(checkpointable_blocks(module, intent, needs))
+        ask = Ask(devices_per_node, rows, checkpointable, _lacks)
+        report.budget = check_budget(estimates.estimate, intent, max(sizes), budget_bytes, ask=ask)
+        if auto:
+            chosen = report.decision.backend  # type: ignore[union-attr]
+            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
+    return report
+
+
+def _decide_and_plan(report: Report, backend: str, accelerator: str | None, world_size: int, micro_batch_size: int) -> bool:
+    """The backend decision, then its plan (fsdp2) or its config (DeepSpeed, for ``world_size``), into ``report``;
+    False when autoshard refuses the run (``report.error`` says why)."""
+    intent, needs, module = report.intent, report.needs, report.module
     try:
         report.decision = select_backend(needs, intent, prefer=backend, accelerator=accelerator)
     except IncompatibleBackendError as exc:
         report.error, report.error_type = str(exc), type(exc).__name__
-        return report
-    chosen = report.decision.backend
-    engine = get_backend(chosen)
+        return False
+    engine = get_backend(report.decision.backend)
     if engine.plan:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -355,116 +376,143 @@ def explain(
                     raise
                 # The model's tensor-parallel plan, refused before training (TPPlan.check): the run's own refusal.
                 report.error, report.error_type = str(exc), type(exc).__name__
-                return report
+                return False
         report.notes += [f"warning: {w.message}" for w in caught if issubclass(w.category, UserWarning)]
     elif engine.config:
-        report.deepspeed_config_world = max(world_sizes)
+        report.deepspeed_config_world = world_size
         try:
-            report.deepspeed_config = load(engine.config)(intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size)
+            report.deepspeed_config = load(engine.config)(intent, needs, world_size=world_size, micro_batch_size=micro_batch_size)
         except AutoShardError as exc:
             report.notes.append(f"DeepSpeed config: {exc}")
-    tp_plan = getattr(report.plan, "tp_plan", None)  # the model's own tensor-parallel layout: the table counts it
-    if (intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None) and tp_plan is None:
+    if (intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None) and getattr(report.plan, "tp_plan", None) is None:
         report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
-    sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
-    precision = resolve_precision(None, intent)
-    asked_step = simulate and make_batch is not None  # the user asked for a simulated training step
-    has_example = getattr(module, "example_input_array", None) is not None
-    if not simulate:
-        unsimulated = "--no-step asks for model states only. Fix: drop --no-step" + (
-            "" if make_batch is not None or has_example else " and pass --batch FILE.py:make_batch"
-        )
-    else:
-        unsimulated = (
-            f"no --batch was given, and {type(module).__name__} has no example_input_array to forward. Fix: pass"
-            f" --batch FILE.py:make_batch (a function of no arguments returning one micro-batch, as your DataLoader"
-            f" yields it)"
-        )
-    simulate = simulate and (make_batch is not None or has_example)
-    whole_step = bool(engine.plan)  # the simulated step runs this backend's own plan: its peak is the run's
-    tokens = _tokens(make_batch) if make_batch is not None and tp_plan is not None else None
-    why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
-    failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
+    return True
 
-    def states(asked: ShardingIntent, world_sizes: Sequence[int]) -> list[MemoryEstimate]:
+
+class _Estimates:
+    """Every estimate explain makes (the table's, then the ``--budget`` advice's candidates), cached by option: model
+    states from the backend's estimator, plus a simulated step where one can run. A simulated step costs seconds, and
+    building the plan grows with the module: the table's world sizes share one plan (one estimate_memory_many call),
+    and the budget search reuses every estimate made before it."""
+
+    def __init__(
+        self,
+        report: Report,
+        callbacks: Sequence[Any],
+        sourced: Sequence[Any],
+        factory: Any,
+        make_batch: Callable[[], Any] | None,
+        devices_per_node: int,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.report, self.callbacks, self.sourced, self.factory = report, callbacks, sourced, factory
+        self.make_batch, self.devices_per_node, self.progress = make_batch, devices_per_node, progress
+        self.intent, self.module = report.intent, report.module
+        self.chosen = report.decision.backend  # type: ignore[union-attr]
+        self.whole_step = get_backend(self.chosen).simulates_its_step  # the step runs this backend's own plan: its peak is the run's
+        self.precision = resolve_precision(None, self.intent)
+        has_tp = getattr(report.plan, "tp_plan", None) is not None
+        self.tokens = _tokens(make_batch) if make_batch is not None and has_tp else None
+        self.why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
+        self.failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
+        self.done: dict[str, MemoryEstimate] = {}
+
+    def prepare(self, simulate: bool) -> None:
+        """Whether steps are simulated (asked, and a batch or an example input to run), why not, and the table's
+        model states."""
+        has_example = getattr(self.module, "example_input_array", None) is not None
+        self.asked_step = simulate  # the user did not pass --no-step
+        if not simulate:
+            self.unsimulated = "--no-step asks for model states only. Fix: drop --no-step" + (
+                "" if self.make_batch is not None or has_example else " and pass --batch FILE.py:make_batch"
+            )
+        else:
+            self.unsimulated = (
+                f"no --batch was given, and {type(self.module).__name__} has no example_input_array to forward. Fix: pass"
+                f" --batch FILE.py:make_batch (a function of no arguments returning one micro-batch, as your DataLoader"
+                f" yields it)"
+            )
+        self.simulate = simulate and (self.make_batch is not None or has_example)
+
+    def states(self, asked: ShardingIntent, world_sizes: Sequence[int]) -> list[MemoryEstimate]:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # already reported above
+            warnings.simplefilter("ignore")  # already reported by the plan
             return estimate_memory_many(
-                module,
+                self.module,
                 asked,
-                needs,
+                self.report.needs,
                 world_sizes,
-                chosen,
-                callbacks=built.callbacks,
-                sourced=sourced,
-                devices_per_node=devices_per_node,
-                precision=precision,
-                tokens=tokens,
+                self.chosen,
+                callbacks=self.callbacks,
+                sourced=self.sourced,
+                devices_per_node=self.devices_per_node,
+                precision=self.precision,
+                tokens=self.tokens,
             )
 
-    # A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
-    # plan (one estimate_memory_many call), and the budget search reuses every estimate made before it.
-    done: dict[str, MemoryEstimate] = {repr(Option(intent, n, simulate=False)): e for n, e in zip(sizes, states(intent, sizes))}
+    def table_states(self, sizes: Sequence[int]) -> None:
+        self.done.update({repr(Option(self.intent, n, simulate=False)): e for n, e in zip(sizes, self.states(self.intent, sizes))})
 
-    def estimate(option: Option) -> MemoryEstimate:
+    def estimate(self, option: Option) -> MemoryEstimate:
         key = repr(option)
-        if key in done:
-            return done[key]
+        if key in self.done:
+            return self.done[key]
         plain = repr(Option(option.intent, option.world_size, simulate=False))  # model states: batch-independent
-        est = done.get(plain) or states(option.intent, [option.world_size])[0]
-        done[plain] = est
-        if simulate and option.simulate:
-            table = option.intent == intent and option.batch_divisor == 1  # not a budget candidate
-            if progress is not None:
-                base = intent.to_dict()
-                parts = [f"{k}={v!r}" for k, v in option.intent.to_dict().items() if v != base[k]]
-                parts += [f"micro-batch / {option.batch_divisor}"] if option.batch_divisor > 1 else []
-                progress(f"simulating one step on {option.world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
-            try:
-                step = measure_step(
-                    factory,
-                    option.intent,
-                    option.world_size,
-                    precision,
-                    make_batch=cut_batch(make_batch, option.batch_divisor) if make_batch is not None else None,
-                    num_nodes=est.num_nodes,
-                )
-            except AutoShardError as exc:  # the model states stand; say why activations are missing
-                why[key] = str(exc)
-                if table:
-                    failures.append(str(exc))
-            else:
-                if table:
-                    report.notes.extend(n for n in step.notes if n not in report.notes)
-                if step.incomplete:
-                    why[key] = step.incomplete
-                est = with_step(est, step, whole_step)
-        elif not simulate:
-            why[key] = unsimulated
-        done[key] = est
+        est = self.done.get(plain) or self.states(option.intent, [option.world_size])[0]
+        self.done[plain] = est
+        if self.simulate and option.simulate:
+            est = self._with_step(option, key, est)
+        elif not self.simulate:
+            self.why[key] = self.unsimulated
+        self.done[key] = est
         return est
 
-    report.memory = [estimate(Option(intent, size)) for size in sizes]
-    # A partial estimate is said once, with its Fix: as the answer's failure when --batch or --budget asked for the
-    # whole step, else as a note (explain without them is the documented model-states view).
+    def _with_step(self, option: Option, key: str, est: MemoryEstimate) -> MemoryEstimate:
+        """``est`` with the option's simulated step; when it cannot run, ``est`` alone and the reason in ``why``."""
+        table = option.intent == self.intent and option.batch_divisor == 1  # not a budget candidate
+        if self.progress is not None:
+            base = self.intent.to_dict()
+            parts = [f"{k}={v!r}" for k, v in option.intent.to_dict().items() if v != base[k]]
+            parts += [f"micro-batch / {option.batch_divisor}"] if option.batch_divisor > 1 else []
+            self.progress(f"simulating one step on {option.world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
+        try:
+            step = measure_step(
+                self.factory,
+                option.intent,
+                option.world_size,
+                self.precision,
+                make_batch=cut_batch(self.make_batch, option.batch_divisor) if self.make_batch is not None else None,
+                num_nodes=est.num_nodes,
+            )
+        except AutoShardError as exc:  # the model states stand; say why activations are missing
+            self.why[key] = str(exc)
+            if table:
+                self.failures.append(str(exc))
+            return est
+        if table:
+            self.report.notes.extend(n for n in step.notes if n not in self.report.notes)
+        if step.incomplete:
+            self.why[key] = step.incomplete
+        return with_step(est, step, self.whole_step)
+
+
+def _say_what_is_missing(report: Report, estimates: _Estimates, asked: bool) -> None:
+    """A partial estimate is said once, with its Fix: as the answer's failure when --batch or --budget asked for the
+    whole step (``asked``), else as a note (explain without them is the documented model-states view)."""
     partial = [e for e in report.memory if _lacks(e)]
-    if partial and (asked_step or budget_bytes is not None):
+    if partial and asked:
         e = max(partial, key=lambda e: e.world_size)  # the largest world size: the one the budget verdict is for
-        reason = why.get(repr(Option(intent, e.world_size)), "no simulated step")
+        reason = estimates.why.get(repr(Option(report.intent, e.world_size)), "no simulated step")
         report.incomplete = f"{_lacks(e)} not counted (world size {e.world_size}): {reason}"
     else:
-        report.notes += [f"activations not counted: {f}" for f in dict.fromkeys(failures)]
-    if make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
-        report.unmeasured = "--no-step (model states only)" if not simulate else "the step could not run on --batch (see below)"
-    if not whole_step and report.memory and report.memory[0].activations:
-        report.notes.append(f"activations come from a simulated FSDP2 step of the same method; {chosen}'s own buffers are its estimator's figures")
-    if budget_bytes is not None:
-        checkpointable = bool(checkpointable_blocks(module, intent, needs))
-        ask = Ask(devices_per_node, rows, checkpointable, _lacks)
-        report.budget = check_budget(estimate, intent, max(sizes), budget_bytes, ask=ask)
-        if auto:
-            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
-    return report
+        report.notes += [f"activations not counted: {f}" for f in dict.fromkeys(estimates.failures)]
+    if estimates.make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
+        why = "--no-step (model states only)" if not estimates.asked_step else "the step could not run on --batch (see below)"
+        report.unmeasured = why
+    if not estimates.whole_step and report.memory and report.memory[0].activations:
+        report.notes.append(
+            f"activations come from a simulated FSDP2 step of the same method; {estimates.chosen}'s own buffers are its estimator's figures"
+        )
 
 
 def _auto(
