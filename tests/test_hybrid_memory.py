@@ -8,7 +8,8 @@ import pytest
 from autoshard.demo import DinoLike
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import estimate_memory, estimate_memory_many, memory_table, nodes_for
+from autoshard.memory import estimate_memory, estimate_memory_many, memory_table
+from autoshard.mesh import nodes_for
 from autoshard.target import build_on_meta
 
 

@@ -32,11 +32,10 @@ from autoshard.memory import (
     estimate_memory_many,
     fmt_bytes,
     memory_table,
-    nodes_for,
     parse_size,
     with_step,
 )
-from autoshard.mesh import ParallelDims
+from autoshard.mesh import ParallelDims, nodes_for
 from autoshard.needs import MethodNeeds, inspect_needs
 from autoshard.precision import resolve_precision
 from autoshard.select import Decision, features_needed, select_backend

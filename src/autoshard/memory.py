@@ -35,7 +35,7 @@ from autoshard.memory_model import (
     UnshardedPart,
     shard_rows,
 )
-from autoshard.mesh import ParallelDims, hybrid_sizes
+from autoshard.mesh import ParallelDims, hybrid_sizes, nodes_for
 from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import AUTO, select_backend
@@ -416,21 +416,6 @@ def _dims(intent: ShardingIntent, world_size: int, num_nodes: int, tp: TensorPar
     return ParallelDims(replicas, shard)
 
 
-def nodes_for(world_size: int, devices_per_node: int) -> int:
-    """Nodes a world of ``world_size`` ranks fills, ``devices_per_node`` ranks each (one node when it is smaller)."""
-    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
-        raise AutoShardError(f"devices per node must be a positive integer, got {devices_per_node!r}. Fix: e.g. --devices-per-node 8")
-    if world_size <= devices_per_node:
-        return 1
-    if world_size % devices_per_node:
-        raise AutoShardError(
-            f"world size {world_size} does not fill whole nodes of {devices_per_node} devices."
-            f" Fix: use a multiple of {devices_per_node} (e.g. {world_size - world_size % devices_per_node}),"
-            f" or set the devices per node to what your nodes have"
-        )
-    return world_size // devices_per_node
-
-
 __all__ = [
     "MemoryEstimate",
     "OPTIMIZER_STATES",
@@ -441,7 +426,6 @@ __all__ = [
     "estimate_memory_many",
     "fmt_bytes",
     "memory_table",
-    "nodes_for",
     "parse_size",
     "with_step",
     "shard_rows",

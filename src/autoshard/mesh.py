@@ -114,10 +114,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _dp_tp(intent: ShardingIntent, world_size: int) -> tuple[int, int]:
-    """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default."""
+def check_world_size(world_size: int) -> None:
+    """Refuse a world size that is not a positive integer."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise IntentError(f"world size must be a positive integer, got {world_size!r}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+
+
+def check_num_nodes(world_size: int, num_nodes: int) -> None:
+    """Refuse a number of nodes the world's ranks cannot fill evenly."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
+        raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+
+
+def nodes_for(world_size: int, devices_per_node: int) -> int:
+    """Nodes a world of ``world_size`` ranks fills, ``devices_per_node`` ranks each (one node when it is smaller)."""
+    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+        raise AutoShardError(f"devices per node must be a positive integer, got {devices_per_node!r}. Fix: e.g. --devices-per-node 8")
+    if world_size <= devices_per_node:
+        return 1
+    if world_size % devices_per_node:
+        raise AutoShardError(
+            f"world size {world_size} does not fill whole nodes of {devices_per_node} devices."
+            f" Fix: use a multiple of {devices_per_node} (e.g. {world_size - world_size % devices_per_node}),"
+            f" or set the devices per node to what your nodes have"
+        )
+    return world_size // devices_per_node
+
+
+def _dp_tp(intent: ShardingIntent, world_size: int) -> tuple[int, int]:
+    """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default."""
+    check_world_size(world_size)
     tp = intent.tensor_parallel_size
     dp = intent.data_parallel_size if intent.data_parallel_size is not None else world_size // tp
     if dp * tp == world_size:
@@ -144,8 +170,7 @@ def hybrid_sizes(intent: ShardingIntent, world_size: int, num_nodes: int = 1) ->
     if intent.shard_size is None:
         return None
     dp, _ = _dp_tp(intent, world_size)
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
-        raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+    check_num_nodes(world_size, num_nodes)
     shard = world_size // num_nodes if intent.shard_size == "node" else int(intent.shard_size)
     stated = f"shard_size={intent.shard_size!r}" + (f" (= {shard} devices per node)" if intent.shard_size == "node" else "")
     tp = intent.tensor_parallel_size
@@ -280,6 +305,9 @@ __all__ = [
     "ParallelDims",
     "ParallelMesh",
     "build_mesh",
+    "check_num_nodes",
+    "check_world_size",
     "dp_mesh",
     "hybrid_sizes",
+    "nodes_for",
 ]

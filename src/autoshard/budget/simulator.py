@@ -54,7 +54,7 @@ class Simulator:
         self.sims = 0
 
     def nodes(self, world_size: int) -> int:
-        from autoshard.memory import nodes_for
+        from autoshard.mesh import nodes_for
 
         return self.num_nodes if self.devices_per_node is None else nodes_for(world_size, self.devices_per_node)
 
