@@ -17,7 +17,7 @@ from autoshard.activations import measure_step
 from autoshard.budget import BudgetDecision, Rates, decide, describe_config, resume_decision
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import estimate_memory, with_step
+from autoshard.memory import EstimateOptions, estimate_memory, with_step
 from autoshard.precision import resolve_precision
 from tests.test_activations import Stack
 
@@ -44,7 +44,7 @@ def peak_of(**config: Any) -> int:
     step = measure_step(Small, intent, 2, precision, make_batch=batch)
     with torch.device("meta"):
         module = Small()
-    return with_step(estimate_memory(module, intent, world_size=2, precision=precision), step, True).device
+    return with_step(estimate_memory(module, intent, world_size=2, options=EstimateOptions(precision=precision)), step, True).device
 
 
 @functools.cache

@@ -257,13 +257,13 @@ def test_per_rank_states_under_tp_are_the_shards_the_ranks_hold() -> None:
 
 def test_tp_collectives_join_the_traffic_rows() -> None:
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import estimate_memory_many
+    from autoshard.memory import EstimateOptions, estimate_memory_many
     from autoshard.needs import MethodNeeds
 
     model = llama()
     opt = torch.optim.AdamW(model.parameters())
     intent = ShardingIntent(tensor_parallel_size=2, precision="32-true")
-    with_tokens = estimate_memory_many(model, intent, MethodNeeds(), [4], "fsdp2", optimizers=[opt], tokens=32)[0]
+    with_tokens = estimate_memory_many(model, intent, MethodNeeds(), [4], "fsdp2", optimizers=[opt], options=EstimateOptions(tokens=32))[0]
     rows = {t.collective: t for t in with_tokens.traffic}
     # forward, per token: 2 layers x (o_proj + down_proj) and the embedding all-reduce 64 floats (ring: 2 (g-1)/g)
     assert rows["tensor parallel: all-reduce of activations (forward)"].bytes == 5 * 64 * 4 * 32

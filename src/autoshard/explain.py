@@ -27,6 +27,7 @@ from autoshard.budget import Ask, BudgetDecision, BudgetReport, Option, auto_ent
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
+    EstimateOptions,
     MemoryEstimate,
     collect_optimizers,
     estimate_memory_many,
@@ -436,18 +437,8 @@ class _Estimates:
     def states(self, asked: ShardingIntent, world_sizes: Sequence[int]) -> list[MemoryEstimate]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # already reported by the plan
-            return estimate_memory_many(
-                self.module,
-                asked,
-                self.report.needs,
-                world_sizes,
-                self.chosen,
-                callbacks=self.callbacks,
-                sourced=self.sourced,
-                devices_per_node=self.devices_per_node,
-                precision=self.precision,
-                tokens=self.tokens,
-            )
+            options = EstimateOptions(devices_per_node=self.devices_per_node, precision=self.precision, sourced=self.sourced, tokens=self.tokens)
+            return estimate_memory_many(self.module, asked, self.report.needs, world_sizes, self.chosen, callbacks=self.callbacks, options=options)
 
     def table_states(self, sizes: Sequence[int]) -> None:
         self.done.update({repr(Option(self.intent, n, simulate=False)): e for n, e in zip(sizes, self.states(self.intent, sizes))})

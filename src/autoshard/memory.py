@@ -312,6 +312,29 @@ def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent,
     return chosen.name
 
 
+@dataclass(frozen=True)
+class EstimateOptions:
+    """How ``estimate_memory`` counts, beyond the module, the intent, the world size and the optimizers.
+
+    ``rank``: the rank estimated (0 holds the largest FSDP2 shard). ``num_nodes`` (or ``devices_per_node``, which
+    derives it from each world size: one node when smaller) places ranks on nodes: DeepSpeed's estimator,
+    ``shard_size='node'`` and the inter-node traffic read it. ``precision``: the run's resolved plan; None plans for
+    the intent's. ``zero_init``: a DeepSpeed estimator input. ``state_tensors``: the state count per optimizer class
+    name, overriding the built-in one. ``sourced``: (source, optimizer) pairs ``collect_optimizers`` already made, so
+    that the user's ``configure_optimizers`` runs once (hooks may assert a single call). ``tokens``: tokens per
+    micro-batch, to count a tensor-parallel plan's activation traffic.
+    """
+
+    rank: int = 0
+    num_nodes: int = 1
+    devices_per_node: int | None = None
+    precision: PrecisionPlan | None = None
+    zero_init: bool = True
+    state_tensors: Mapping[str, int] | None = None
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None
+    tokens: int | None = None
+
+
 def estimate_memory(
     module: nn.Module,
     intent: ShardingIntent | Mapping[str, Any] | None = None,
@@ -319,38 +342,16 @@ def estimate_memory(
     world_size: int = 1,
     backend: str = "fsdp2",
     *,
-    rank: int = 0,
     optimizers: Sequence[torch.optim.Optimizer] | None = None,
     callbacks: Sequence[object] | None = None,
-    state_tensors: Mapping[str, int] | None = None,
-    num_nodes: int = 1,
-    zero_init: bool = True,
-    precision: PrecisionPlan | None = None,
-    devices_per_node: int | None = None,
+    options: EstimateOptions | None = None,
 ) -> MemoryEstimate:
-    """Per-rank bytes of ``module`` trained on ``world_size`` ranks; rank 0 holds the largest FSDP2 shard.
+    """Per-rank bytes of ``module`` trained on ``world_size`` ranks (``estimate_memory_many`` for one world size).
 
     ``optimizers`` default to ``configure_optimizers()`` plus the callbacks' own (built here, on the unsharded
-    module). ``state_tensors`` overrides the state count per optimizer class name. ``num_nodes`` (or
-    ``devices_per_node``, which derives it from the world size) places ranks on nodes: DeepSpeed's estimator,
-    ``shard_size='node'`` and the inter-node traffic read it; ``zero_init`` is a DeepSpeed estimator input.
-    ``precision``: the run's resolved plan; None plans for the intent's precision.
+    module); ``options`` says which rank, on how many nodes, in which precision (``EstimateOptions``).
     """
-    return estimate_memory_many(
-        module,
-        intent,
-        needs,
-        [world_size],
-        backend,
-        rank=rank,
-        optimizers=optimizers,
-        callbacks=callbacks,
-        state_tensors=state_tensors,
-        num_nodes=num_nodes,
-        zero_init=zero_init,
-        precision=precision,
-        devices_per_node=devices_per_node,
-    )[0]
+    return estimate_memory_many(module, intent, needs, [world_size], backend, optimizers=optimizers, callbacks=callbacks, options=options)[0]
 
 
 def estimate_memory_many(
@@ -360,50 +361,39 @@ def estimate_memory_many(
     world_sizes: Iterable[int] = (1, 2, 8, 64),
     backend: str = "fsdp2",
     *,
-    rank: int = 0,
     optimizers: Sequence[torch.optim.Optimizer] | None = None,
     callbacks: Sequence[object] | None = None,
-    state_tensors: Mapping[str, int] | None = None,
-    num_nodes: int = 1,
-    zero_init: bool = True,
-    precision: PrecisionPlan | None = None,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None,
-    devices_per_node: int | None = None,
-    tokens: int | None = None,
+    options: EstimateOptions | None = None,
 ) -> list[MemoryEstimate]:
     """One estimate per world size; the plan and the optimizers are built once.
 
-    ``devices_per_node``: each world size runs on world size / devices_per_node nodes (one node when smaller);
-    without it, every world size runs on ``num_nodes`` nodes.
-
-    ``sourced``: (source, optimizer) pairs from ``collect_optimizers`` already made by the caller, so that the
-    user's ``configure_optimizers`` runs once (hooks may assert a single call).
-
     ``tensor_parallel_size > 1`` (fsdp2, the model's own plan): each rank holds its tensor-parallel slice, sharded
-    over the data-parallel ranks; ``tokens``: tokens per micro-batch, to count the plan's activation traffic.
+    over the data-parallel ranks.
     """
+    o = options or EstimateOptions()
     intent = as_intent(intent)
-    precision = precision or resolve_precision(None, intent)
+    precision = o.precision or resolve_precision(None, intent)
     if needs is None:
         needs = inspect_needs(module, callbacks=callbacks)
     backend = _canonical_backend(backend, needs, intent, precision)
-    if sourced is not None:
-        sourced = list(sourced)
+    if o.sourced is not None:
+        sourced = list(o.sourced)
     elif optimizers is None:
         sourced = collect_optimizers(module, callbacks)
     else:
-        sourced = [("given", o) for o in (returned_optimizers(list(optimizers)) or list(optimizers))]
+        sourced = [("given", opt) for opt in (returned_optimizers(list(optimizers)) or list(optimizers))]
     layout, tp = _layout(module, intent, needs, backend, precision)
     estimator = get_backend(backend).memory
     out = []
     for world_size in world_sizes:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise AutoShardError(f"world sizes must be positive integers, got {world_size!r}. Fix: e.g. world_sizes=(2, 8)")
-        if not 0 <= rank < world_size:
-            raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
-        nodes = num_nodes if devices_per_node is None else nodes_for(world_size, devices_per_node)
-        inputs = RankInputs(sourced, intent, _dims(intent, world_size, nodes, tp), rank, nodes, dict(state_tensors or {}), zero_init)
-        out.append(estimator(layout, inputs) if tp is None else _with_tensor_parallel(estimator, layout, tp, inputs, tokens))
+        if not 0 <= o.rank < world_size:
+            raise AutoShardError(f"rank {o.rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
+        nodes = o.num_nodes if o.devices_per_node is None else nodes_for(world_size, o.devices_per_node)
+        dims = _dims(intent, world_size, nodes, tp)
+        inputs = RankInputs(sourced, intent, dims, o.rank, nodes, dict(o.state_tensors or {}), o.zero_init)
+        out.append(estimator(layout, inputs) if tp is None else _with_tensor_parallel(estimator, layout, tp, inputs, o.tokens))
     return out
 
 
@@ -417,6 +407,7 @@ def _dims(intent: ShardingIntent, world_size: int, num_nodes: int, tp: TensorPar
 
 
 __all__ = [
+    "EstimateOptions",
     "MemoryEstimate",
     "OPTIMIZER_STATES",
     "Traffic",

@@ -103,7 +103,6 @@ def price(
     *,
     rates: Rates | None = None,
     precision: Any = None,
-    num_nodes: int = 1,
     backend: str = "fsdp2",
 ) -> list[tuple[int, Cost]]:
     """(device peak per rank, price) of each configuration (ShardingIntent fields over ``intent``), as ``decide``
@@ -118,8 +117,8 @@ def price(
         batch_function(batch),
         base,
         precision or resolve_precision(None, intent),
-        world_size // num_nodes,
-        num_nodes,
+        world_size,
+        1,
         None,
         get_backend(backend).name,
     )

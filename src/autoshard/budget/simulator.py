@@ -67,22 +67,16 @@ class Simulator:
     def states(self, config: dict[str, Any], world_size: int) -> Any:
         import warnings
 
-        from autoshard.memory import estimate_memory_many
+        from autoshard.memory import EstimateOptions, estimate_memory_many
 
         key = (config_key(config), world_size)
         if key not in self.states_cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
+                options = EstimateOptions(num_nodes=self.nodes(world_size), precision=self.precision, sourced=self.sourced)
+                asked = self.base.replace(**config)
                 self.states_cache[key] = estimate_memory_many(
-                    self.module,
-                    self.base.replace(**config),
-                    self.needs,
-                    [world_size],
-                    self.backend,
-                    callbacks=self.callbacks,
-                    sourced=self.sourced,
-                    num_nodes=self.nodes(world_size),
-                    precision=self.precision,
+                    self.module, asked, self.needs, [world_size], self.backend, callbacks=self.callbacks, options=options
                 )[0]
         return self.states_cache[key]
 
