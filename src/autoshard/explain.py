@@ -23,7 +23,7 @@ from autoshard.activations import call_batch, load_batch, measure_step
 from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
-from autoshard.budget import Ask, BudgetDecision, BudgetReport, Option, auto_entries, batch_rows, check_budget, cut_batch
+from autoshard.budget import Ask, BudgetDecision, BudgetReport, DecideOptions, Option, auto_entries, batch_rows, check_budget, cut_batch
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
@@ -286,36 +286,48 @@ class Report:
         return lines
 
 
+@dataclass(frozen=True)
+class ExplainOptions:
+    """How ``explain`` works beyond what it explains: ``accelerator`` (as Trainer(accelerator=...): only "cpu" changes
+    the verdict), ``micro_batch_size`` (for the DeepSpeed config), ``devices_per_node`` (for shard_size='node' and
+    inter-node traffic), ``simulate`` (False: model states only, no simulated step), ``progress`` (called with a line
+    before each simulated step, seconds each on big models; the CLI prints it), ``auto`` (with a budget, also decide
+    what ``ShardingIntent(memory_budget=budget)`` would choose at each world size, ``report.auto``; False skips those
+    simulated steps)."""
+
+    accelerator: str | None = None
+    micro_batch_size: int = 1
+    devices_per_node: int = DEFAULT_DEVICES_PER_NODE
+    simulate: bool = True
+    progress: Callable[[str], None] | None = None
+    auto: bool = True
+
+
 def explain(
     target: str | Callable[[], Any],
     *,
     backend: str = "auto",
     intent: ShardingIntent | None = None,
     world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-    accelerator: str | None = None,
-    micro_batch_size: int = 1,
-    devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
     batch: str | Callable[[], Any] | None = None,
     budget: str | int | None = None,
-    simulate: bool = True,
-    progress: Callable[[str], None] | None = None,
-    auto: bool = True,
+    options: ExplainOptions | None = None,
 ) -> Report:
     """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``.
 
     ``batch`` (``FILE.py:make_batch`` or a callable): one micro-batch per rank; one training step is then
     simulated on fake tensors per world size, so the peak includes activations. Without it the module's
-    ``example_input_array`` is forwarded (no backward); ``simulate=False`` skips the simulation. ``budget``:
-    device bytes per rank (``80GiB``); the report says whether the largest world size fits and what would.
-    ``progress``: called with a line before each simulated step (seconds each on big models); the CLI prints it.
-    ``auto``: with ``budget``, also decide what ``ShardingIntent(memory_budget=budget)`` would choose at each world
-    size (``report.auto``, ``autoshard.budget.decide``); False skips those simulated steps.
+    ``example_input_array`` is forwarded (no backward); ``ExplainOptions(simulate=False)`` skips the simulation.
+    ``budget``: device bytes per rank (``80GiB``); the report says whether the largest world size fits and what
+    would, and (``ExplainOptions.auto``) what ``memory_budget`` would choose.
 
     When a batch or a budget was asked for and the peak lacks part of the step (the step could not run on the
     batch, or there is nothing to simulate), ``report.incomplete`` says what and why, with a Fix, the budget
     verdict is "cannot tell" rather than "fits", and ``exit_code`` is 1. A ``batch`` function that raises is
     refused (AutoShardError) before any step runs.
     """
+    o = options or ExplainOptions()
+    accelerator, devices_per_node, simulate, progress = o.accelerator, o.devices_per_node, o.simulate, o.progress
     intent = intent or ShardingIntent()
     if budget is None:  # --intent memory_budget=70GiB asks the same question as --budget 70GiB
         budget = intent.memory_budget
@@ -338,7 +350,7 @@ def explain(
         features=features_needed(needs, intent, accelerator),
         notes=list(built.notes),
     )
-    if not _decide_and_plan(report, backend, accelerator, max(world_sizes), micro_batch_size):
+    if not _decide_and_plan(report, backend, accelerator, max(world_sizes), o.micro_batch_size):
         return report
     sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
     estimates = _Estimates(report, built.callbacks, sourced, factory, make_batch, devices_per_node, progress)
@@ -350,7 +362,7 @@ def explain(
         checkpointable = bool(checkpointable_blocks(module, intent, needs))
         ask = Ask(devices_per_node, rows, checkpointable, _lacks)
         report.budget = check_budget(estimates.estimate, intent, max(sizes), budget_bytes, ask=ask)
-        if auto:
+        if o.auto:
             chosen = report.decision.backend  # type: ignore[union-attr]
             report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
     return report
@@ -529,7 +541,8 @@ def _auto(
         )
     if why:
         return [{"world_size": n, "budget": budget, "error": {"type": "IncompleteEstimate", "message": why, "min_world_size": None}} for n in sizes]
-    return auto_entries(factory, make_batch, intent, sizes, budget, devices_per_node=devices_per_node, progress=progress, backend=backend)
+    options = DecideOptions(devices_per_node=devices_per_node, progress=progress)
+    return auto_entries(factory, make_batch, intent, sizes, budget, backend=backend, options=options)
 
 
 def _lacks(estimate: MemoryEstimate) -> str:
@@ -726,13 +739,15 @@ def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
             backend=args.backend,
             intent=intent,
             world_sizes=sizes,
-            accelerator=args.accelerator,
-            micro_batch_size=args.micro_batch_size,
-            devices_per_node=per_node,
             batch=args.batch,
             budget=args.budget,
-            simulate=not args.no_step,
-            progress=lambda line: print(f"autoshard explain: {line}", file=sys.stderr, flush=True),
+            options=ExplainOptions(
+                accelerator=args.accelerator,
+                micro_batch_size=args.micro_batch_size,
+                devices_per_node=per_node,
+                simulate=not args.no_step,
+                progress=lambda line: print(f"autoshard explain: {line}", file=sys.stderr, flush=True),
+            ),
         )
     except AutoShardError as exc:
         if not args.json:
@@ -788,7 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-__all__ = ["Report", "build_intent", "explain", "main", "register_cli"]
+__all__ = ["ExplainOptions", "Report", "build_intent", "explain", "main", "register_cli"]
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from autoshard.budget.advice import Ask, BudgetReport, Change, Evaluate, Option, check_budget
 from autoshard.budget.batch import batch_function, batch_rows, cut_batch
-from autoshard.budget.decide import auto_entries, decide
+from autoshard.budget.decide import DecideOptions, auto_entries, decide
 from autoshard.budget.decision import (
     CUDA_HEADROOM,
     RATES_ENV,
@@ -57,6 +57,7 @@ __all__ = [
     "check_budget",
     "BudgetRefusedError",
     "Cost",
+    "DecideOptions",
     "Rates",
     "Tried",
     "auto_entries",

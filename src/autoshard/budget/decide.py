@@ -29,7 +29,7 @@ from autoshard.budget.decision import (
     headroom_for,
 )
 from autoshard.budget.meta import meta_factory
-from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_DECISION_RANKS
+from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_RANKS
 from autoshard.budget.search import largest_micro_batch, search_configs, smallest_world_size
 from autoshard.budget.simulator import Simulator
 from autoshard.errors import AutoShardError, IntentError
@@ -44,15 +44,10 @@ def decide(
     intent: ShardingIntent,
     world_size: int,
     *,
-    num_nodes: int = 1,
-    devices_per_node: int | None = None,
-    budget: str | int | None = None,
-    precision: Any = None,
-    callbacks: Sequence[Any] = (),
-    rates: Rates | None = None,
-    progress: Callable[[str], None] | None = None,
     backend: str = "fsdp2",
+    budget: str | int | None = None,
     device_type: str | None = None,
+    options: DecideOptions | None = None,
 ) -> BudgetDecision:
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
     ``world_size`` ranks: a pure function of the module's shapes, the batch's shapes, the intent and the world.
@@ -64,7 +59,8 @@ def decide(
     function building one. ``batch``: one micro-batch as ``training_step`` receives it (tensors are read for shapes
     only), or a function returning one. Fields the user set (not at their defaults) are kept; the free ones among
     reshard_after_forward, activation_checkpointing, offload and (with several nodes) shard_size are chosen, in the
-    cost order of ``autoshard.budget.search``'s header. ``devices_per_node`` places larger world sizes on whole nodes.
+    cost order of ``autoshard.budget.search``'s header. ``options`` (``DecideOptions``): the nodes, the devices per node
+    (larger world sizes come in whole nodes), the precision, the callbacks holding optimizers, the rates, progress.
 
     Refuses (``BudgetRefusedError``, before anything is sharded) when nothing fits, naming the smallest world size at
     which something does (a search: states shrink with ranks, activations do not), or, when none does, the largest
@@ -83,12 +79,25 @@ def decide(
     """
     import torch.distributed as dist
 
-    question = Question(
-        module, batch, intent, world_size, num_nodes, devices_per_node, budget, precision, callbacks, rates, progress, backend, device_type
-    )
+    question = Question(module, batch, intent, world_size, backend, budget, device_type, options or DecideOptions())
     if dist.is_available() and dist.is_initialized() and not torch.cuda.is_initialized():
         return _beside_live_group(lambda: _answer(question))
     return _answer(question)
+
+
+@dataclass(frozen=True)
+class DecideOptions:
+    """How ``decide`` places and prices the run beyond its world size: ``num_nodes`` (the nodes the ranks fill),
+    ``devices_per_node`` (larger world sizes come in whole nodes of it), ``precision`` (the run's resolved plan; None:
+    the intent's), ``callbacks`` (those holding optimizers, built with the module), ``rates`` (None:
+    ``default_rates()``), ``progress`` (called with a line before each simulated step)."""
+
+    num_nodes: int = 1
+    devices_per_node: int | None = None
+    precision: Any = None
+    callbacks: Sequence[Any] = ()
+    rates: Rates | None = None
+    progress: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,15 +108,10 @@ class Question:
     batch: Any
     intent: ShardingIntent
     world_size: int
-    num_nodes: int
-    devices_per_node: int | None
-    budget: str | int | None
-    precision: Any
-    callbacks: Sequence[Any]
-    rates: Rates | None
-    progress: Callable[[str], None] | None
     backend: str
+    budget: str | int | None
     device_type: str | None
+    options: DecideOptions
 
 
 @dataclass(frozen=True)
@@ -151,18 +155,18 @@ def _answer(q: Question) -> BudgetDecision:
     from autoshard.activations import describe_batch
     from autoshard.precision import resolve_precision
 
-    limit = _limit(q)
+    limit, o = _limit(q), q.options
     make_batch = batch_function(q.batch)
-    rates = q.rates or default_rates()
-    precision = q.precision or resolve_precision(None, q.intent)
-    world_size, num_nodes, devices_per_node = q.world_size, q.num_nodes, q.devices_per_node
+    rates = o.rates or default_rates()
+    precision = o.precision or resolve_precision(None, q.intent)
+    world_size, num_nodes, devices_per_node = q.world_size, o.num_nodes, o.devices_per_node
     check_num_nodes(world_size, num_nodes)
     if devices_per_node is None:  # larger world sizes come in whole nodes: of these ranks, or of a usual 8-GPU node
         devices_per_node = world_size // num_nodes if num_nodes > 1 else max(world_size, DEVICES_PER_NODE)
     if num_nodes == 1:
         num_nodes = nodes_for(world_size, devices_per_node)
     base = q.intent.replace(memory_budget=None, memory_headroom=None, pinned=())
-    sim = Simulator(meta_factory(q.module, q.callbacks), make_batch, base, precision, devices_per_node, num_nodes, q.progress, limit.backend)
+    sim = Simulator(meta_factory(q.module, o.callbacks), make_batch, base, precision, devices_per_node, num_nodes, o.progress, limit.backend)
     with torch.device("meta"):
         described = describe_batch(make_batch())
     free = free_fields(q.intent, num_nodes, limit.backend)
@@ -213,7 +217,7 @@ def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limi
         )
     rows = batch_rows(sim.make_batch)
     smaller = largest_micro_batch(sim, most, world_size, limit.limit, rows)
-    tail = f"no world size up to {MAX_DECISION_RANKS} fits: activations and what stays whole do not shrink with ranks"
+    tail = f"no world size up to {MAX_RANKS} fits: activations and what stays whole do not shrink with ranks"
     if smaller is not None:
         n, fits_at = smaller
         return BudgetRefusedError(
@@ -262,14 +266,16 @@ def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:
     return BudgetDecision.from_dict(answer["result"])
 
 
-def auto_entries(factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, **kwargs: Any) -> list[dict[str, Any]]:
+def auto_entries(
+    factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, *, backend: str, options: DecideOptions
+) -> list[dict[str, Any]]:
     """``explain --budget B --json``'s "auto": per world size, ``BudgetDecision.to_dict()`` (``chosen``, ``peak``,
     ``cheaper``: each with its ``config`` and ``peak``), or ``{"world_size", "budget", "error": {"type", "message",
     "min_world_size"}}`` when there is no decision (``min_world_size``: None when no world size fits)."""
     out: list[dict[str, Any]] = []
     for n in world_sizes:
         try:
-            out.append(decide(factory, batch, intent, n, budget=budget, **kwargs).to_dict())
+            out.append(decide(factory, batch, intent, n, backend=backend, budget=budget, options=options).to_dict())
         except AutoShardError as exc:
             error = {"type": type(exc).__name__, "message": str(exc), "min_world_size": getattr(exc, "min_world_size", None)}
             out.append({"world_size": n, "budget": budget, "error": error})

@@ -12,7 +12,6 @@ from autoshard.memory import MemoryEstimate
 from autoshard.mesh import hybrid_sizes
 
 MAX_RANKS = 4096  # the search for "more ranks" stops here
-MAX_DECISION_RANKS = MAX_RANKS
 DEVICES_PER_NODE = 8  # ranks per node when nothing says otherwise (one node of the world size if it is larger)
 
 
@@ -30,7 +29,7 @@ def world_sizes_after(world_size: int, devices_per_node: int | None, intent: Sha
     intent's fixed shard_size divides."""
     per_node = devices_per_node or world_size
     sizes = [n for n in range(world_size + 1, per_node + 1)] + list(
-        range(max(per_node, world_size) // per_node * per_node + per_node, MAX_DECISION_RANKS + 1, per_node)
+        range(max(per_node, world_size) // per_node * per_node + per_node, MAX_RANKS + 1, per_node)
     )
     out = []
     for n in sorted(set(sizes)):
