@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-import torch
 from torch import nn
 
-from autoshard.activations import call_batch, load_batch, measure_step
+from autoshard.activations import load_batch, measure_step
 from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
-from autoshard.budget import Ask, BudgetDecision, BudgetReport, DecideOptions, Option, auto_entries, batch_rows, check_budget, cut_batch
+from autoshard.budget import Ask, BudgetDecision, BudgetReport, DecideOptions, Option, auto_entries, batch_rows, batch_tokens, check_budget, cut_batch
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
@@ -424,7 +423,7 @@ class _Estimates:
         self.whole_step = get_backend(self.chosen).simulates_its_step  # the step runs this backend's own plan: its peak is the run's
         self.precision = resolve_precision(None, self.intent)
         has_tp = getattr(report.plan, "tp_plan", None) is not None
-        self.tokens = _tokens(make_batch) if make_batch is not None and has_tp else None
+        self.tokens = batch_tokens(make_batch) if make_batch is not None and has_tp else None
         self.why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
         self.failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
         self.done: dict[str, MemoryEstimate] = {}
@@ -586,20 +585,6 @@ def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_p
 def _multiples(intent: ShardingIntent, devices_per_node: int) -> str:
     shard = devices_per_node if intent.shard_size == "node" else int(intent.shard_size or 1)
     return ",".join(str(shard * k) for k in (1, 2, 8))
-
-
-def _leaves(batch: Any) -> list[Any]:
-    import torch.utils._pytree as pytree
-
-    return [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-
-
-def _tokens(make_batch: Callable[[], Any]) -> int | None:
-    """Tokens in one micro-batch, for the tensor-parallel activation traffic: the elements of its first integer
-    tensor (the token ids of a language model's batch); None when it has none."""
-    with torch.device("meta"):
-        ids = [t for t in _leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() > 0]
-    return ids[0].numel() if ids else None
 
 
 # -- command line ---------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ One module per concern, bottom to top (the import-linter contract in pyproject.t
 from __future__ import annotations
 
 from autoshard.budget.advice import Ask, BudgetReport, Change, Evaluate, Option, check_budget
-from autoshard.budget.batch import batch_function, batch_rows, cut_batch
+from autoshard.budget.batch import batch_function, batch_rows, batch_tokens, cut_batch
 from autoshard.budget.decide import DecideOptions, auto_entries, decide
 from autoshard.budget.decision import (
     CUDA_HEADROOM,
@@ -63,6 +63,7 @@ __all__ = [
     "auto_entries",
     "batch_function",
     "batch_rows",
+    "batch_tokens",
     "cut_batch",
     "decide",
     "describe_config",
