@@ -22,24 +22,34 @@ from autoshard.activations import load_batch, measure_step
 from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
-from autoshard.budget import Ask, BudgetDecision, BudgetReport, DecideOptions, Option, auto_entries, batch_rows, batch_tokens, check_budget, cut_batch
+from autoshard.budget import (
+    Ask,
+    BudgetDecision,
+    BudgetReport,
+    DecideOptions,
+    ModelStates,
+    Option,
+    Subject,
+    auto_entries,
+    batch_rows,
+    batch_tokens,
+    check_budget,
+    cut_batch,
+)
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
-    EstimateOptions,
     MemoryEstimate,
-    collect_optimizers,
-    estimate_memory_many,
     fmt_bytes,
     memory_table,
     parse_size,
     with_step,
 )
 from autoshard.mesh import ParallelDims, nodes_for
-from autoshard.needs import MethodNeeds, inspect_needs
+from autoshard.needs import MethodNeeds
 from autoshard.precision import resolve_precision
 from autoshard.select import Decision, features_needed, select_backend
-from autoshard.target import build_on_meta, load_target
+from autoshard.target import load_target
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
 # memory_table's line when no step ran; explain replaces it when the user did pass --batch (see Report.text).
@@ -335,26 +345,22 @@ def explain(
     make_batch = load_batch(batch) if isinstance(batch, str) else batch
     # Called once now, so that a batch function that raises is refused in words before any step is simulated.
     rows = batch_rows(make_batch) if make_batch is not None else None
-    built = build_on_meta(factory)
-    module = built.module
-    # The one configure_optimizers call (offline, on the meta module): needs and memory both read its optimizers.
-    sourced = collect_optimizers(module, built.callbacks)
-    configured = [o for source, o in sourced if source == "configure_optimizers"]
-    needs = inspect_needs(module, callbacks=built.callbacks, optimizers=configured)
+    subject = Subject.build(factory)  # one configure_optimizers call: needs and memory both read its optimizers
+    module, needs = subject.module, subject.needs
     report = Report(
         target=target if isinstance(target, str) else getattr(target, "__name__", repr(target)),
         module=module,
         intent=intent,
         needs=needs,
         features=features_needed(needs, intent, accelerator),
-        notes=list(built.notes),
+        notes=list(subject.notes),
     )
     if not _decide_and_plan(report, backend, accelerator, max(world_sizes), o.micro_batch_size):
         return report
     sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
-    estimates = _Estimates(report, built.callbacks, sourced, factory, make_batch, devices_per_node, progress)
+    estimates = _Estimates(report, subject, factory, make_batch, devices_per_node, progress)
     estimates.prepare(simulate)
-    estimates.table_states(sizes)
+    estimates.model.of(intent, sizes)  # the table's world sizes share one plan
     report.memory = [estimates.estimate(Option(intent, size)) for size in sizes]
     _say_what_is_missing(report, estimates, asked=budget_bytes is not None or (simulate and make_batch is not None))
     if budget_bytes is not None:
@@ -402,28 +408,28 @@ def _decide_and_plan(report: Report, backend: str, accelerator: str | None, worl
 
 class _Estimates:
     """Every estimate explain makes (the table's, then the ``--budget`` advice's candidates), cached by option: model
-    states from the backend's estimator, plus a simulated step where one can run. A simulated step costs seconds, and
-    building the plan grows with the module: the table's world sizes share one plan (one estimate_memory_many call),
-    and the budget search reuses every estimate made before it."""
+    states (``budget.ModelStates``, the estimator decide's search uses too), plus a simulated step where one can run.
+    A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
+    plan, and the budget search reuses every estimate made before it."""
 
     def __init__(
         self,
         report: Report,
-        callbacks: Sequence[Any],
-        sourced: Sequence[Any],
+        subject: Subject,
         factory: Any,
         make_batch: Callable[[], Any] | None,
         devices_per_node: int,
         progress: Callable[[str], None] | None,
     ) -> None:
-        self.report, self.callbacks, self.sourced, self.factory = report, callbacks, sourced, factory
+        self.report, self.factory = report, factory
         self.make_batch, self.devices_per_node, self.progress = make_batch, devices_per_node, progress
         self.intent, self.module = report.intent, report.module
         self.chosen = report.decision.backend  # type: ignore[union-attr]
         self.whole_step = get_backend(self.chosen).simulates_its_step  # the step runs this backend's own plan: its peak is the run's
         self.precision = resolve_precision(None, self.intent)
         has_tp = getattr(report.plan, "tp_plan", None) is not None
-        self.tokens = batch_tokens(make_batch) if make_batch is not None and has_tp else None
+        tokens = batch_tokens(make_batch) if make_batch is not None and has_tp else None
+        self.model = ModelStates(subject, self.chosen, self.precision, devices_per_node, tokens=tokens)
         self.why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
         self.failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
         self.done: dict[str, MemoryEstimate] = {}
@@ -445,22 +451,11 @@ class _Estimates:
             )
         self.simulate = simulate and (self.make_batch is not None or has_example)
 
-    def states(self, asked: ShardingIntent, world_sizes: Sequence[int]) -> list[MemoryEstimate]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # already reported by the plan
-            options = EstimateOptions(devices_per_node=self.devices_per_node, precision=self.precision, sourced=self.sourced, tokens=self.tokens)
-            return estimate_memory_many(self.module, asked, self.report.needs, world_sizes, self.chosen, callbacks=self.callbacks, options=options)
-
-    def table_states(self, sizes: Sequence[int]) -> None:
-        self.done.update({repr(Option(self.intent, n, simulate=False)): e for n, e in zip(sizes, self.states(self.intent, sizes))})
-
     def estimate(self, option: Option) -> MemoryEstimate:
         key = repr(option)
         if key in self.done:
             return self.done[key]
-        plain = repr(Option(option.intent, option.world_size, simulate=False))  # model states: batch-independent
-        est = self.done.get(plain) or self.states(option.intent, [option.world_size])[0]
-        self.done[plain] = est
+        est = self.model.of(option.intent, [option.world_size])[0]  # model states: batch-independent
         if self.simulate and option.simulate:
             est = self._with_step(option, key, est)
         elif not self.simulate:

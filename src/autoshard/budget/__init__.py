@@ -40,10 +40,12 @@ from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import MAX_RANKS, whole_nodes
 from autoshard.budget.resume import resume_decision, stored_differs
 from autoshard.budget.search import price
+from autoshard.budget.simulator import ModelStates, Subject
 
 __all__ = [
     "CUDA_HEADROOM",
     "RATES_ENV",
+    "Subject",
     "default_rates",
     "read_rates",
     "Headroom",
@@ -53,6 +55,7 @@ __all__ = [
     "Change",
     "Evaluate",
     "MAX_RANKS",
+    "ModelStates",
     "Option",
     "check_budget",
     "BudgetRefusedError",

@@ -1,10 +1,13 @@
-"""Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached: what the
-decision's search and ``price`` evaluate configurations with."""
+"""Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached: ``ModelStates``
+is the one estimator of model states (explain's table, the ``--budget`` advice, the decision's search), ``Simulator``
+adds the decision's simulated steps (what its search and ``price`` evaluate configurations with)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from autoshard.backends import get_backend
@@ -16,6 +19,60 @@ from autoshard.intent import ShardingIntent
 
 def config_key(config: dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Subject:
+    """One module built on meta, the callbacks that came with it, the optimizers of its one ``configure_optimizers``
+    call (hooks may assert a single call) and the needs read from them: what every estimate of it reads."""
+
+    module: Any
+    callbacks: list[Any]
+    sourced: list[tuple[str, Any]]
+    needs: Any
+    notes: list[str]
+
+    @classmethod
+    def build(cls, factory: Callable[[], Any]) -> Subject:
+        from autoshard.memory import collect_optimizers
+        from autoshard.needs import inspect_needs
+        from autoshard.target import build_on_meta
+
+        built = build_on_meta(factory)
+        sourced = collect_optimizers(built.module, built.callbacks)
+        configured = [o for source, o in sourced if source == "configure_optimizers"]
+        needs = inspect_needs(built.module, callbacks=built.callbacks, optimizers=configured)
+        return cls(built.module, built.callbacks, sourced, needs, built.notes)
+
+
+class ModelStates:
+    """The model states of one ``Subject`` on ``backend``, for any intent at any world size, cached (fast, from shapes:
+    ``memory.estimate_memory_many``). World sizes fill whole nodes of ``devices_per_node`` ranks, or (None) run on
+    ``num_nodes``; ``tokens`` per micro-batch count a tensor-parallel plan's traffic."""
+
+    def __init__(
+        self, subject: Subject, backend: str, precision: Any, devices_per_node: int | None, num_nodes: int = 1, tokens: int | None = None
+    ) -> None:
+        from autoshard.memory import EstimateOptions
+
+        self.subject, self.backend = subject, backend
+        self.options = EstimateOptions(
+            num_nodes=num_nodes, devices_per_node=devices_per_node, precision=precision, sourced=subject.sourced, tokens=tokens
+        )
+        self.cache: dict[tuple[str, int], Any] = {}
+
+    def of(self, intent: ShardingIntent, world_sizes: Sequence[int]) -> list[Any]:
+        """The estimates of ``intent`` at ``world_sizes``: those not cached made together (one plan for all)."""
+        from autoshard.memory import estimate_memory_many
+
+        missing = [n for n in world_sizes if (repr(intent), n) not in self.cache]
+        if missing:
+            s = self.subject
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the plan's warnings are explain's to report, once
+                made = estimate_memory_many(s.module, intent, s.needs, missing, self.backend, callbacks=s.callbacks, options=self.options)
+            self.cache.update({(repr(intent), n): e for n, e in zip(missing, made)})
+        return [self.cache[(repr(intent), n)] for n in world_sizes]
 
 
 class Simulator:
@@ -36,19 +93,12 @@ class Simulator:
         progress: Callable[[str], None] | None,
         backend: str = "fsdp2",
     ) -> None:
-        from autoshard.memory import collect_optimizers
-        from autoshard.needs import inspect_needs
-        from autoshard.target import build_on_meta
-
         self.factory, self.make_batch, self.base, self.precision = factory, make_batch, base, precision
         self.devices_per_node, self.num_nodes, self.progress = devices_per_node, num_nodes, progress
         self.backend = backend
-        built = build_on_meta(factory)
-        self.module, self.callbacks = built.module, built.callbacks
-        self.sourced = collect_optimizers(self.module, self.callbacks)
-        configured = [o for source, o in self.sourced if source == "configure_optimizers"]
-        self.needs = inspect_needs(self.module, callbacks=self.callbacks, optimizers=configured)
-        self.states_cache: dict[tuple[str, int], Any] = {}
+        subject = Subject.build(factory)
+        self.module, self.needs = subject.module, subject.needs
+        self.model = ModelStates(subject, backend, precision, devices_per_node, num_nodes)
         self.step_cache: dict[tuple[str, int, int], tuple[Any, int]] = {}
         self.measured: dict[tuple[str, int, int], Any] = {}
         self.sims = 0
@@ -65,20 +115,7 @@ class Simulator:
         return len(checkpointable_blocks(self.module, self.base, self.needs))
 
     def states(self, config: dict[str, Any], world_size: int) -> Any:
-        import warnings
-
-        from autoshard.memory import EstimateOptions, estimate_memory_many
-
-        key = (config_key(config), world_size)
-        if key not in self.states_cache:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                options = EstimateOptions(num_nodes=self.nodes(world_size), precision=self.precision, sourced=self.sourced)
-                asked = self.base.replace(**config)
-                self.states_cache[key] = estimate_memory_many(
-                    self.module, asked, self.needs, [world_size], self.backend, callbacks=self.callbacks, options=options
-                )[0]
-        return self.states_cache[key]
+        return self.model.of(self.base.replace(**config), [world_size])[0]
 
     def step(self, config: dict[str, Any], world_size: int, divisor: int = 1) -> tuple[Any, int]:
         """(the estimate with the simulated step, the step's FLOPs)."""
