@@ -73,19 +73,8 @@ def plan_fsdp2(
     if compiled and needs.compiled:
         user = ", ".join(f"'{p}'" for p in needs.compiled)
         notes.append(f"compiled by the model ({user}): its blocks are compiled in place before fully_shard, names stay eager")
-    return FSDP2Plan(
-        units,
-        replicated,
-        tuple(needs.ema_pairs),
-        intent,
-        notes,
-        buffers,
-        sync_batchnorm=sync_batchnorm,
-        precision=precision,
-        hsdp=dims.hsdp if dims is not None else None,
-        tp_plan=tp_plan,
-        compiled=compiled,
-    )
+    hsdp = dims.hsdp if dims is not None else None
+    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, sync_batchnorm, precision, hsdp, tp_plan, compiled)
 
 
 def _candidates(
