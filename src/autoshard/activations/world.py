@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from autoshard.errors import AutoShardError
-from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 
 
 @contextlib.contextmanager
@@ -187,11 +187,11 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
         os._exit(0)
 
 
-def data_parallel_mesh(intent: ShardingIntent, world_size: int) -> Any:
+def data_parallel_mesh(dims: ParallelDims) -> Any:
     """The 1-D data-parallel mesh the strategy's plan shards on (the plan makes HSDP's 2-D mesh from it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp, tp = intent.mesh_sizes(world_size)
+    dp, tp = dims.dp, dims.tp
     if tp > 1:
         raise AutoShardError(
             f"tensor_parallel_size={tp}: the simulated step shards over data-parallel ranks only and does not lay the"
