@@ -125,6 +125,7 @@ def forget_fake_meshes() -> None:
 
 
 _DETACHED = False  # True in the child process of in_detached_world only
+_INHERITED: Any = None  # there: the parent's group registry, kept alive until os._exit (never torn down in the child)
 
 
 def in_detached_world(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -169,10 +170,12 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
 
     import torch.distributed.distributed_c10d as c10d
 
-    global _DETACHED
+    global _DETACHED, _INHERITED
     _DETACHED = True
     try:
-        c10d._world = c10d._World()  # an empty registry: the inherited live group is not this process's to use
+        # An empty registry: the inherited live group is not this process's to use. The inherited one stays
+        # referenced, so no destructor of the parent's groups runs here, on threads fork did not copy.
+        _INHERITED, c10d._world = c10d._world, c10d._World()
         torch.set_num_threads(1)
         payload: dict[str, Any] = {"result": fn()}
     except AutoShardError as exc:
