@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
-from autoshard.budget import decide, describe_config, price  # noqa: E402
+from autoshard.budget import DecideOptions, decide, describe_config, price  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
 
 WORLD, VOCAB = 8, 8192
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         budget = (cheap + most) // 2
         progress: list[str] = []
         start = time.perf_counter()
-        decision = decide(factory, batch, ShardingIntent(memory_budget=budget), WORLD, progress=progress.append)
+        decision = decide(factory, batch, ShardingIntent(memory_budget=budget), WORLD, options=DecideOptions(progress=progress.append))
         seconds = time.perf_counter() - start
         step = real_step_seconds(factory, batch) if layers * width <= args.real_step_up_to else None
         rows.append(

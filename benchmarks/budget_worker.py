@@ -38,7 +38,7 @@ from autoshard.activations import measure_step, measuring_callback  # noqa: E402
 from autoshard.budget import Rates, decide, describe_config, price  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
 from autoshard.lightning.fsdp2 import FSDP2Strategy  # noqa: E402
-from autoshard.memory import estimate_memory, with_step  # noqa: E402
+from autoshard.memory import EstimateOptions, estimate_memory, with_step  # noqa: E402
 from autoshard.precision import resolve_precision  # noqa: E402
 from autoshard.target import build_on_meta  # noqa: E402
 
@@ -151,7 +151,7 @@ def device_peak(name: str, config: dict[str, Any]) -> int:
     precision = resolve_precision(PRECISION, intent)
     step = measure_step(factory, intent, WORLD, precision, make_batch=lambda: make_batch(batch), rank=RANK)
     module = build_on_meta(factory).module
-    return with_step(estimate_memory(module, intent, world_size=WORLD, precision=precision, rank=RANK), step, True).device
+    return with_step(estimate_memory(module, intent, world_size=WORLD, options=EstimateOptions(precision=precision, rank=RANK)), step, True).device
 
 
 def fit(name: str, intent: ShardingIntent, steps: int, timed: bool = False) -> tuple[dict[str, Any] | None, list[float]]:

@@ -27,7 +27,7 @@ import autoshard  # noqa: E402,F401  registers strategy="fsdp2"
 from autoshard._harness import count_collectives, quiet_trainer, write_result  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
 from autoshard.lightning import FSDP2Strategy  # noqa: E402
-from autoshard.memory import estimate_memory  # noqa: E402
+from autoshard.memory import EstimateOptions, estimate_memory  # noqa: E402
 from benchmarks.models import StepModel  # noqa: E402
 from benchmarks.step_worker import step_data  # noqa: E402
 
@@ -61,7 +61,7 @@ def run_variant(label: str, fields: dict[str, Any], steps: int) -> dict[str, Any
     quiet_trainer(strategy=strategy, precision="bf16-mixed", max_steps=steps, callbacks=[per_step]).fit(StepModel(), step_data(steps))
     with torch.device("meta"):
         twin = StepModel()
-    estimate = estimate_memory(twin, ShardingIntent(**fields), None, WORLD, rank=RANK, precision=strategy.precision_plan)
+    estimate = estimate_memory(twin, ShardingIntent(**fields), None, WORLD, options=EstimateOptions(rank=RANK, precision=strategy.precision_plan))
     return {
         "label": label,
         "steps": per_step.steps,

@@ -168,7 +168,7 @@ def simulated_peak(name: str, args: argparse.Namespace, strategy: Any, module_cl
         return None
     from autoshard.activations import measure_step
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import estimate_memory, with_step
+    from autoshard.memory import EstimateOptions, estimate_memory, with_step
     from autoshard.precision import resolve_precision
 
     intent = intent or ShardingIntent()
@@ -179,7 +179,7 @@ def simulated_peak(name: str, args: argparse.Namespace, strategy: Any, module_cl
         step = measure_step(module_cls, intent, 1, precision, make_batch=lambda: [ids])
         with torch.device("meta"):
             module = module_cls()
-        return with_step(estimate_memory(module, intent, world_size=1, precision=precision), step, True).device
+        return with_step(estimate_memory(module, intent, world_size=1, options=EstimateOptions(precision=precision)), step, True).device
     finally:
         args.meta = False
 

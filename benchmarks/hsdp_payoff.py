@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--devices-per-node", type=int, default=8)
     args = parser.parse_args()
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import estimate_memory_many, fmt_bytes
+    from autoshard.memory import EstimateOptions, estimate_memory_many, fmt_bytes
     from autoshard.target import build_on_meta
 
     module = build_on_meta(tiny_llama).module
@@ -63,7 +63,9 @@ def main() -> None:
     print("| world | sharding | states per rank | sent in a node | sent across nodes | comm floor (s) |")
     print("|---|---|---|---|---|---|")
     for shard_size in (None, "node"):
-        estimates = estimate_memory_many(module, ShardingIntent(shard_size=shard_size), world_sizes=sizes, devices_per_node=args.devices_per_node)
+        estimates = estimate_memory_many(
+            module, ShardingIntent(shard_size=shard_size), world_sizes=sizes, options=EstimateOptions(devices_per_node=args.devices_per_node)
+        )
         for e in estimates:
             seconds = e.intra_node_bytes / NVLINK + e.inter_node_bytes / NETWORK
             name = "pure FSDP" if shard_size is None else f"HSDP {e.shard_group} x {e.world_size // e.shard_group}"

@@ -30,7 +30,7 @@ from autoshard._harness import write_result  # noqa: E402
 from autoshard.demo import Blobs, DinoLike, OnlineProbe  # noqa: E402
 from autoshard.intent import ShardingIntent  # noqa: E402
 from autoshard.lightning import FSDP2Strategy  # noqa: E402
-from autoshard.memory import estimate_memory  # noqa: E402
+from autoshard.memory import EstimateOptions, estimate_memory  # noqa: E402
 from autoshard.needs import inspect_needs  # noqa: E402
 from benchmarks.models import HandCompiled, HandShardedResharding, HandShardedStepModel, StepModel  # noqa: E402
 
@@ -115,7 +115,12 @@ def model_states_dino() -> dict[str, Any]:
         twin, twin_probe = DinoLike(), OnlineProbe()
         twin_probe.setup(None, twin, "fit")
     estimate = estimate_memory(
-        twin, ShardingIntent(precision="32-true"), inspect_needs(twin, callbacks=[twin_probe]), WORLD, rank=RANK, callbacks=[twin_probe]
+        twin,
+        ShardingIntent(precision="32-true"),
+        inspect_needs(twin, callbacks=[twin_probe]),
+        WORLD,
+        callbacks=[twin_probe],
+        options=EstimateOptions(rank=RANK),
     )
     pl.seed_everything(0, verbose=False)
     probe = OnlineProbe()
@@ -154,7 +159,7 @@ def main() -> None:
             per_round.append((r, name, statistics.median(wall), statistics.median(used)))
     with torch.device("meta"):
         twin = StepModel()
-    estimate = estimate_memory(twin, ShardingIntent(precision="32-true"), None, WORLD, rank=RANK)
+    estimate = estimate_memory(twin, ShardingIntent(precision="32-true"), None, WORLD, options=EstimateOptions(rank=RANK))
     write_result(
         args.out,
         RANK,

@@ -53,3 +53,24 @@ def test_every_driven_backend_points_at_its_code(name):
     assert backend.strategy_class().__module__ == backend.lightning.partition(":")[0]
     assert backend.precision is not None and backend.memory is not None
     assert backend.writes in backend.resumes and Format.FULL in backend.resumes
+
+
+def test_the_budget_asks_the_backend_record():
+    """budget/ reads each backend's choices (``Backend.budget``: free fields, offload ladder, price terms) from the
+    registry: it imports no engine module, so no constant of one can be compared there either."""
+    engines = "|".join(re.escape(name) for name in ("fsdp1", "fsdp2", "deepspeed"))
+    imported = re.compile(rf"\bautoshard\.backends\.({engines})\b")
+    found = [
+        f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+        for path in sorted((SRC / "budget").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if imported.search(line)
+    ]
+    assert not found, "budget/ imports an engine module instead of asking the Backend:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("name", [n for n, b in BACKENDS.items() if b.budget is not None])
+def test_every_budgeted_backend_prices_its_own_offload_ladder(name):
+    choices = BACKENDS[name].budget
+    assert choices.offload[0] == "none" and set(choices.fields) <= {"reshard_after_forward", "activation_checkpointing", "offload", "shard_size"}
+    assert choices.check == "" or callable(load(choices.check))

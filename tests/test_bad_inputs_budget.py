@@ -29,7 +29,7 @@ from autoshard.adapters.checkpointing import apply_checkpointing
 from autoshard.budget import BudgetRefusedError, decide, resume_decision, stored_differs
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import estimate_memory, with_step
+from autoshard.memory import EstimateOptions, estimate_memory, with_step
 from autoshard.precision import resolve_precision
 from tests.test_activations import Stack
 
@@ -68,7 +68,7 @@ def wide_peak(world_size: int) -> int:
     step = measure_step(Wide, intent, world_size, precision, make_batch=wide_batch)
     with torch.device("meta"):
         module = Wide()
-    return with_step(estimate_memory(module, intent, world_size=world_size, precision=precision), step, True).device
+    return with_step(estimate_memory(module, intent, world_size=world_size, options=EstimateOptions(precision=precision)), step, True).device
 
 
 def test_120_a_memory_budget_that_is_not_a_size_is_refused() -> None:

@@ -150,14 +150,14 @@ def test_107_an_expert_parallel_plan_is_not_applied_and_said() -> None:
 
 
 def test_108_explain_world_sizes_the_tensor_parallel_size_does_not_divide() -> None:
-    from autoshard.explain import explain
+    from autoshard.explain import ExplainOptions, explain
     from autoshard.intent import ShardingIntent
 
     def factory() -> nn.Module:
         return meta("LlamaForCausalLM", "LlamaConfig")
 
     with pytest.raises(IntentError) as info:
-        explain(factory, backend="fsdp2", intent=ShardingIntent(tensor_parallel_size=2), world_sizes=(1, 3), simulate=False)
+        explain(factory, backend="fsdp2", intent=ShardingIntent(tensor_parallel_size=2), world_sizes=(1, 3), options=ExplainOptions(simulate=False))
     assert str(info.value) == (
         "tensor_parallel_size=2 fits none of the world sizes 1, 3 (each must be a multiple of it). Fix: list multiples of"
         " it, e.g. --world-sizes 2,4,8,16"

@@ -12,7 +12,7 @@ import torch
 from autoshard import cli
 from autoshard.demo import DinoLike, make_batch
 from autoshard.errors import AutoShardError, IntentError
-from autoshard.explain import Report, explain
+from autoshard.explain import ExplainOptions, Report, explain
 from autoshard.intent import ShardingIntent
 from autoshard.memory import parse_size
 
@@ -63,14 +63,14 @@ def test_a_bigger_micro_batch_needs_more_activation_memory(table: Report) -> Non
 
 
 def test_a_run_that_fits_says_so_and_proposes_nothing(table: Report) -> None:
-    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=2 * table.memory[1].total, auto=False)
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=2 * table.memory[1].total, options=ExplainOptions(auto=False))
     assert report.budget is not None and report.budget.fits and report.budget.changes == ()
     assert "fits" in report.text() and "does NOT fit" not in report.text()
 
 
 def test_a_run_that_does_not_fit_gets_changes_that_do(table: Report) -> None:
     budget = int(table.memory[1].total * 0.85)
-    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=budget, auto=False)
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget=budget, options=ExplainOptions(auto=False))
     verdict = report.budget
     assert verdict is not None and not verdict.fits and verdict.peak == table.memory[1].device
     fitting = {c.change.split(" ")[0]: c for c in verdict.changes if c.fits}
@@ -84,7 +84,7 @@ def test_a_run_that_does_not_fit_gets_changes_that_do(table: Report) -> None:
 
 
 def test_nothing_fits_a_tiny_budget_and_it_says_what_was_tried() -> None:
-    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget="8KiB", auto=False)
+    report = explain(TARGET, world_sizes=(8,), batch=BATCH, budget="8KiB", options=ExplainOptions(auto=False))
     assert report.budget is not None and not any(c.fits for c in report.budget.changes)
     text = report.budget.text()
     assert "nothing autoshard tried fits" in text and "activation_checkpointing=True" in text
@@ -122,11 +122,11 @@ def test_sizes_read_like_people_write_them() -> None:
 
 
 def test_world_sizes_the_shard_size_does_not_divide_are_left_out_with_a_note() -> None:
-    report = explain(TARGET, world_sizes=(2, 4, 8), intent=ShardingIntent(shard_size=4), simulate=False)
+    report = explain(TARGET, world_sizes=(2, 4, 8), intent=ShardingIntent(shard_size=4), options=ExplainOptions(simulate=False))
     assert [e.world_size for e in report.memory] == [4, 8]
     assert any("world size(s) 2 left out: shard_size=4" in n for n in report.notes)
     with pytest.raises(IntentError, match=r"fits none of the world sizes 2, 3\. Fix: .*--world-sizes 4,8,32"):
-        explain(TARGET, world_sizes=(2, 3), intent=ShardingIntent(shard_size=4), simulate=False)
+        explain(TARGET, world_sizes=(2, 3), intent=ShardingIntent(shard_size=4), options=ExplainOptions(simulate=False))
 
 
 def test_more_ranks_are_proposed_in_whole_nodes() -> None:
@@ -137,14 +137,16 @@ def test_more_ranks_are_proposed_in_whole_nodes() -> None:
 
 def test_under_hybrid_sharding_a_bigger_shard_group_is_proposed(table: Report) -> None:
     by_four = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=4)).memory[0].device
-    hybrid = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=by_four, auto=False)
+    hybrid = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=by_four, options=ExplainOptions(auto=False))
     verdict = hybrid.budget
     assert verdict is not None and not verdict.fits
     groups = [c for c in verdict.changes if c.change.startswith("shard_size=")]
     assert [(c.change, c.fits, c.peak) for c in groups] == [("shard_size=4 (was 2)", True, by_four)], verdict.changes
     assert not any(c.change.endswith("ranks (Trainer num_nodes x devices)") for c in verdict.changes)  # ranks do not help
     # Past the last group size that divides the world, sharding over every rank is what is left.
-    tight = explain(TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=table.memory[1].total, auto=False)
+    tight = explain(
+        TARGET, world_sizes=(8,), batch=BATCH, intent=ShardingIntent(shard_size=2), budget=table.memory[1].total, options=ExplainOptions(auto=False)
+    )
     assert [c.change for c in tight.budget.changes if c.change.startswith("shard_size=")] == ["shard_size=None (shard over every rank)"]
 
 
@@ -184,7 +186,9 @@ def test_a_change_whose_step_cannot_be_simulated_is_never_said_to_fit() -> None:
     full = explain(NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),))
     (e,) = full.memory
     assert e.activations > 0 and not full.incomplete
-    report = explain(NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),), budget=e.device - 1, auto=False)
+    report = explain(
+        NeedsThirtyTwoRows, world_sizes=(2,), batch=lambda: (torch.randn(64, 64),), budget=e.device - 1, options=ExplainOptions(auto=False)
+    )
     verdict = report.budget
     assert verdict is not None and verdict.fits is False and report.exit_code == 0
     (smaller,) = [c for c in verdict.changes if c.change.startswith("micro-batch")]
@@ -200,7 +204,7 @@ def test_more_ranks_are_the_smallest_world_size_that_fits_found_by_search_not_do
     from tests.test_bad_inputs_budget import Wide  # model states dominate: ranks help
 
     three = explain(Wide, world_sizes=(3,), batch=wide_rows(2)).memory[0].device
-    report = explain(Wide, world_sizes=(2,), batch=wide_rows(2), budget=three, auto=False)
+    report = explain(Wide, world_sizes=(2,), batch=wide_rows(2), budget=three, options=ExplainOptions(auto=False))
     ranks = [c for c in report.budget.changes if c.change.endswith("ranks (Trainer num_nodes x devices)")]
     assert [(c.change, c.fits, c.peak) for c in ranks] == [("3 ranks (Trainer num_nodes x devices)", True, three)], report.budget.changes
 
@@ -210,7 +214,7 @@ def test_when_no_change_fits_alone_the_fewest_together_are_proposed_and_the_smal
     ranks is proposed (the advice once said "16 ranks + checkpointing + offload + micro-batch 1" where two sufficed)."""
     from tests.test_bad_inputs_budget import Wide
 
-    report = explain(Wide, world_sizes=(2,), batch=wide_rows(64), budget="6MiB", auto=False)
+    report = explain(Wide, world_sizes=(2,), batch=wide_rows(64), budget="6MiB", options=ExplainOptions(auto=False))
     verdict = report.budget
     fitting = [c for c in verdict.changes if c.fits]
     assert len(fitting) == 1 and fitting[0].change.count(" + ") == 1 and fitting[0].peak <= 6 * 2**20, verdict.changes

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from autoshard.activations import measure_step
-from autoshard.budget import BudgetDecision, Rates, decide, describe_config, resume_decision
+from autoshard.budget import BudgetDecision, DecideOptions, Rates, decide, describe_config, resume_decision
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import estimate_memory, with_step
+from autoshard.memory import EstimateOptions, estimate_memory, with_step
 from autoshard.precision import resolve_precision
 from tests.test_activations import Stack
 
@@ -44,12 +44,12 @@ def peak_of(**config: Any) -> int:
     step = measure_step(Small, intent, 2, precision, make_batch=batch)
     with torch.device("meta"):
         module = Small()
-    return with_step(estimate_memory(module, intent, world_size=2, precision=precision), step, True).device
+    return with_step(estimate_memory(module, intent, world_size=2, options=EstimateOptions(precision=precision)), step, True).device
 
 
 @functools.cache
 def decided(budget: int, flops_per_s: float = Rates().flops_per_s) -> BudgetDecision:
-    return decide(Small, batch(), ShardingIntent(memory_budget=budget), 2, rates=Rates(flops_per_s=flops_per_s))
+    return decide(Small, batch(), ShardingIntent(memory_budget=budget), 2, options=DecideOptions(rates=Rates(flops_per_s=flops_per_s)))
 
 
 def test_a_budget_the_cheapest_configuration_fits_changes_nothing_that_costs() -> None:
@@ -166,7 +166,7 @@ def test_on_a_cuda_machine_offload_is_simulated_without_pinned_memory(monkeypatc
     pinned for a CUDA mesh, and a decision that needs offload is still made."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     budget = peak_of(reshard_after_forward=False, activation_checkpointing="selective", offload="params") + 1
-    decision = decide(Small, batch(), ShardingIntent(memory_budget=budget, memory_headroom=0), 2, rates=Rates(flops_per_s=1e9))
+    decision = decide(Small, batch(), ShardingIntent(memory_budget=budget, memory_headroom=0), 2, options=DecideOptions(rates=Rates(flops_per_s=1e9)))
     assert decision.chosen["offload"] == "params" and decision.peak <= budget
 
 

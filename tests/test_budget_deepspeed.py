@@ -17,7 +17,7 @@ from autoshard import cli
 from autoshard.backends.deepspeed import zero3_model_states
 from autoshard.budget import BudgetDecision, BudgetRefusedError, decide, price, resume_decision, stored_differs
 from autoshard.checkpoint.saves import error_payload, rebuild_error
-from autoshard.explain import explain
+from autoshard.explain import ExplainOptions, explain
 from autoshard.intent import ShardingIntent
 from tests.test_bad_inputs_budget import Small, Wide, small_batch, wide_batch
 
@@ -52,7 +52,9 @@ def test_a_peak_is_deepspeeds_estimator_plus_the_simulated_activations_as_explai
     total = sum(p.numel() for p in module.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())  # a layer: weight + bias
     for offload in OFFLOADS:
-        (estimate,) = explain(Wide, backend="deepspeed", intent=FP32.replace(offload=offload), world_sizes=(2,), batch=wide_batch, auto=False).memory
+        (estimate,) = explain(
+            Wide, backend="deepspeed", intent=FP32.replace(offload=offload), world_sizes=(2,), batch=wide_batch, options=ExplainOptions(auto=False)
+        ).memory
         assert priced()[offload][0] == estimate.device, offload
         # DeepSpeed's own formula (estimate_zero3_model_states_mem_needs) for the states, the simulated step for the rest
         _, gpu, _ = zero3_model_states(total, largest, 2, 1, offload != "none", offload == "params")

@@ -8,7 +8,8 @@ import pytest
 from autoshard.demo import DinoLike
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import estimate_memory, estimate_memory_many, memory_table, nodes_for
+from autoshard.memory import EstimateOptions, estimate_memory, estimate_memory_many, memory_table
+from autoshard.mesh import nodes_for
 from autoshard.target import build_on_meta
 
 
@@ -31,19 +32,21 @@ def test_states_divide_by_the_shard_group_not_the_world(dino: object) -> None:
 
 
 def test_rank_in_the_second_group_holds_the_same_shard_as_its_replica(dino: object) -> None:
-    first = estimate_memory(dino, ShardingIntent(shard_size=4), world_size=8, rank=1)
-    replica = estimate_memory(dino, ShardingIntent(shard_size=4), world_size=8, rank=5)
+    first = estimate_memory(dino, ShardingIntent(shard_size=4), world_size=8, options=EstimateOptions(rank=1))
+    replica = estimate_memory(dino, ShardingIntent(shard_size=4), world_size=8, options=EstimateOptions(rank=5))
     assert first.parameters == replica.parameters and first.optimizer_states == replica.optimizer_states
 
 
 def test_node_means_the_devices_of_one_node(dino: object) -> None:
-    by_node = estimate_memory_many(dino, ShardingIntent(shard_size="node"), world_sizes=(16, 64), devices_per_node=8)
+    by_node = estimate_memory_many(dino, ShardingIntent(shard_size="node"), world_sizes=(16, 64), options=EstimateOptions(devices_per_node=8))
     assert [(e.num_nodes, e.shard_group) for e in by_node] == [(2, 8), (8, 8)]
     assert by_node[0].parameters == by_node[1].parameters  # more nodes add replicas, not shards
 
 
 def test_hybrid_sharding_keeps_gathers_inside_the_node(dino: object) -> None:
-    pure, hybrid = (estimate_memory(dino, ShardingIntent(shard_size=size), world_size=16, devices_per_node=8) for size in (None, "node"))
+    pure, hybrid = (
+        estimate_memory(dino, ShardingIntent(shard_size=size), world_size=16, options=EstimateOptions(devices_per_node=8)) for size in (None, "node")
+    )
     assert pure.intra_node_bytes == 0 and pure.inter_node_bytes > 0  # every gather spans both nodes
     gathers = {t.collective: t for t in hybrid.traffic}
     assert not gathers["all-gather of parameters (forward, backward)"].inter_node
@@ -56,7 +59,7 @@ def test_hybrid_sharding_keeps_gathers_inside_the_node(dino: object) -> None:
 
 
 def test_one_node_sends_nothing_across_nodes(dino: object) -> None:
-    est = estimate_memory(dino, ShardingIntent(), world_size=8, devices_per_node=8)
+    est = estimate_memory(dino, ShardingIntent(), world_size=8, options=EstimateOptions(devices_per_node=8))
     assert est.inter_node_bytes == 0 and est.intra_node_bytes > 0
 
 

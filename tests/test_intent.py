@@ -7,6 +7,7 @@ import yaml
 
 from autoshard import IntentError, ShardingIntent
 from autoshard.intent import as_intent, normalize_precision
+from autoshard.mesh import ParallelDims
 from autoshard.precision import resolve_precision
 
 
@@ -15,7 +16,7 @@ def test_defaults_are_pure_fsdp_bf16_mixed():
     assert intent.shard is None and intent.exclude == ()
     assert intent.precision is None and resolve_precision(None, intent).precision == "bf16-mixed"
     assert (intent.offload, intent.checkpoint, intent.tensor_parallel_size) == ("none", "distributed", 1)
-    assert intent.mesh_sizes(8) == (8, 1)
+    assert ParallelDims.resolve(intent, 8) == ParallelDims(1, 8, 1)
 
 
 @pytest.mark.parametrize(
@@ -136,23 +137,24 @@ def test_frozen():
 
 @pytest.mark.parametrize(("world", "dp", "tp", "sizes"), [(8, None, 1, (8, 1)), (8, None, 2, (4, 2)), (8, 2, 4, (2, 4)), (1, None, 1, (1, 1))])
 def test_mesh_sizes(world, dp, tp, sizes):
-    assert ShardingIntent(data_parallel_size=dp, tensor_parallel_size=tp).mesh_sizes(world) == sizes
+    dims = ParallelDims.resolve(ShardingIntent(data_parallel_size=dp, tensor_parallel_size=tp), world)
+    assert (dims.dp, dims.tp) == sizes
 
 
 def test_mesh_that_cannot_match_the_world_names_the_fix():
     with pytest.raises(IntentError) as info:
-        ShardingIntent(data_parallel_size=3, tensor_parallel_size=2).mesh_sizes(8)
+        ParallelDims.resolve(ShardingIntent(data_parallel_size=3, tensor_parallel_size=2), 8)
     assert str(info.value) == (
         "data_parallel_size * tensor_parallel_size = 3 * 2 = 6 does not match the world size 8 (nodes x devices)."
         " Fix: set data_parallel_size=4, or leave it unset to use every rank"
     )
     with pytest.raises(IntentError) as info:
-        ShardingIntent(tensor_parallel_size=4).mesh_sizes(6)
+        ParallelDims.resolve(ShardingIntent(tensor_parallel_size=4), 6)
     assert str(info.value) == (
         "tensor_parallel_size=4 does not divide the world size 6 (nodes x devices). Fix: tensor_parallel_size= one of 1, 2, 3, 6"
     )
     with pytest.raises(IntentError, match="world size must be a positive integer, got 0"):
-        ShardingIntent().mesh_sizes(0)
+        ParallelDims.resolve(ShardingIntent(), 0)
 
 
 def test_from_dict_round_trips_through_yaml():
@@ -169,7 +171,7 @@ def test_from_dict_round_trips_through_yaml():
     tensor_parallel_size: 2
     """
     intent = ShardingIntent.from_dict(yaml.safe_load(text))
-    assert intent.precision == "bf16-mixed" and intent.shard == ("backbone",) and intent.mesh_sizes(8) == (4, 2)
+    assert intent.precision == "bf16-mixed" and intent.shard == ("backbone",) and ParallelDims.resolve(intent, 8) == ParallelDims(1, 4, 2)
     dumped = yaml.safe_load(yaml.safe_dump(intent.to_dict()))
     assert ShardingIntent.from_dict(dumped) == intent
     assert as_intent(None) == ShardingIntent() == as_intent({})
@@ -205,20 +207,20 @@ def test_replace_validates():
 def test_hsdp_sizes_are_replicas_by_shard_size(shard_size, world, nodes, sizes):
     """A shard group as large as the data-parallel size is pure FSDP: None, a 1-D mesh."""
     intent = ShardingIntent(shard_size=shard_size)
-    assert intent.hsdp_sizes(world, nodes) == sizes
-    assert intent.mesh_sizes(world, nodes) == (world, 1)
+    dims = ParallelDims.resolve(intent, world, nodes)
+    assert dims.hsdp == sizes and (dims.dp, dims.tp) == (world, 1)
     assert ShardingIntent.from_dict(intent.to_dict()) == intent
 
 
 def test_shard_size_refusals_name_the_fix():
     with pytest.raises(IntentError) as info:
-        ShardingIntent(shard_size=3).mesh_sizes(8)
+        ParallelDims.resolve(ShardingIntent(shard_size=3), 8)
     assert str(info.value) == (
         "shard_size=3 does not divide the data-parallel size 8, so the ranks cannot form whole replicas of the shard"
         " group. Fix: shard_size= one of 1, 2, 4, 8"
     )
     with pytest.raises(IntentError) as info:
-        ShardingIntent(shard_size=16).mesh_sizes(8)
+        ParallelDims.resolve(ShardingIntent(shard_size=16), 8)
     assert str(info.value) == (
         "shard_size=16 exceeds the data-parallel size 8 (world size 8): a shard group cannot hold more ranks than"
         " there are. Fix: shard_size= one of 1, 2, 4, 8, or leave it unset"

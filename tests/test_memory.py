@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from autoshard.demo import DinoLike, OnlineProbe
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import collect_optimizers, estimate_memory, estimate_memory_many, memory_table, shard_rows, zero3_model_states
+from autoshard.memory import EstimateOptions, collect_optimizers, estimate_memory, estimate_memory_many, memory_table, shard_rows, zero3_model_states
 from autoshard.needs import MethodNeeds, inspect_needs
 
 NO_NEEDS = MethodNeeds(optimizer_sources=())
@@ -90,7 +90,7 @@ def test_unknown_optimizer_is_a_stated_guess_and_can_be_told() -> None:
 
     model = mlp()
     guess = estimate_memory(model, needs=NO_NEEDS, optimizers=[Lion(model.parameters())])
-    told = estimate_memory(model, needs=NO_NEEDS, optimizers=[Lion(model.parameters())], state_tensors={"Lion": 1})
+    told = estimate_memory(model, needs=NO_NEEDS, optimizers=[Lion(model.parameters())], options=EstimateOptions(state_tensors={"Lion": 1}))
     numel = sum(p.numel() for p in model.parameters())
     assert guess.optimizer_states == 2 * 4 * numel and told.optimizer_states == 4 * numel
     assert any("Lion" in note and "state_tensors" in note for note in guess.notes)
@@ -170,7 +170,9 @@ def test_exact_bytes_per_rank_against_real_fully_shard(world: int, rank: int) ->
 
     model = Uneven()
     twin = copy.deepcopy(model).to("meta")
-    estimate = estimate_memory(twin, needs=NO_NEEDS, world_size=world, rank=rank, optimizers=[torch.optim.AdamW(twin.parameters())])
+    estimate = estimate_memory(
+        twin, needs=NO_NEEDS, world_size=world, optimizers=[torch.optim.AdamW(twin.parameters())], options=EstimateOptions(rank=rank)
+    )
     assert any("parameters live directly on Uneven" in note for note in estimate.notes)
     with fake_world(world, rank) as mesh, pytest.warns(UserWarning):
         plan_fsdp2(model, ShardingIntent(), NO_NEEDS).apply(model, mesh)
@@ -233,6 +235,14 @@ def test_zero3_figures_are_deepspeeds_own(world: int, nodes: int, offload: str, 
     with torch.device("meta"):
         twin = copy.deepcopy(model).to("meta")
     optimizer = torch.optim.AdamW(twin.parameters())
-    estimate = estimate_memory(twin, {"offload": offload}, NO_NEEDS, world, "deepspeed", optimizers=[optimizer], num_nodes=nodes, zero_init=zero_init)
+    estimate = estimate_memory(
+        twin,
+        {"offload": offload},
+        NO_NEEDS,
+        world,
+        "deepspeed",
+        optimizers=[optimizer],
+        options=EstimateOptions(num_nodes=nodes, zero_init=zero_init),
+    )
     assert (estimate.host, estimate.device, estimate.gathered_block) == (cpu, gpu, largest_mem)
     assert zero3_model_states(total, largest, world // nodes, nodes, offload != "none", offload == "params", zero_init) == (cpu, gpu, largest_mem)

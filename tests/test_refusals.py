@@ -21,6 +21,7 @@ from autoshard.explain import build_intent
 from autoshard.intent import as_intent, normalize_precision
 from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
 from autoshard.memory import estimate_memory
+from autoshard.mesh import ParallelDims
 from autoshard.target import load_target
 
 EMA = MethodNeeds(ema_pairs=(EMAPair("teacher", "student"),))
@@ -43,12 +44,12 @@ REFUSALS: dict[str, Callable[[], Any]] = {
     "unknown field": lambda: ShardingIntent.from_dict({"reshard_after_forwad": False}),
     "not a mapping": lambda: ShardingIntent.from_dict(["shard"]),  # type: ignore[arg-type]
     "not an intent": lambda: as_intent("fsdp2"),  # type: ignore[arg-type]
-    "mesh mismatch": lambda: ShardingIntent(data_parallel_size=3).mesh_sizes(2),
-    "tp does not divide": lambda: ShardingIntent(tensor_parallel_size=4).mesh_sizes(6),
-    "bad world": lambda: ShardingIntent().mesh_sizes(0),
+    "mesh mismatch": lambda: ParallelDims.resolve(ShardingIntent(data_parallel_size=3), 2),
+    "tp does not divide": lambda: ParallelDims.resolve(ShardingIntent(tensor_parallel_size=4), 6),
+    "bad world": lambda: ParallelDims.resolve(ShardingIntent(), 0),
     "bad shard_size": lambda: ShardingIntent(shard_size="rack"),
-    "shard_size does not divide": lambda: ShardingIntent(shard_size=3).mesh_sizes(8),
-    "shard_size exceeds the world": lambda: ShardingIntent(shard_size=16).mesh_sizes(8),
+    "shard_size does not divide": lambda: ParallelDims.resolve(ShardingIntent(shard_size=3), 8),
+    "shard_size exceeds the world": lambda: ParallelDims.resolve(ShardingIntent(shard_size=16), 8),
     "tensor parallel on a model without a plan": lambda: plan_fsdp2(nn.Sequential(nn.Linear(4, 4)), ShardingIntent(tensor_parallel_size=2)),
     "hsdp on deepspeed": lambda: select_backend(MethodNeeds(), ShardingIntent(shard_size=2), prefer="deepspeed_zero3"),
     "hsdp in the deepspeed config": lambda: deepspeed_config(ShardingIntent(shard_size="node"), world_size=4, micro_batch_size=1),

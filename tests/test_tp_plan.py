@@ -257,13 +257,13 @@ def test_per_rank_states_under_tp_are_the_shards_the_ranks_hold() -> None:
 
 def test_tp_collectives_join_the_traffic_rows() -> None:
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import estimate_memory_many
+    from autoshard.memory import EstimateOptions, estimate_memory_many
     from autoshard.needs import MethodNeeds
 
     model = llama()
     opt = torch.optim.AdamW(model.parameters())
     intent = ShardingIntent(tensor_parallel_size=2, precision="32-true")
-    with_tokens = estimate_memory_many(model, intent, MethodNeeds(), [4], "fsdp2", optimizers=[opt], tokens=32)[0]
+    with_tokens = estimate_memory_many(model, intent, MethodNeeds(), [4], "fsdp2", optimizers=[opt], options=EstimateOptions(tokens=32))[0]
     rows = {t.collective: t for t in with_tokens.traffic}
     # forward, per token: 2 layers x (o_proj + down_proj) and the embedding all-reduce 64 floats (ring: 2 (g-1)/g)
     assert rows["tensor parallel: all-reduce of activations (forward)"].bytes == 5 * 64 * 4 * 32
@@ -293,10 +293,12 @@ class LitLlama(pl.LightningModule):
 
 
 def test_explain_lists_the_layout_and_counts_its_traffic() -> None:
-    from autoshard.explain import explain
+    from autoshard.explain import ExplainOptions, explain
     from autoshard.intent import ShardingIntent
 
-    report = explain(LitLlama, backend="fsdp2", intent=ShardingIntent(tensor_parallel_size=2), world_sizes=(1, 2, 4), simulate=False)
+    report = explain(
+        LitLlama, backend="fsdp2", intent=ShardingIntent(tensor_parallel_size=2), world_sizes=(1, 2, 4), options=ExplainOptions(simulate=False)
+    )
     assert report.error is None
     layout = report.to_dict()["tensor_parallel"]
     assert layout["size"] == 2 and {"module": "model.lm_head", "style": "colwise_gather_output"} in layout["modules"]
@@ -311,9 +313,15 @@ def test_explain_lists_the_layout_and_counts_its_traffic() -> None:
 
 
 def test_explain_refuses_what_setup_refuses() -> None:
-    from autoshard.explain import explain
+    from autoshard.explain import ExplainOptions, explain
     from autoshard.intent import ShardingIntent
 
-    report = explain(lambda: LitLlama(heads=2), backend="fsdp2", intent=ShardingIntent(tensor_parallel_size=4), world_sizes=(4, 8), simulate=False)
+    report = explain(
+        lambda: LitLlama(heads=2),
+        backend="fsdp2",
+        intent=ShardingIntent(tensor_parallel_size=4),
+        world_sizes=(4, 8),
+        options=ExplainOptions(simulate=False),
+    )
     assert report.exit_code == 1 and report.error_type == "IntentError"
     assert report.error.startswith("tensor_parallel_size=4 does not divide the attention heads of 'model.model.layers.0.self_attn'")  # type: ignore[union-attr]

@@ -16,30 +16,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-import torch
 from torch import nn
 
-from autoshard.activations import call_batch, load_batch, measure_step
+from autoshard.activations import load_batch, measure_step
 from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
-from autoshard.budget import BudgetDecision, BudgetReport, Option, auto_entries, batch_rows, check_budget, cut_batch
+from autoshard.budget import (
+    Ask,
+    BudgetDecision,
+    BudgetReport,
+    DecideOptions,
+    ModelStates,
+    Option,
+    Subject,
+    auto_entries,
+    batch_rows,
+    batch_tokens,
+    check_budget,
+    cut_batch,
+)
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import (
     MemoryEstimate,
-    collect_optimizers,
-    estimate_memory_many,
     fmt_bytes,
     memory_table,
-    nodes_for,
     parse_size,
     with_step,
 )
-from autoshard.needs import MethodNeeds, inspect_needs
+from autoshard.mesh import ParallelDims, nodes_for
+from autoshard.needs import MethodNeeds
 from autoshard.precision import resolve_precision
 from autoshard.select import Decision, features_needed, select_backend
-from autoshard.target import build_on_meta, load_target
+from autoshard.target import load_target
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
 # memory_table's line when no step ran; explain replaces it when the user did pass --batch (see Report.text).
@@ -285,36 +295,48 @@ class Report:
         return lines
 
 
+@dataclass(frozen=True)
+class ExplainOptions:
+    """How ``explain`` works beyond what it explains: ``accelerator`` (as Trainer(accelerator=...): only "cpu" changes
+    the verdict), ``micro_batch_size`` (for the DeepSpeed config), ``devices_per_node`` (for shard_size='node' and
+    inter-node traffic), ``simulate`` (False: model states only, no simulated step), ``progress`` (called with a line
+    before each simulated step, seconds each on big models; the CLI prints it), ``auto`` (with a budget, also decide
+    what ``ShardingIntent(memory_budget=budget)`` would choose at each world size, ``report.auto``; False skips those
+    simulated steps)."""
+
+    accelerator: str | None = None
+    micro_batch_size: int = 1
+    devices_per_node: int = DEFAULT_DEVICES_PER_NODE
+    simulate: bool = True
+    progress: Callable[[str], None] | None = None
+    auto: bool = True
+
+
 def explain(
     target: str | Callable[[], Any],
     *,
     backend: str = "auto",
     intent: ShardingIntent | None = None,
     world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
-    accelerator: str | None = None,
-    micro_batch_size: int = 1,
-    devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
     batch: str | Callable[[], Any] | None = None,
     budget: str | int | None = None,
-    simulate: bool = True,
-    progress: Callable[[str], None] | None = None,
-    auto: bool = True,
+    options: ExplainOptions | None = None,
 ) -> Report:
     """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``.
 
     ``batch`` (``FILE.py:make_batch`` or a callable): one micro-batch per rank; one training step is then
     simulated on fake tensors per world size, so the peak includes activations. Without it the module's
-    ``example_input_array`` is forwarded (no backward); ``simulate=False`` skips the simulation. ``budget``:
-    device bytes per rank (``80GiB``); the report says whether the largest world size fits and what would.
-    ``progress``: called with a line before each simulated step (seconds each on big models); the CLI prints it.
-    ``auto``: with ``budget``, also decide what ``ShardingIntent(memory_budget=budget)`` would choose at each world
-    size (``report.auto``, ``autoshard.budget.decide``); False skips those simulated steps.
+    ``example_input_array`` is forwarded (no backward); ``ExplainOptions(simulate=False)`` skips the simulation.
+    ``budget``: device bytes per rank (``80GiB``); the report says whether the largest world size fits and what
+    would, and (``ExplainOptions.auto``) what ``memory_budget`` would choose.
 
     When a batch or a budget was asked for and the peak lacks part of the step (the step could not run on the
     batch, or there is nothing to simulate), ``report.incomplete`` says what and why, with a Fix, the budget
     verdict is "cannot tell" rather than "fits", and ``exit_code`` is 1. A ``batch`` function that raises is
     refused (AutoShardError) before any step runs.
     """
+    o = options or ExplainOptions()
+    accelerator, devices_per_node, simulate, progress = o.accelerator, o.devices_per_node, o.simulate, o.progress
     intent = intent or ShardingIntent()
     if budget is None:  # --intent memory_budget=70GiB asks the same question as --budget 70GiB
         budget = intent.memory_budget
@@ -323,27 +345,44 @@ def explain(
     make_batch = load_batch(batch) if isinstance(batch, str) else batch
     # Called once now, so that a batch function that raises is refused in words before any step is simulated.
     rows = batch_rows(make_batch) if make_batch is not None else None
-    built = build_on_meta(factory)
-    module = built.module
-    # The one configure_optimizers call (offline, on the meta module): needs and memory both read its optimizers.
-    sourced = collect_optimizers(module, built.callbacks)
-    configured = [o for source, o in sourced if source == "configure_optimizers"]
-    needs = inspect_needs(module, callbacks=built.callbacks, optimizers=configured)
+    subject = Subject.build(factory)  # one configure_optimizers call: needs and memory both read its optimizers
+    module, needs = subject.module, subject.needs
     report = Report(
         target=target if isinstance(target, str) else getattr(target, "__name__", repr(target)),
         module=module,
         intent=intent,
         needs=needs,
         features=features_needed(needs, intent, accelerator),
-        notes=list(built.notes),
+        notes=list(subject.notes),
     )
+    if not _decide_and_plan(report, backend, accelerator, max(world_sizes), o.micro_batch_size):
+        return report
+    sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
+    estimates = _Estimates(report, subject, factory, make_batch, devices_per_node, progress)
+    estimates.prepare(simulate)
+    estimates.model.of(intent, sizes)  # the table's world sizes share one plan
+    report.memory = [estimates.estimate(Option(intent, size)) for size in sizes]
+    _say_what_is_missing(report, estimates, asked=budget_bytes is not None or (simulate and make_batch is not None))
+    if budget_bytes is not None:
+        checkpointable = bool(checkpointable_blocks(module, intent, needs))
+        ask = Ask(devices_per_node, rows, checkpointable, _lacks)
+        report.budget = check_budget(estimates.estimate, intent, max(sizes), budget_bytes, ask=ask)
+        if o.auto:
+            chosen = report.decision.backend  # type: ignore[union-attr]
+            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
+    return report
+
+
+def _decide_and_plan(report: Report, backend: str, accelerator: str | None, world_size: int, micro_batch_size: int) -> bool:
+    """The backend decision, then its plan (fsdp2) or its config (DeepSpeed, for ``world_size``), into ``report``;
+    False when autoshard refuses the run (``report.error`` says why)."""
+    intent, needs, module = report.intent, report.needs, report.module
     try:
         report.decision = select_backend(needs, intent, prefer=backend, accelerator=accelerator)
     except IncompatibleBackendError as exc:
         report.error, report.error_type = str(exc), type(exc).__name__
-        return report
-    chosen = report.decision.backend
-    engine = get_backend(chosen)
+        return False
+    engine = get_backend(report.decision.backend)
     if engine.plan:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -354,123 +393,122 @@ def explain(
                     raise
                 # The model's tensor-parallel plan, refused before training (TPPlan.check): the run's own refusal.
                 report.error, report.error_type = str(exc), type(exc).__name__
-                return report
+                return False
         report.notes += [f"warning: {w.message}" for w in caught if issubclass(w.category, UserWarning)]
     elif engine.config:
-        report.deepspeed_config_world = max(world_sizes)
+        report.deepspeed_config_world = world_size
         try:
-            report.deepspeed_config = load(engine.config)(intent, needs, world_size=report.deepspeed_config_world, micro_batch_size=micro_batch_size)
+            report.deepspeed_config = load(engine.config)(intent, needs, world_size=world_size, micro_batch_size=micro_batch_size)
         except AutoShardError as exc:
             report.notes.append(f"DeepSpeed config: {exc}")
-    tp_plan = getattr(report.plan, "tp_plan", None)  # the model's own tensor-parallel layout: the table counts it
-    if (intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None) and tp_plan is None:
+    if (intent.tensor_parallel_size > 1 or intent.data_parallel_size is not None) and getattr(report.plan, "tp_plan", None) is None:
         report.notes.append("the memory table assumes pure data parallel (data_parallel_size = world size)")
-    sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
-    precision = resolve_precision(None, intent)
-    asked_step = simulate and make_batch is not None  # the user asked for a simulated training step
-    has_example = getattr(module, "example_input_array", None) is not None
-    if not simulate:
-        unsimulated = "--no-step asks for model states only. Fix: drop --no-step" + (
-            "" if make_batch is not None or has_example else " and pass --batch FILE.py:make_batch"
-        )
-    else:
-        unsimulated = (
-            f"no --batch was given, and {type(module).__name__} has no example_input_array to forward. Fix: pass"
-            f" --batch FILE.py:make_batch (a function of no arguments returning one micro-batch, as your DataLoader"
-            f" yields it)"
-        )
-    simulate = simulate and (make_batch is not None or has_example)
-    whole_step = bool(engine.plan)  # the simulated step runs this backend's own plan: its peak is the run's
-    tokens = _tokens(make_batch) if make_batch is not None and tp_plan is not None else None
-    why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
-    failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
+    return True
 
-    def states(asked: ShardingIntent, world_sizes: Sequence[int]) -> list[MemoryEstimate]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # already reported above
-            return estimate_memory_many(
-                module,
-                asked,
-                needs,
-                world_sizes,
-                chosen,
-                callbacks=built.callbacks,
-                sourced=sourced,
-                devices_per_node=devices_per_node,
-                precision=precision,
-                tokens=tokens,
+
+class _Estimates:
+    """Every estimate explain makes (the table's, then the ``--budget`` advice's candidates), cached by option: model
+    states (``budget.ModelStates``, the estimator decide's search uses too), plus a simulated step where one can run.
+    A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
+    plan, and the budget search reuses every estimate made before it."""
+
+    def __init__(
+        self,
+        report: Report,
+        subject: Subject,
+        factory: Any,
+        make_batch: Callable[[], Any] | None,
+        devices_per_node: int,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.report, self.factory = report, factory
+        self.make_batch, self.devices_per_node, self.progress = make_batch, devices_per_node, progress
+        self.intent, self.module = report.intent, report.module
+        self.chosen = report.decision.backend  # type: ignore[union-attr]
+        self.whole_step = get_backend(self.chosen).simulates_its_step  # the step runs this backend's own plan: its peak is the run's
+        self.precision = resolve_precision(None, self.intent)
+        has_tp = getattr(report.plan, "tp_plan", None) is not None
+        tokens = batch_tokens(make_batch) if make_batch is not None and has_tp else None
+        self.model = ModelStates(subject, self.chosen, self.precision, devices_per_node, tokens=tokens)
+        self.why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
+        self.failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
+        self.done: dict[str, MemoryEstimate] = {}
+
+    def prepare(self, simulate: bool) -> None:
+        """Whether steps are simulated (asked, and a batch or an example input to run), why not, and the table's
+        model states."""
+        has_example = getattr(self.module, "example_input_array", None) is not None
+        self.asked_step = simulate  # the user did not pass --no-step
+        if not simulate:
+            self.unsimulated = "--no-step asks for model states only. Fix: drop --no-step" + (
+                "" if self.make_batch is not None or has_example else " and pass --batch FILE.py:make_batch"
             )
+        else:
+            self.unsimulated = (
+                f"no --batch was given, and {type(self.module).__name__} has no example_input_array to forward. Fix: pass"
+                f" --batch FILE.py:make_batch (a function of no arguments returning one micro-batch, as your DataLoader"
+                f" yields it)"
+            )
+        self.simulate = simulate and (self.make_batch is not None or has_example)
 
-    # A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
-    # plan (one estimate_memory_many call), and the budget search reuses every estimate made before it.
-    done: dict[str, MemoryEstimate] = {repr(Option(intent, n, simulate=False)): e for n, e in zip(sizes, states(intent, sizes))}
-
-    def estimate(option: Option) -> MemoryEstimate:
+    def estimate(self, option: Option) -> MemoryEstimate:
         key = repr(option)
-        if key in done:
-            return done[key]
-        plain = repr(Option(option.intent, option.world_size, simulate=False))  # model states: batch-independent
-        est = done.get(plain) or states(option.intent, [option.world_size])[0]
-        done[plain] = est
-        if simulate and option.simulate:
-            table = option.intent == intent and option.batch_divisor == 1  # not a budget candidate
-            if progress is not None:
-                base = intent.to_dict()
-                parts = [f"{k}={v!r}" for k, v in option.intent.to_dict().items() if v != base[k]]
-                parts += [f"micro-batch / {option.batch_divisor}"] if option.batch_divisor > 1 else []
-                progress(f"simulating one step on {option.world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
-            try:
-                step = measure_step(
-                    factory,
-                    option.intent,
-                    option.world_size,
-                    precision,
-                    make_batch=cut_batch(make_batch, option.batch_divisor) if make_batch is not None else None,
-                    num_nodes=est.num_nodes,
-                )
-            except AutoShardError as exc:  # the model states stand; say why activations are missing
-                why[key] = str(exc)
-                if table:
-                    failures.append(str(exc))
-            else:
-                if table:
-                    report.notes.extend(n for n in step.notes if n not in report.notes)
-                if step.incomplete:
-                    why[key] = step.incomplete
-                est = with_step(est, step, whole_step)
-        elif not simulate:
-            why[key] = unsimulated
-        done[key] = est
+        if key in self.done:
+            return self.done[key]
+        est = self.model.of(option.intent, [option.world_size])[0]  # model states: batch-independent
+        if self.simulate and option.simulate:
+            est = self._with_step(option, key, est)
+        elif not self.simulate:
+            self.why[key] = self.unsimulated
+        self.done[key] = est
         return est
 
-    report.memory = [estimate(Option(intent, size)) for size in sizes]
-    # A partial estimate is said once, with its Fix: as the answer's failure when --batch or --budget asked for the
-    # whole step, else as a note (explain without them is the documented model-states view).
+    def _with_step(self, option: Option, key: str, est: MemoryEstimate) -> MemoryEstimate:
+        """``est`` with the option's simulated step; when it cannot run, ``est`` alone and the reason in ``why``."""
+        table = option.intent == self.intent and option.batch_divisor == 1  # not a budget candidate
+        if self.progress is not None:
+            base = self.intent.to_dict()
+            parts = [f"{k}={v!r}" for k, v in option.intent.to_dict().items() if v != base[k]]
+            parts += [f"micro-batch / {option.batch_divisor}"] if option.batch_divisor > 1 else []
+            self.progress(f"simulating one step on {option.world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
+        try:
+            step = measure_step(
+                self.factory,
+                option.intent,
+                option.world_size,
+                self.precision,
+                make_batch=cut_batch(self.make_batch, option.batch_divisor) if self.make_batch is not None else None,
+                num_nodes=est.num_nodes,
+            )
+        except AutoShardError as exc:  # the model states stand; say why activations are missing
+            self.why[key] = str(exc)
+            if table:
+                self.failures.append(str(exc))
+            return est
+        if table:
+            self.report.notes.extend(n for n in step.notes if n not in self.report.notes)
+        if step.incomplete:
+            self.why[key] = step.incomplete
+        return with_step(est, step, self.whole_step)
+
+
+def _say_what_is_missing(report: Report, estimates: _Estimates, asked: bool) -> None:
+    """A partial estimate is said once, with its Fix: as the answer's failure when --batch or --budget asked for the
+    whole step (``asked``), else as a note (explain without them is the documented model-states view)."""
     partial = [e for e in report.memory if _lacks(e)]
-    if partial and (asked_step or budget_bytes is not None):
+    if partial and asked:
         e = max(partial, key=lambda e: e.world_size)  # the largest world size: the one the budget verdict is for
-        reason = why.get(repr(Option(intent, e.world_size)), "no simulated step")
+        reason = estimates.why.get(repr(Option(report.intent, e.world_size)), "no simulated step")
         report.incomplete = f"{_lacks(e)} not counted (world size {e.world_size}): {reason}"
     else:
-        report.notes += [f"activations not counted: {f}" for f in dict.fromkeys(failures)]
-    if make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
-        report.unmeasured = "--no-step (model states only)" if not simulate else "the step could not run on --batch (see below)"
-    if not whole_step and report.memory and report.memory[0].activations:
-        report.notes.append(f"activations come from a simulated FSDP2 step of the same method; {chosen}'s own buffers are its estimator's figures")
-    if budget_bytes is not None:
-        report.budget = check_budget(
-            estimate,
-            intent,
-            max(sizes),
-            budget_bytes,
-            devices_per_node=devices_per_node,
-            batch_rows=rows,
-            lacks=_lacks,
-            checkpointable=bool(checkpointable_blocks(module, intent, needs)),
+        report.notes += [f"activations not counted: {f}" for f in dict.fromkeys(estimates.failures)]
+    if estimates.make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
+        why = "--no-step (model states only)" if not estimates.asked_step else "the step could not run on --batch (see below)"
+        report.unmeasured = why
+    if not estimates.whole_step and report.memory and report.memory[0].activations:
+        report.notes.append(
+            f"activations come from a simulated FSDP2 step of the same method; {estimates.chosen}'s own buffers are its estimator's figures"
         )
-        if auto:
-            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
-    return report
 
 
 def _auto(
@@ -497,7 +535,8 @@ def _auto(
         )
     if why:
         return [{"world_size": n, "budget": budget, "error": {"type": "IncompleteEstimate", "message": why, "min_world_size": None}} for n in sizes]
-    return auto_entries(factory, make_batch, intent, sizes, budget, devices_per_node=devices_per_node, progress=progress, backend=backend)
+    options = DecideOptions(devices_per_node=devices_per_node, progress=progress)
+    return auto_entries(factory, make_batch, intent, sizes, budget, backend=backend, options=options)
 
 
 def _lacks(estimate: MemoryEstimate) -> str:
@@ -514,8 +553,7 @@ def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_p
     kept, dropped = [], []
     for size in sizes:
         try:
-            intent.hsdp_sizes(size, nodes_for(size, devices_per_node))
-            intent.mesh_sizes(size, nodes_for(size, devices_per_node))
+            ParallelDims.resolve(intent, size, nodes_for(size, devices_per_node))
         except IntentError:
             dropped.append(size)
         else:
@@ -542,20 +580,6 @@ def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_p
 def _multiples(intent: ShardingIntent, devices_per_node: int) -> str:
     shard = devices_per_node if intent.shard_size == "node" else int(intent.shard_size or 1)
     return ",".join(str(shard * k) for k in (1, 2, 8))
-
-
-def _leaves(batch: Any) -> list[Any]:
-    import torch.utils._pytree as pytree
-
-    return [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-
-
-def _tokens(make_batch: Callable[[], Any]) -> int | None:
-    """Tokens in one micro-batch, for the tensor-parallel activation traffic: the elements of its first integer
-    tensor (the token ids of a language model's batch); None when it has none."""
-    with torch.device("meta"):
-        ids = [t for t in _leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() > 0]
-    return ids[0].numel() if ids else None
 
 
 # -- command line ---------------------------------------------------------------------------------------------------
@@ -695,13 +719,15 @@ def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
             backend=args.backend,
             intent=intent,
             world_sizes=sizes,
-            accelerator=args.accelerator,
-            micro_batch_size=args.micro_batch_size,
-            devices_per_node=per_node,
             batch=args.batch,
             budget=args.budget,
-            simulate=not args.no_step,
-            progress=lambda line: print(f"autoshard explain: {line}", file=sys.stderr, flush=True),
+            options=ExplainOptions(
+                accelerator=args.accelerator,
+                micro_batch_size=args.micro_batch_size,
+                devices_per_node=per_node,
+                simulate=not args.no_step,
+                progress=lambda line: print(f"autoshard explain: {line}", file=sys.stderr, flush=True),
+            ),
         )
     except AutoShardError as exc:
         if not args.json:
@@ -757,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-__all__ = ["Report", "build_intent", "explain", "main", "register_cli"]
+__all__ = ["ExplainOptions", "Report", "build_intent", "explain", "main", "register_cli"]
 
 
 if __name__ == "__main__":

@@ -195,12 +195,8 @@ def _size(name: str, value: object) -> int | None:
     return value
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _shard_size(value: object) -> int | str | None:
-    """None (every data-parallel rank), a positive int, or "node"; checked against the world in ``hsdp_sizes``."""
+    """None (every data-parallel rank), a positive int, or "node"; checked against the world in ``mesh.ParallelDims.resolve``."""
     if value is None or value == "node":
         return value  # type: ignore[return-value]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -315,71 +311,6 @@ class ShardingIntent:
         tp = _size("tensor_parallel_size", self.tensor_parallel_size)
         set_(self, "tensor_parallel_size", 1 if tp is None else tp)
         set_(self, "shard_size", _shard_size(self.shard_size))
-
-    def mesh_sizes(self, world_size: int, num_nodes: int = 1) -> tuple[int, int]:
-        """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default.
-
-        Also checks ``shard_size`` against the data-parallel size (``hsdp_sizes``), so that every caller that
-        resolves the mesh refuses a shard size that does not fit, before any process starts.
-        """
-        dp, tp = self._dp_tp(world_size)
-        self.hsdp_sizes(world_size, num_nodes)
-        return dp, tp
-
-    def hsdp_sizes(self, world_size: int, num_nodes: int = 1) -> tuple[int, int] | None:
-        """(replicas, shard_size) of the hybrid-sharding mesh over the data-parallel ranks; None: pure FSDP.
-
-        ``'node'`` resolves to the devices of one node (world size / num_nodes; with tensor parallel, the data-parallel
-        ranks among them: that / tensor_parallel_size). A shard size equal to the
-        data-parallel size is pure FSDP (one replica), so it gives None too: a 1-D mesh, nothing replicated.
-        """
-        if self.shard_size is None:
-            return None
-        dp, _ = self._dp_tp(world_size)
-        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
-            raise IntentError(
-                f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1"
-            )
-        shard = world_size // num_nodes if self.shard_size == "node" else int(self.shard_size)
-        stated = f"shard_size={self.shard_size!r}" + (f" (= {shard} devices per node)" if self.shard_size == "node" else "")
-        tp = self.tensor_parallel_size
-        if self.shard_size == "node" and tp > 1:  # a node holds shard groups x tensor-parallel groups (autoshard.mesh)
-            if shard % tp:
-                raise IntentError(
-                    f"shard_size='node' with tensor_parallel_size={tp}: a node's {shard} devices cannot hold whole"
-                    f" tensor-parallel groups of {tp}, so a group would span nodes. Fix: tensor_parallel_size= one of"
-                    f" {', '.join(map(str, _divisors(shard)))}, or shard_size= a number of data-parallel ranks"
-                )
-            shard //= tp
-            stated = f"shard_size='node' (= {shard} data-parallel ranks per node of {shard * tp} devices)"
-        if shard > dp:
-            raise IntentError(
-                f"{stated} exceeds the data-parallel size {dp} (world size {world_size}): a shard group cannot hold more"
-                f" ranks than there are. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}, or leave it unset"
-            )
-        if dp % shard:
-            raise IntentError(
-                f"{stated} does not divide the data-parallel size {dp}, so the ranks cannot form whole replicas of"
-                f" the shard group. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}"
-            )
-        return None if shard == dp else (dp // shard, shard)
-
-    def _dp_tp(self, world_size: int) -> tuple[int, int]:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise IntentError(f"world size must be a positive integer, got {world_size!r}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
-        tp = self.tensor_parallel_size
-        dp = self.data_parallel_size if self.data_parallel_size is not None else world_size // tp
-        if dp * tp == world_size:
-            return dp, tp
-        world = f"the world size {world_size} (nodes x devices)"
-        if world_size % tp:
-            raise IntentError(
-                f"tensor_parallel_size={tp} does not divide {world}. Fix: tensor_parallel_size= one of {', '.join(map(str, _divisors(world_size)))}"
-            )
-        raise IntentError(
-            f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} does not match {world}. Fix: set"
-            f" data_parallel_size={world_size // tp}, or leave it unset to use every rank"
-        )
 
     def replace(self, **changes: Any) -> ShardingIntent:
         """A copy with some fields changed, validated like a new intent."""

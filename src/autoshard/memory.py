@@ -29,11 +29,13 @@ from autoshard.memory_model import (
     Layout,
     MemoryEstimate,
     Param,
+    RankInputs,
     Traffic,
     Unit,
     UnshardedPart,
     shard_rows,
 )
+from autoshard.mesh import ParallelDims, hybrid_sizes, nodes_for
 from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import AUTO, select_backend
@@ -167,36 +169,24 @@ def _layout(
     return layout, TensorParallelCost(tp, full, tuple(tp_plan.collectives(module)), precision.compute.bytes)
 
 
-def _with_tensor_parallel(
-    estimator: Any,
-    layout: Layout,
-    tp: TensorParallelCost,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
-    intent: ShardingIntent,
-    world_size: int,
-    rank: int,
-    *,
-    overrides: Mapping[str, int],
-    num_nodes: int,
-    zero_init: bool,
-    tokens: int | None,
-    full_model_states: int,
-) -> MemoryEstimate:
+def _with_tensor_parallel(estimator: Any, layout: Layout, tp: TensorParallelCost, inputs: RankInputs, tokens: int | None) -> MemoryEstimate:
     """The estimate of one rank of a data-parallel x tensor-parallel run, from the backend's own estimator.
 
     Ranks are numbered tensor parallel innermost (``autoshard.mesh``): the ranks of one tensor-parallel coordinate form
-    the data-parallel world fully_shard shards over, so the estimator sees that world (world size / tp ranks, its
-    nodes' share of them) and parameters already cut to one tensor-parallel rank's slice. Its states are exact per
-    rank; ``full_model_states`` (the whole parameters' states, the same at every world size) is the unsharded figure;
-    the plan's collectives join the traffic rows, over the tp ranks of one node, for ``tokens`` tokens per micro-batch
-    (a note gives bytes per token without them).
+    the data-parallel world fully_shard shards over, so the estimator sees that world (``inputs.dims`` without its
+    tensor-parallel ranks, its nodes' share of them) and parameters already cut to one tensor-parallel rank's slice.
+    Its states are exact per rank; the whole parameters' states (the same at every world size) are the unsharded
+    figure; the plan's collectives join the traffic rows, over the tp ranks of one node, for ``tokens`` tokens per
+    micro-batch (a note gives bytes per token without them).
     """
-    intent.mesh_sizes(world_size, num_nodes)  # refuses a tensor-parallel size that does not fit this world
-    dp = world_size // tp.size
+    world_size, num_nodes, dims = inputs.world_size, inputs.num_nodes, inputs.dims
+    dp = dims.dp
     per_node = world_size // num_nodes
     dp_nodes = num_nodes if dp % num_nodes == 0 and per_node % tp.size == 0 else 1
-    inner = intent.replace(tensor_parallel_size=1, data_parallel_size=None)
-    est = estimator(layout, sourced, inner, dp, rank // tp.size, overrides=overrides, num_nodes=dp_nodes, zero_init=zero_init)
+    inner = inputs.intent.replace(tensor_parallel_size=1, data_parallel_size=None)
+    dp_dims = replace(dims, tp=1)
+    est = estimator(layout, replace(inputs, intent=inner, dims=dp_dims, rank=inputs.rank // tp.size, num_nodes=dp_nodes))
+    whole = estimator(tp.full, replace(inputs, intent=inner, dims=ParallelDims(), rank=0, num_nodes=1)).full_model_states
     spans_nodes = tp.size > per_node
     traffic: list[Traffic] = []
     per_token: dict[str, int] = {}
@@ -220,8 +210,8 @@ def _with_tensor_parallel(
     return replace(
         est,
         world_size=world_size,
-        rank=rank,
-        full_model_states=full_model_states,
+        rank=inputs.rank,
+        full_model_states=whole,
         shard_group=est.shard_group * tp.size,
         num_nodes=num_nodes,
         traffic=(*est.traffic, *(t for t in traffic if t.bytes)),
@@ -322,6 +312,29 @@ def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent,
     return chosen.name
 
 
+@dataclass(frozen=True)
+class EstimateOptions:
+    """How ``estimate_memory`` counts, beyond the module, the intent, the world size and the optimizers.
+
+    ``rank``: the rank estimated (0 holds the largest FSDP2 shard). ``num_nodes`` (or ``devices_per_node``, which
+    derives it from each world size: one node when smaller) places ranks on nodes: DeepSpeed's estimator,
+    ``shard_size='node'`` and the inter-node traffic read it. ``precision``: the run's resolved plan; None plans for
+    the intent's. ``zero_init``: a DeepSpeed estimator input. ``state_tensors``: the state count per optimizer class
+    name, overriding the built-in one. ``sourced``: (source, optimizer) pairs ``collect_optimizers`` already made, so
+    that the user's ``configure_optimizers`` runs once (hooks may assert a single call). ``tokens``: tokens per
+    micro-batch, to count a tensor-parallel plan's activation traffic.
+    """
+
+    rank: int = 0
+    num_nodes: int = 1
+    devices_per_node: int | None = None
+    precision: PrecisionPlan | None = None
+    zero_init: bool = True
+    state_tensors: Mapping[str, int] | None = None
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None
+    tokens: int | None = None
+
+
 def estimate_memory(
     module: nn.Module,
     intent: ShardingIntent | Mapping[str, Any] | None = None,
@@ -329,38 +342,16 @@ def estimate_memory(
     world_size: int = 1,
     backend: str = "fsdp2",
     *,
-    rank: int = 0,
     optimizers: Sequence[torch.optim.Optimizer] | None = None,
     callbacks: Sequence[object] | None = None,
-    state_tensors: Mapping[str, int] | None = None,
-    num_nodes: int = 1,
-    zero_init: bool = True,
-    precision: PrecisionPlan | None = None,
-    devices_per_node: int | None = None,
+    options: EstimateOptions | None = None,
 ) -> MemoryEstimate:
-    """Per-rank bytes of ``module`` trained on ``world_size`` ranks; rank 0 holds the largest FSDP2 shard.
+    """Per-rank bytes of ``module`` trained on ``world_size`` ranks (``estimate_memory_many`` for one world size).
 
     ``optimizers`` default to ``configure_optimizers()`` plus the callbacks' own (built here, on the unsharded
-    module). ``state_tensors`` overrides the state count per optimizer class name. ``num_nodes`` (or
-    ``devices_per_node``, which derives it from the world size) places ranks on nodes: DeepSpeed's estimator,
-    ``shard_size='node'`` and the inter-node traffic read it; ``zero_init`` is a DeepSpeed estimator input.
-    ``precision``: the run's resolved plan; None plans for the intent's precision.
+    module); ``options`` says which rank, on how many nodes, in which precision (``EstimateOptions``).
     """
-    return estimate_memory_many(
-        module,
-        intent,
-        needs,
-        [world_size],
-        backend,
-        rank=rank,
-        optimizers=optimizers,
-        callbacks=callbacks,
-        state_tensors=state_tensors,
-        num_nodes=num_nodes,
-        zero_init=zero_init,
-        precision=precision,
-        devices_per_node=devices_per_node,
-    )[0]
+    return estimate_memory_many(module, intent, needs, [world_size], backend, optimizers=optimizers, callbacks=callbacks, options=options)[0]
 
 
 def estimate_memory_many(
@@ -370,100 +361,53 @@ def estimate_memory_many(
     world_sizes: Iterable[int] = (1, 2, 8, 64),
     backend: str = "fsdp2",
     *,
-    rank: int = 0,
     optimizers: Sequence[torch.optim.Optimizer] | None = None,
     callbacks: Sequence[object] | None = None,
-    state_tensors: Mapping[str, int] | None = None,
-    num_nodes: int = 1,
-    zero_init: bool = True,
-    precision: PrecisionPlan | None = None,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None,
-    devices_per_node: int | None = None,
-    tokens: int | None = None,
+    options: EstimateOptions | None = None,
 ) -> list[MemoryEstimate]:
     """One estimate per world size; the plan and the optimizers are built once.
 
-    ``devices_per_node``: each world size runs on world size / devices_per_node nodes (one node when smaller);
-    without it, every world size runs on ``num_nodes`` nodes.
-
-    ``sourced``: (source, optimizer) pairs from ``collect_optimizers`` already made by the caller, so that the
-    user's ``configure_optimizers`` runs once (hooks may assert a single call).
-
     ``tensor_parallel_size > 1`` (fsdp2, the model's own plan): each rank holds its tensor-parallel slice, sharded
-    over the data-parallel ranks; ``tokens``: tokens per micro-batch, to count the plan's activation traffic.
+    over the data-parallel ranks.
     """
+    o = options or EstimateOptions()
     intent = as_intent(intent)
-    precision = precision or resolve_precision(None, intent)
+    precision = o.precision or resolve_precision(None, intent)
     if needs is None:
         needs = inspect_needs(module, callbacks=callbacks)
     backend = _canonical_backend(backend, needs, intent, precision)
-    if sourced is not None:
-        sourced = list(sourced)
+    if o.sourced is not None:
+        sourced = list(o.sourced)
     elif optimizers is None:
         sourced = collect_optimizers(module, callbacks)
     else:
-        sourced = [("given", o) for o in (returned_optimizers(list(optimizers)) or list(optimizers))]
+        sourced = [("given", opt) for opt in (returned_optimizers(list(optimizers)) or list(optimizers))]
     layout, tp = _layout(module, intent, needs, backend, precision)
     estimator = get_backend(backend).memory
-    if tp is not None:  # the whole parameters' states: one figure for every world size
-        inner = intent.replace(tensor_parallel_size=1, data_parallel_size=None)
-        whole = estimator(tp.full, sourced, inner, 1, 0, overrides=dict(state_tensors or {}), num_nodes=1, zero_init=zero_init).full_model_states
     out = []
     for world_size in world_sizes:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise AutoShardError(f"world sizes must be positive integers, got {world_size!r}. Fix: e.g. world_sizes=(2, 8)")
-        if not 0 <= rank < world_size:
-            raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
-        nodes = num_nodes if devices_per_node is None else nodes_for(world_size, devices_per_node)
-        if tp is not None:
-            out.append(
-                _with_tensor_parallel(
-                    estimator,
-                    layout,
-                    tp,
-                    sourced,
-                    intent,
-                    world_size,
-                    rank,
-                    overrides=dict(state_tensors or {}),
-                    num_nodes=nodes,
-                    zero_init=zero_init,
-                    tokens=tokens,
-                    full_model_states=whole,
-                )
-            )
-            continue
-        out.append(
-            estimator(
-                layout,
-                sourced,
-                intent,
-                world_size,
-                rank,
-                overrides=dict(state_tensors or {}),
-                num_nodes=nodes,
-                zero_init=zero_init,
-            )
-        )
+        if not 0 <= o.rank < world_size:
+            raise AutoShardError(f"rank {o.rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
+        nodes = o.num_nodes if o.devices_per_node is None else nodes_for(world_size, o.devices_per_node)
+        dims = _dims(intent, world_size, nodes, tp)
+        inputs = RankInputs(sourced, intent, dims, o.rank, nodes, dict(o.state_tensors or {}), o.zero_init)
+        out.append(estimator(layout, inputs) if tp is None else _with_tensor_parallel(estimator, layout, tp, inputs, o.tokens))
     return out
 
 
-def nodes_for(world_size: int, devices_per_node: int) -> int:
-    """Nodes a world of ``world_size`` ranks fills, ``devices_per_node`` ranks each (one node when it is smaller)."""
-    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
-        raise AutoShardError(f"devices per node must be a positive integer, got {devices_per_node!r}. Fix: e.g. --devices-per-node 8")
-    if world_size <= devices_per_node:
-        return 1
-    if world_size % devices_per_node:
-        raise AutoShardError(
-            f"world size {world_size} does not fill whole nodes of {devices_per_node} devices."
-            f" Fix: use a multiple of {devices_per_node} (e.g. {world_size - world_size % devices_per_node}),"
-            f" or set the devices per node to what your nodes have"
-        )
-    return world_size // devices_per_node
+def _dims(intent: ShardingIntent, world_size: int, num_nodes: int, tp: TensorParallelCost | None) -> ParallelDims:
+    """The layout an estimate is for: resolved in full under a model's tensor-parallel plan; otherwise the
+    data-parallel split alone over every rank (the table assumes pure data parallel, explain says so)."""
+    if tp is not None:
+        return ParallelDims.resolve(intent, world_size, num_nodes)
+    replicas, shard = hybrid_sizes(intent, world_size, num_nodes) or (1, world_size)
+    return ParallelDims(replicas, shard)
 
 
 __all__ = [
+    "EstimateOptions",
     "MemoryEstimate",
     "OPTIMIZER_STATES",
     "Traffic",
@@ -473,7 +417,6 @@ __all__ = [
     "estimate_memory_many",
     "fmt_bytes",
     "memory_table",
-    "nodes_for",
     "parse_size",
     "with_step",
     "shard_rows",

@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autoshard.precision import PrecisionPlan
+
+if TYPE_CHECKING:
+    from autoshard.intent import ShardingIntent
+    from autoshard.mesh import ParallelDims
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "ema_teacher", "unsharded")
 LABELS = {
@@ -144,6 +148,25 @@ class Layout:
     notes: list[str]
     largest_layer_params: int  # DeepSpeed's notion: most parameters owned directly by one module
     precision: PrecisionPlan  # as the backend runs it (autoshard.backends.on_backend)
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """What a backend's estimator (``Backend.memory(layout, inputs)``) reads besides the layout: the optimizers (as
+    ``memory.collect_optimizers`` found them), the intent, the resolved layout of the ranks it shards over, which rank,
+    the nodes they fill, per-class state counts that override the built-in ones, and DeepSpeed's ``zero_init``."""
+
+    sourced: Sequence[tuple[str, torch.optim.Optimizer]]
+    intent: ShardingIntent
+    dims: ParallelDims
+    rank: int = 0
+    num_nodes: int = 1
+    overrides: Mapping[str, int] = field(default_factory=dict)
+    zero_init: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autoshard.errors import AutoShardError, BackendUnavailableError
+from autoshard.errors import AutoShardError, BackendUnavailableError, IntentError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -60,9 +60,10 @@ class ParallelDims:
 
     @classmethod
     def resolve(cls, intent: ShardingIntent, world_size: int, num_nodes: int = 1) -> ParallelDims:
-        """The dims for this world, refusing sizes that do not fit it (the intent's own texts)."""
-        dp, tp = intent.mesh_sizes(world_size, num_nodes)
-        replicas, shard = intent.hsdp_sizes(world_size, num_nodes) or (1, dp)
+        """The dims for this world, refusing sizes that do not fit it: the one place a world is checked against the
+        intent's data_parallel_size, tensor_parallel_size and shard_size, before any process starts."""
+        dp, tp = _dp_tp(intent, world_size)
+        replicas, shard = hybrid_sizes(intent, world_size, num_nodes) or (1, dp)
         return cls(replicas, shard, tp)
 
     @classmethod
@@ -107,6 +108,92 @@ class ParallelDims:
             "world_size": self.world_size,
             **({"hsdp": self.hsdp} if self.hsdp else {}),
         }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_world_size(world_size: int) -> None:
+    """Refuse a world size that is not a positive integer."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise IntentError(f"world size must be a positive integer, got {world_size!r}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+
+
+def check_num_nodes(world_size: int, num_nodes: int) -> None:
+    """Refuse a number of nodes the world's ranks cannot fill evenly."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
+        raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+
+
+def nodes_for(world_size: int, devices_per_node: int) -> int:
+    """Nodes a world of ``world_size`` ranks fills, ``devices_per_node`` ranks each (one node when it is smaller)."""
+    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+        raise AutoShardError(f"devices per node must be a positive integer, got {devices_per_node!r}. Fix: e.g. --devices-per-node 8")
+    if world_size <= devices_per_node:
+        return 1
+    if world_size % devices_per_node:
+        raise AutoShardError(
+            f"world size {world_size} does not fill whole nodes of {devices_per_node} devices."
+            f" Fix: use a multiple of {devices_per_node} (e.g. {world_size - world_size % devices_per_node}),"
+            f" or set the devices per node to what your nodes have"
+        )
+    return world_size // devices_per_node
+
+
+def _dp_tp(intent: ShardingIntent, world_size: int) -> tuple[int, int]:
+    """(data_parallel, tensor_parallel) for this world; pure FSDP (dp = world, tp = 1) by default."""
+    check_world_size(world_size)
+    tp = intent.tensor_parallel_size
+    dp = intent.data_parallel_size if intent.data_parallel_size is not None else world_size // tp
+    if dp * tp == world_size:
+        return dp, tp
+    world = f"the world size {world_size} (nodes x devices)"
+    if world_size % tp:
+        raise IntentError(
+            f"tensor_parallel_size={tp} does not divide {world}. Fix: tensor_parallel_size= one of {', '.join(map(str, _divisors(world_size)))}"
+        )
+    raise IntentError(
+        f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} does not match {world}. Fix: set"
+        f" data_parallel_size={world_size // tp}, or leave it unset to use every rank"
+    )
+
+
+def hybrid_sizes(intent: ShardingIntent, world_size: int, num_nodes: int = 1) -> tuple[int, int] | None:
+    """(replicas, shard_size) of the hybrid-sharding split of the data-parallel ranks; None: pure FSDP. The data-parallel
+    split alone: what a model-states estimate and the budget's world-size search read (``resolve`` checks the rest).
+
+    ``'node'`` resolves to the devices of one node (world size / num_nodes; with tensor parallel, the data-parallel
+    ranks among them: that / tensor_parallel_size). A shard size equal to the data-parallel size is pure FSDP (one
+    replica), so it gives None too: a 1-D mesh, nothing replicated.
+    """
+    if intent.shard_size is None:
+        return None
+    dp, _ = _dp_tp(intent, world_size)
+    check_num_nodes(world_size, num_nodes)
+    shard = world_size // num_nodes if intent.shard_size == "node" else int(intent.shard_size)
+    stated = f"shard_size={intent.shard_size!r}" + (f" (= {shard} devices per node)" if intent.shard_size == "node" else "")
+    tp = intent.tensor_parallel_size
+    if intent.shard_size == "node" and tp > 1:  # a node holds shard groups x tensor-parallel groups
+        if shard % tp:
+            raise IntentError(
+                f"shard_size='node' with tensor_parallel_size={tp}: a node's {shard} devices cannot hold whole"
+                f" tensor-parallel groups of {tp}, so a group would span nodes. Fix: tensor_parallel_size= one of"
+                f" {', '.join(map(str, _divisors(shard)))}, or shard_size= a number of data-parallel ranks"
+            )
+        shard //= tp
+        stated = f"shard_size='node' (= {shard} data-parallel ranks per node of {shard * tp} devices)"
+    if shard > dp:
+        raise IntentError(
+            f"{stated} exceeds the data-parallel size {dp} (world size {world_size}): a shard group cannot hold more"
+            f" ranks than there are. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}, or leave it unset"
+        )
+    if dp % shard:
+        raise IntentError(
+            f"{stated} does not divide the data-parallel size {dp}, so the ranks cannot form whole replicas of"
+            f" the shard group. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}"
+        )
+    return None if shard == dp else (dp // shard, shard)
 
 
 def _names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -218,5 +305,9 @@ __all__ = [
     "ParallelDims",
     "ParallelMesh",
     "build_mesh",
+    "check_num_nodes",
+    "check_world_size",
     "dp_mesh",
+    "hybrid_sizes",
+    "nodes_for",
 ]

@@ -171,7 +171,6 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member("torch.utils._pytree", "tree_map_only", "autoshard.budget", "empty tensors of a given batch's shapes"),
     Member("torch.utils._pytree", "tree_map", "autoshard.budget", "a batch cut to a smaller micro-batch"),
     Member("torch.utils._pytree", "tree_leaves", "autoshard.budget", "the tensors of a batch (its rows)"),
-    Member("torch.utils._pytree", "tree_leaves", "autoshard.explain", "the tensors of a user's batch"),
 )
 
 

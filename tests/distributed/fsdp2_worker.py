@@ -289,10 +289,12 @@ def max_diff(sharded: nn.Module, reference: nn.Module) -> float:
 def estimated_sent(factory: Any, precision: str) -> dict[str, int]:
     """explain's bytes sent per step by this rank (memory.Traffic), on a meta-device copy."""
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import estimate_memory
+    from autoshard.memory import EstimateOptions, estimate_memory
     from autoshard.target import build_on_meta
 
-    estimate = estimate_memory(build_on_meta(factory).module, ShardingIntent(precision=precision), world_size=WORLD, rank=RANK)
+    estimate = estimate_memory(
+        build_on_meta(factory).module, ShardingIntent(precision=precision), world_size=WORLD, options=EstimateOptions(rank=RANK)
+    )
     return {t.collective: t.bytes for t in estimate.traffic}
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import autoshard  # noqa: F401  registers strategy="fsdp2"
 from autoshard.demo import Blobs, DinoLike, OnlineProbe, local_state_bytes
 from autoshard.intent import ShardingIntent
-from autoshard.memory import estimate_memory
+from autoshard.memory import EstimateOptions, estimate_memory
 from autoshard.needs import inspect_needs
 from tests.distributed.harness import quiet_trainer, run_scenarios
 
@@ -62,7 +62,7 @@ def scenario_dino() -> dict[str, Any]:
         twin_probe.setup(None, twin, "fit")  # the probe attaches its module and builds its optimizer, as in fit
     intent = ShardingIntent(precision="bf16-mixed")
     needs = inspect_needs(twin, callbacks=[twin_probe])
-    estimate = estimate_memory(twin, intent, needs, WORLD, "fsdp2", rank=RANK, callbacks=[twin_probe])
+    estimate = estimate_memory(twin, intent, needs, WORLD, "fsdp2", callbacks=[twin_probe], options=EstimateOptions(rank=RANK))
     pl.seed_everything(0, verbose=False)
     probe = OnlineProbe(dim=33)
     measure = Measure([probe])
@@ -99,7 +99,7 @@ def scenario_uneven() -> dict[str, Any]:
     with torch.device("meta"):
         twin = Uneven()
     intent = ShardingIntent(precision="32-true")
-    estimate = estimate_memory(twin, intent, None, WORLD, "fsdp2", rank=RANK)
+    estimate = estimate_memory(twin, intent, None, WORLD, "fsdp2", options=EstimateOptions(rank=RANK))
     pl.seed_everything(1, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))

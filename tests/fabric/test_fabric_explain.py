@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import AutoShardError
-from autoshard.explain import explain
+from autoshard.explain import ExplainOptions, explain
 from autoshard.fabric import fabric_target
 
 
@@ -61,7 +61,7 @@ def test_explain_plans_like_fabric_and_the_step_runs_the_users_loss() -> None:
 def test_a_factory_that_returns_no_module_is_refused() -> None:
     report_or_error = None
     try:
-        report_or_error = explain(fabric_target(lambda: "not a module"), simulate=False)  # type: ignore[arg-type,return-value]
+        report_or_error = explain(fabric_target(lambda: "not a module"), options=ExplainOptions(simulate=False))  # type: ignore[arg-type,return-value]
     except AutoShardError as exc:
         report_or_error = str(exc)
     assert isinstance(report_or_error, str) and "returned str, not an nn.Module" in report_or_error, report_or_error

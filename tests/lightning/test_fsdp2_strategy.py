@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from autoshard import IncompatibleBackendError, IntentError
 from autoshard.errors import AutoShardError
 from autoshard.lightning import AutoShardStrategy, FSDP2Strategy
+from autoshard.mesh import ParallelDims
 
 
 def trainer(**kwargs: Any) -> pl.Trainer:
@@ -45,7 +46,7 @@ def test_strategies_are_registered_by_name() -> None:
 
 def test_default_sizes_are_pure_fsdp_not_lightnings_tensor_parallel() -> None:
     strategy = FSDP2Strategy()
-    assert strategy.intent.mesh_sizes(8) == (8, 1)
+    assert ParallelDims.resolve(strategy.intent, 8) == ParallelDims(1, 8, 1)
 
 
 def test_shard_size_is_resolved_once_with_num_nodes_when_the_trainer_is_built() -> None:

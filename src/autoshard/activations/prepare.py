@@ -20,6 +20,7 @@ from autoshard.adapters.checkpointing import is_checkpointed
 from autoshard.adapters.compile import Compile, is_compiled_in_place
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 from autoshard.needs import held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan
 
@@ -120,11 +121,11 @@ def prepare_run(
     with mode:
         _fake_parameters(module, callbacks, convert)
     needs = inspect_needs(module, callbacks=callbacks, call_hooks=False)
-    mesh = data_parallel_mesh(intent, world_size)
+    dims = ParallelDims.resolve(intent, world_size, num_nodes)
+    mesh = data_parallel_mesh(dims)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = plan_fsdp2(module, intent, needs, precision)
-        plan.hsdp = intent.hsdp_sizes(world_size, num_nodes)
+        plan = plan_fsdp2(module, intent, needs, precision, dims=dims)
         eager = _first_of_each_class(unsharded, plan.compiled) if unsharded is not None else {}
         plan.apply(module, mesh)  # outside the fake mode: it reads the mesh's real rank tensor
     compiled = _compiled_blocks(module, eager)

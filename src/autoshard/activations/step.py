@@ -7,7 +7,7 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -155,75 +155,108 @@ def measure_step(
 
     CPU tensors only: CUDA allocator rounding and fragmentation, and CUDA/NCCL workspaces, are not modelled.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise AutoShardError(f"world size must be a positive integer, got {world_size!r}. Fix: e.g. world_size=8")
     if not 0 <= rank < world_size:
         raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
     tracker_base()
     extra: dict[str, Any] = {"precision": precision.precision.value, "activation_checkpointing": intent.activation_checkpointing}
-    convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
-    notes: list[str] = []
+    step = _Step(factory, intent, world_size, precision, num_nodes, rank)
     failed = ""  # why the training step could not run on make_batch's batch, with its Fix
     with fake_world(world_size, rank), _quiet():
         if make_batch is not None:
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            run = prepare_run(factory, intent, world_size, precision, make_batch, mode, num_nodes, rank)
-            try:
-                with mode:
-                    with _flop_counter() as counter, _block_inputs(run) as inputs:  # the warm-up runs the same ops
-                        _train_step(run, precision)  # warm-up: optimizer states and lazy FSDP state exist after it
-                    extra["flops"] = int(counter.get_total_flops()) if counter is not None else 0
-                    saved = _compiled_saving(run, inputs, precision)
-                    del inputs
-                    gc.collect()
-                    tracker = step_tracker(run.module, run.optimizers)
-                    tracker.track_inputs((run.batch,))
-                    with tracker:
-                        _train_step(run, precision)
-                return _less_when_compiled(tracker.step_memory(world_size, rank, False, run.notes, **extra), saved, len(run.compiled))
-            except AutoShardError:
-                raise
-            except Exception as exc:
-                failed = _step_failed(exc, make_batch, run.batch)  # said once, in ``incomplete`` (or refused below)
-            del run
+            measured, failed = _whole_step(step, make_batch, extra)
+            if measured is not None:
+                return measured
+        return _forward_only(step, make_batch, extra, failed)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The step ``measure_step`` measures: what each attempt prepares its run from."""
+
+    factory: Any
+    intent: ShardingIntent
+    world_size: int
+    precision: PrecisionPlan
+    num_nodes: int
+    rank: int
+
+    def prepare(self, make_batch: Callable[[], Any] | None, mode: Any) -> Run:
+        return prepare_run(self.factory, self.intent, self.world_size, self.precision, make_batch, mode, self.num_nodes, self.rank)
+
+
+def _whole_step(step: _Step, make_batch: Callable[[], Any], extra: dict[str, Any]) -> tuple[StepMemory | None, str]:
+    """(the whole training step's memory, "") on ``make_batch``'s batch; (None, why it could not run, with its Fix)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    run = step.prepare(make_batch, mode)
+    try:
+        with mode:
+            with _flop_counter() as counter, _block_inputs(run) as inputs:  # the warm-up runs the same ops
+                _train_step(run, step.precision)  # warm-up: optimizer states and lazy FSDP state exist after it
+            extra["flops"] = int(counter.get_total_flops()) if counter is not None else 0
+            saved = _compiled_saving(run, inputs, step.precision)
+            del inputs
             gc.collect()
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        run = prepare_run(factory, intent, world_size, precision, None, mode, num_nodes, rank)
-        notes = run.notes + notes
-        if getattr(run.module, "example_input_array", None) is None:
-            if failed:  # the user gave a batch: say why it did not run, never "pass a batch function"
-                raise AutoShardError(failed)
-            raise AutoShardError(
-                f"no batch to measure activations with: {'; '.join(notes) + '; ' if notes else ''}"
-                f"{type(run.module).__name__} has no example_input_array. Fix: pass a batch function"
-                f" (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...)), or set"
-                f" self.example_input_array in __init__"
-            )
-        incomplete = failed
-        if make_batch is None:
-            notes.append("no batch function given: forward(example_input_array) only, no backward or optimizer step (a lower bound)")
-            incomplete = (
-                "no batch function given, so only forward(example_input_array) ran (no backward, no optimizer step)."
-                " Fix: pass a batch function (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...))"
-            )
-        try:
-            with mode:
-                run.batch = fake_example(run.module.example_input_array, convert)
-                tracker = step_tracker(run.module, run.optimizers)
-                tracker.track_inputs((run.batch,))
-                with tracker:
-                    _forward(run, precision)
-        except Exception as exc:
-            if reads_values(exc):
-                fix = "avoid reading tensor values in forward (compute on tensors instead), or estimate on a real device"
-            else:
-                fix = f"make example_input_array, {describe_batch(run.batch)}, what forward takes, or estimate on a real device"
-            raise AutoShardError(
-                f"activation memory could not be measured: forward(example_input_array) failed on fake tensors: {describe_failure(exc)}. Fix: {fix}"
-            ) from exc
-        return tracker.step_memory(world_size, rank, True, notes, incomplete=incomplete, **extra)
+            tracker = step_tracker(run.module, run.optimizers)
+            tracker.track_inputs((run.batch,))
+            with tracker:
+                _train_step(run, step.precision)
+        measured = tracker.step_memory(step.world_size, step.rank, False, run.notes, **extra)
+        return _less_when_compiled(measured, saved, len(run.compiled)), ""
+    except AutoShardError:
+        raise
+    except Exception as exc:
+        failed = _step_failed(exc, make_batch, run.batch)  # said once, in ``incomplete`` (or refused below)
+    del run
+    gc.collect()
+    return None, failed
+
+
+def _forward_only(step: _Step, make_batch: Callable[[], Any] | None, extra: dict[str, Any], failed: str) -> StepMemory:
+    """The forward of ``example_input_array`` (a lower bound: no backward, no optimizer step), when there is no batch
+    or the step could not run on it (``failed``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    precision = step.precision
+    convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    run = step.prepare(None, mode)
+    notes = list(run.notes)
+    if getattr(run.module, "example_input_array", None) is None:
+        if failed:  # the user gave a batch: say why it did not run, never "pass a batch function"
+            raise AutoShardError(failed)
+        raise AutoShardError(
+            f"no batch to measure activations with: {'; '.join(notes) + '; ' if notes else ''}"
+            f"{type(run.module).__name__} has no example_input_array. Fix: pass a batch function"
+            f" (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...)), or set"
+            f" self.example_input_array in __init__"
+        )
+    incomplete = failed
+    if make_batch is None:
+        notes.append("no batch function given: forward(example_input_array) only, no backward or optimizer step (a lower bound)")
+        incomplete = (
+            "no batch function given, so only forward(example_input_array) ran (no backward, no optimizer step)."
+            " Fix: pass a batch function (autoshard explain --batch train.py:make_batch, or measure_step(make_batch=...))"
+        )
+    try:
+        with mode:
+            run.batch = fake_example(run.module.example_input_array, convert)
+            tracker = step_tracker(run.module, run.optimizers)
+            tracker.track_inputs((run.batch,))
+            with tracker:
+                _forward(run, precision)
+    except Exception as exc:
+        if reads_values(exc):
+            fix = "avoid reading tensor values in forward (compute on tensors instead), or estimate on a real device"
+        else:
+            fix = f"make example_input_array, {describe_batch(run.batch)}, what forward takes, or estimate on a real device"
+        raise AutoShardError(
+            f"activation memory could not be measured: forward(example_input_array) failed on fake tensors: {describe_failure(exc)}. Fix: {fix}"
+        ) from exc
+    return tracker.step_memory(step.world_size, step.rank, True, notes, incomplete=incomplete, **extra)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,81 @@ def tracker_base() -> type:
     return FSDPMemTracker
 
 
+class _StepParts:
+    """What ``StepTracker`` adds to torch's tracker that reads none of its private types: a unit called twice at top
+    level, Lightning's closure-style ``optimizer.step(closure)``, and the peak (its place in words, by kind)."""
+
+    # Units called more than once at top level in one step (torch raises "multiple iterative calls").
+    def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def pre_forward(*args: Any, **kwargs: Any) -> Any:
+            parents = self._mod_tracker.parents
+            added = _NOT_A_MODULE not in parents
+            parents.add(_NOT_A_MODULE)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if added:
+                    self._mod_tracker.parents.discard(_NOT_A_MODULE)
+
+        return pre_forward
+
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._stepping = True
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer itself
+        if closure is None:
+            return None
+
+        def closure_outside_step() -> Any:  # Lightning runs forward and backward inside optimizer.step
+            self._stepping = False
+            try:
+                return closure()
+            finally:
+                self._stepping = True
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_outside_step}
+        return (args[0], closure_outside_step, *args[2:]), kwargs
+
+    def _where(self) -> str:
+        if self._stepping:
+            return "optimizer step"
+        names = [n for n in self._mod_tracker.parents if n not in ("Global", _NOT_A_MODULE)]
+        root = type(self._root_mod).__name__
+        names = [n for n in names if n != root]
+        deepest = max(names, key=lambda n: (n.count("."), len(n)), default="")
+        phase = "backward" if self._mod_tracker.is_bw else "forward"
+        if deepest:
+            return f"{phase} of {deepest}"
+        return "backward" if phase == "backward" else "training_step, outside any module (loss)"
+
+    def peak_by_kind(self) -> dict[str, int]:
+        """The peak snapshot of the device with the highest peak, by category name (and "Total")."""
+        snapshot = self.get_tracker_snapshot("peak")
+        if not snapshot:
+            return {"Total": 0}
+        device = max(snapshot, key=lambda d: snapshot[d].get("Total", 0))
+        return {getattr(k, "value", str(k)): int(v) for k, v in snapshot[device].items()}
+
+    def step_memory(self, world_size: int, rank: int, forward_only: bool = False, notes: Sequence[str] = (), **extra: Any) -> StepMemory:
+        kinds = self.peak_by_kind()
+        total = lambda names: sum(kinds.get(n, 0) for n in names)  # noqa: E731
+        return StepMemory(
+            world_size=world_size,
+            rank=rank,
+            peak=kinds.get("Total", 0),
+            activations=total(ACTIVATIONS),
+            gathered=total(GATHERED),
+            model_states=total(MODEL_STATES),
+            at=self.peak_at or "before the step",
+            forward_only=forward_only,
+            notes=tuple(dict.fromkeys(notes)),
+            by_kind=tuple((k, v) for k, v in kinds.items() if k != "Total" and v),
+            **extra,
+        )
+
+
 def _make_tracker_class() -> type:
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType, _FSDPState
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -36,7 +111,7 @@ def _make_tracker_class() -> type:
 
     base = tracker_base()
 
-    class StepTracker(base):  # type: ignore[misc, valid-type]
+    class StepTracker(_StepParts, base):  # type: ignore[misc, valid-type]
         """FSDPMemTracker for a LightningModule whose root is not sharded (autoshard shards its children), with any
         number of optimizers, Lightning's closure-style ``optimizer.step(closure)``, units called twice in one step
         (two views through a student), parameters left unsharded, and the place of the peak in words.
@@ -61,22 +136,6 @@ def _make_tracker_class() -> type:
                 known[m] = name or type(module).__name__
                 seen.add(m)
 
-        # Units called more than once at top level in one step (torch raises "multiple iterative calls").
-        def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
-            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
-
-            def pre_forward(*args: Any, **kwargs: Any) -> Any:
-                parents = self._mod_tracker.parents
-                added = _NOT_A_MODULE not in parents
-                parents.add(_NOT_A_MODULE)
-                try:
-                    return inner(*args, **kwargs)
-                finally:
-                    if added:
-                        self._mod_tracker.parents.discard(_NOT_A_MODULE)
-
-            return pre_forward
-
         # Every optimizer; temporaries of the step stay "Temp"-like activations, only states count as OptState.
         def _instrument_optimizer(self) -> None:
             handles = []
@@ -85,23 +144,6 @@ def _make_tracker_class() -> type:
                 handles.append(optimizer.register_step_pre_hook(self._before_step))
                 handles.append(optimizer.register_step_post_hook(self._after_step))
             self._optimizer_hook_handles = tuple(handles) or None
-
-        def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            self._stepping = True
-            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer itself
-            if closure is None:
-                return None
-
-            def closure_outside_step() -> Any:  # Lightning runs forward and backward inside optimizer.step
-                self._stepping = False
-                try:
-                    return closure()
-                finally:
-                    self._stepping = True
-
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": closure_outside_step}
-            return (args[0], closure_outside_step, *args[2:]), kwargs
 
         def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
             self._track_optimizer_states(_FSDPRefType.OPT, optimizer)
@@ -134,43 +176,6 @@ def _make_tracker_class() -> type:
             super()._update_peak_stats(peak_state)
             if sum(self._peak_mem.values()) > before:
                 self.peak_at = self._where()
-
-        def _where(self) -> str:
-            if self._stepping:
-                return "optimizer step"
-            names = [n for n in self._mod_tracker.parents if n not in ("Global", _NOT_A_MODULE)]
-            root = type(self._root_mod).__name__
-            names = [n for n in names if n != root]
-            deepest = max(names, key=lambda n: (n.count("."), len(n)), default="")
-            phase = "backward" if self._mod_tracker.is_bw else "forward"
-            if deepest:
-                return f"{phase} of {deepest}"
-            return "backward" if phase == "backward" else "training_step, outside any module (loss)"
-
-        def peak_by_kind(self) -> dict[str, int]:
-            """The peak snapshot of the device with the highest peak, by category name (and "Total")."""
-            snapshot = self.get_tracker_snapshot("peak")
-            if not snapshot:
-                return {"Total": 0}
-            device = max(snapshot, key=lambda d: snapshot[d].get("Total", 0))
-            return {getattr(k, "value", str(k)): int(v) for k, v in snapshot[device].items()}
-
-        def step_memory(self, world_size: int, rank: int, forward_only: bool = False, notes: Sequence[str] = (), **extra: Any) -> StepMemory:
-            kinds = self.peak_by_kind()
-            total = lambda names: sum(kinds.get(n, 0) for n in names)  # noqa: E731
-            return StepMemory(
-                world_size=world_size,
-                rank=rank,
-                peak=kinds.get("Total", 0),
-                activations=total(ACTIVATIONS),
-                gathered=total(GATHERED),
-                model_states=total(MODEL_STATES),
-                at=self.peak_at or "before the step",
-                forward_only=forward_only,
-                notes=tuple(dict.fromkeys(notes)),
-                by_kind=tuple((k, v) for k, v in kinds.items() if k != "Total" and v),
-                **extra,
-            )
 
     return StepTracker
 

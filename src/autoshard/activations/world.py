@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from autoshard.errors import AutoShardError
-from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 
 
 @contextlib.contextmanager
@@ -125,6 +125,7 @@ def forget_fake_meshes() -> None:
 
 
 _DETACHED = False  # True in the child process of in_detached_world only
+_INHERITED: Any = None  # there: the parent's group registry, kept alive until os._exit (never torn down in the child)
 
 
 def in_detached_world(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -169,10 +170,12 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
 
     import torch.distributed.distributed_c10d as c10d
 
-    global _DETACHED
+    global _DETACHED, _INHERITED
     _DETACHED = True
     try:
-        c10d._world = c10d._World()  # an empty registry: the inherited live group is not this process's to use
+        # An empty registry: the inherited live group is not this process's to use. The inherited one stays
+        # referenced, so no destructor of the parent's groups runs here, on threads fork did not copy.
+        _INHERITED, c10d._world = c10d._world, c10d._World()
         torch.set_num_threads(1)
         payload: dict[str, Any] = {"result": fn()}
     except AutoShardError as exc:
@@ -187,11 +190,11 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
         os._exit(0)
 
 
-def data_parallel_mesh(intent: ShardingIntent, world_size: int) -> Any:
+def data_parallel_mesh(dims: ParallelDims) -> Any:
     """The 1-D data-parallel mesh the strategy's plan shards on (the plan makes HSDP's 2-D mesh from it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp, tp = intent.mesh_sizes(world_size)
+    dp, tp = dims.dp, dims.tp
     if tp > 1:
         raise AutoShardError(
             f"tensor_parallel_size={tp}: the simulated step shards over data-parallel ranks only and does not lay the"

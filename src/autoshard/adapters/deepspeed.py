@@ -13,6 +13,7 @@ from autoshard.backends import Availability, on_backend
 from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 from autoshard.needs import MethodNeeds
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import select_backend
@@ -112,7 +113,7 @@ def check_intent(
         precision=precision,
     )
     if world_size is not None:
-        intent.mesh_sizes(world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
+        ParallelDims.resolve(intent, world_size)  # data_parallel_size must equal the world size: ZeRO-3 is data parallel only
 
 
 def provisional_config(intent: ShardingIntent, *, micro_batch_size: int | None, zero_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -205,6 +206,23 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
             f"is {stage!r} but autoshard's DeepSpeed backend is ZeRO-3 (parameters partitioned)",
             "set zero_optimization.stage=3, or use Lightning's strategy='deepspeed_stage_2' for stages 1-2",
         )
+    _check_precision(config)
+    _check_batch_sizes(config, world_size)
+    _check_zero_keys(zero)
+    clip = config.get("gradient_clipping")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        _refuse(
+            "gradient_clipping",
+            f"must be a non-negative max norm, got {clip!r}",
+            "set Trainer(gradient_clip_val=1.0) or remove it (0 disables clipping)",
+        )
+    comm = config.get("communication_data_type")
+    if comm is not None and comm not in _COMM_DTYPE.values():
+        _refuse("communication_data_type", f"is {comm!r}", f"choose one of {', '.join(map(repr, _COMM_DTYPE.values()))}")
+
+
+def _check_precision(config: Mapping[str, Any]) -> None:
+    """One half precision at most, and a valid fp16 loss scale."""
     enabled = [key for key in ("bf16", "fp16") if isinstance(config.get(key), Mapping) and config[key].get("enabled", False)]
     if len(enabled) > 1:
         _refuse(
@@ -216,6 +234,9 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
         if not isinstance(scale, (int, float)) or scale < 0:
             _refuse("fp16.loss_scale", f"is {scale!r}", "use 0 for dynamic loss scaling (recommended) or a positive static scale")
 
+
+def _check_batch_sizes(config: Mapping[str, Any], world_size: int | None) -> None:
+    """The micro-batch, the accumulation and the global batch agree (with the world size, when known)."""
     micro = _positive_int(config, "train_micro_batch_size_per_gpu")
     accumulate = _positive_int(config, "gradient_accumulation_steps")
     total = _positive_int(config, "train_batch_size")
@@ -239,6 +260,9 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
                 "set train_batch_size to that product, or remove it and let DeepSpeed derive it",
             )
 
+
+def _check_zero_keys(zero: Mapping[str, Any]) -> None:
+    """No MiCS, offload blocks DeepSpeed can run, non-negative bucket sizes."""
     for key in _MICS_KEYS:
         if key in zero:
             # DeepSpeed >= 0.19.7 raises "MiCS ZeRO-3 sharding has been removed" only inside deepspeed.initialize, after
@@ -279,16 +303,6 @@ def validate_deepspeed_config(config: Mapping[str, Any], *, world_size: int | No
                 f"must be a non-negative number of elements, got {value!r}",
                 f"remove it to use the default ({ZERO3_DEFAULTS[key]:,})",
             )
-    clip = config.get("gradient_clipping")
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
-        _refuse(
-            "gradient_clipping",
-            f"must be a non-negative max norm, got {clip!r}",
-            "set Trainer(gradient_clip_val=1.0) or remove it (0 disables clipping)",
-        )
-    comm = config.get("communication_data_type")
-    if comm is not None and comm not in _COMM_DTYPE.values():
-        _refuse("communication_data_type", f"is {comm!r}", f"choose one of {', '.join(map(repr, _COMM_DTYPE.values()))}")
 
 
 __all__ = [

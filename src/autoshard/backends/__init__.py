@@ -8,7 +8,7 @@ on use, so ``import autoshard.backends`` (and ``autoshard matrix``) stays free o
 
 from __future__ import annotations
 
-from autoshard.backends.base import Availability, Backend, load, require, require_all
+from autoshard.backends.base import Availability, Backend, BudgetChoices, load, require, require_all
 from autoshard.errors import IntentError, closest, did_you_mean
 from autoshard.precision import PrecisionPlan
 
@@ -56,4 +56,4 @@ def on_backend(plan: PrecisionPlan, backend: str) -> PrecisionPlan:
     return rules(plan)
 
 
-__all__ = ["ALIASES", "BACKENDS", "Availability", "Backend", "get_backend", "load", "on_backend", "require", "require_all"]
+__all__ = ["ALIASES", "BACKENDS", "Availability", "Backend", "BudgetChoices", "get_backend", "load", "on_backend", "require", "require_all"]

@@ -14,7 +14,7 @@ from packaging.version import InvalidVersion, Version
 from autoshard.capability import Feature, Format, Row, Support
 
 if TYPE_CHECKING:
-    from autoshard.memory_model import MemoryEstimate
+    from autoshard.memory_model import Layout, MemoryEstimate, RankInputs
     from autoshard.precision import PrecisionPlan
 
 
@@ -54,6 +54,26 @@ def require_all(*checks: Availability) -> Availability:
 
 
 @dataclass(frozen=True)
+class BudgetChoices:
+    """What ``memory_budget`` may choose on a backend and how it prices it (``autoshard.budget.search``'s cost order).
+
+    ``fields``: the ShardingIntent fields a decision sets there; ``offload``: its offload options, least saving first;
+    ``selective``: whether selective activation checkpointing is an option; ``host_bytes(states, offload, reshard)``:
+    host-device bytes per step of an offload on a model-states estimate; ``peaks``: what its peaks are, in the
+    decision's words ("" when they are the simulated step's own); ``limits``: what a decision there cannot change,
+    said in a refusal; ``check``: "module:function" (intent) refusing an intent the backend cannot run ("" none).
+    """
+
+    fields: tuple[str, ...]
+    offload: tuple[str, ...]
+    selective: bool
+    host_bytes: Callable[[MemoryEstimate, str, bool], int]
+    peaks: str = ""
+    limits: str = ""
+    check: str = ""
+
+
+@dataclass(frozen=True)
 class Backend:
     """A sharding engine: its name, the Lightning strategy string users type, and its matrix row."""
 
@@ -70,10 +90,11 @@ class Backend:
     lightning: str = ""
     # How it runs a resolved PrecisionPlan (autoshard.precision.on_backend); None: no precision rules.
     precision: Callable[[PrecisionPlan], PrecisionPlan] | None = None
-    # Per-rank bytes (layout, optimizers, intent, world_size, rank, *, overrides, num_nodes, zero_init) -> MemoryEstimate,
-    # on memory.py's shared layout; None: estimate_memory does not cover it.
-    memory: Callable[..., MemoryEstimate] | None = None
+    # Per-rank bytes (layout, memory_model.RankInputs) -> MemoryEstimate, on memory.py's shared layout; None:
+    # estimate_memory does not cover it.
+    memory: Callable[[Layout, RankInputs], MemoryEstimate] | None = None
     host_memory: str = "CPU memory (offloaded)"  # memory_table's label for the bytes it keeps in CPU memory
+    budget: BudgetChoices | None = None  # what memory_budget chooses here; None: it does not decide for this backend
     writes: Format | None = None  # the checkpoint format it saves
     resumes: tuple[Format, ...] = ()  # the formats checkpoint.resolve_for_load lets it resume from
 
@@ -87,6 +108,12 @@ class Backend:
     def strategy_class(self) -> type:
         """The Lightning strategy class; importing it imports Lightning, hence only on use."""
         return load(self.lightning)
+
+    @property
+    def simulates_its_step(self) -> bool:
+        """The simulated step runs this backend's own plan (its peak is the run's); otherwise only the step's
+        activations are added to the backend's own estimator's states."""
+        return bool(self.plan)
 
     @property
     def rejected(self) -> bool:

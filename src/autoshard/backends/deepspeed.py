@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from autoshard.backends.base import Availability, Backend, require, require_all
+from autoshard.backends.base import Availability, Backend, BudgetChoices, require, require_all
 from autoshard.capability import Feature, Format, no, partial, yes
 from autoshard.errors import IntentError
 from autoshard.precision import Dtype, PrecisionPlan
 
 if TYPE_CHECKING:
-    import torch
-
-    from autoshard.intent import ShardingIntent
-    from autoshard.memory_model import Layout, MemoryEstimate
+    from autoshard.memory_model import Layout, MemoryEstimate, RankInputs
 
 BACKEND_NAME = "deepspeed_zero3"
 # DeepSpeed's estimator counts 18 bytes per parameter for ZeRO-3 model states (Adam in mixed precision).
@@ -166,17 +162,7 @@ def zero3_model_states(
     return int(cpu_mem), int(gpu_mem), largest_layer_memory
 
 
-def memory(
-    layout: Layout,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
-    intent: ShardingIntent,
-    world_size: int,
-    rank: int,
-    *,
-    overrides: Mapping[str, int],
-    num_nodes: int,
-    zero_init: bool,
-) -> MemoryEstimate:
+def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam).
 
     A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators
@@ -186,9 +172,10 @@ def memory(
     from autoshard.errors import AutoShardError, IncompatibleBackendError
     from autoshard.memory_model import MemoryEstimate, numel
 
+    intent, sourced, world_size, num_nodes = inputs.intent, inputs.sourced, inputs.world_size, inputs.num_nodes
     if world_size % num_nodes:
         raise AutoShardError(f"world size {world_size} is not a multiple of num_nodes={num_nodes}. Fix: world size = num_nodes x devices per node")
-    if intent.hsdp_sizes(world_size, num_nodes) is not None:
+    if inputs.dims.hybrid:
         cell = ROW[Feature.HYBRID_SHARDING]
         raise IncompatibleBackendError(
             f"no {BACKEND_NAME} memory estimate for shard_size={intent.shard_size!r} on {world_size} ranks: {cell.reason}."
@@ -199,7 +186,7 @@ def memory(
     offload_opt = intent.offload in ("optimizer", "params")
     offload_params = intent.offload == "params"
     cpu_mem, gpu_mem, largest_mem = zero3_model_states(
-        total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, zero_init
+        total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, inputs.zero_init
     )
     states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
     params = int(2 * total / world_size)
@@ -219,7 +206,7 @@ def memory(
     estimate = MemoryEstimate(
         backend=BACKEND_NAME,
         world_size=world_size,
-        rank=rank,
+        rank=inputs.rank,
         precision=layout.precision.precision.value,
         gather_dtype=layout.precision.gather.value,
         parameters=params,
@@ -239,6 +226,22 @@ def memory(
     return estimate
 
 
+def host_bytes(states: MemoryEstimate, offload: str, reshard: bool) -> int:
+    """Per step: 'optimizer' sends the gradient partition to the host and brings the updated parameter partition
+    back; 'params' also brings the parameter partition in for the forward's and the backward's gathers."""
+    return {"none": 0, "optimizer": states.parameters + states.gradients, "params": 2 * states.parameters + states.gradients}[offload]
+
+
+BUDGET = BudgetChoices(
+    fields=("activation_checkpointing", "offload"),  # no resharding, no shard group under ZeRO-3
+    offload=("none", "optimizer", "params"),
+    selective=False,  # the matrix refuses it (Feature.SELECTIVE_CHECKPOINTING: ZeRO-3's gathers run inside the block)
+    host_bytes=host_bytes,
+    peaks="DeepSpeed ZeRO-3 (its estimator + the simulated activations)",
+    limits="under DeepSpeed autoshard sets the offload and activation checkpointing only; strategy='fsdp2' can also reshard and group shards",
+    check="autoshard.adapters.deepspeed:check_intent",
+)
+
 BACKEND = Backend(
     name=BACKEND_NAME,
     strategy="autoshard-deepspeed",
@@ -249,6 +252,7 @@ BACKEND = Backend(
     precision=precision,
     memory=memory,
     host_memory="CPU memory (DeepSpeed, per node)",
+    budget=BUDGET,
     writes=Format.DEEPSPEED,
     resumes=(Format.DEEPSPEED, Format.FULL),
 )

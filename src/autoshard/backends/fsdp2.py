@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from autoshard.backends.base import Availability, Backend, require
+from autoshard.backends.base import Availability, Backend, BudgetChoices, require
 from autoshard.capability import Feature, Format, no, partial, yes
 
 if TYPE_CHECKING:
-    import torch
-
-    from autoshard.intent import ShardingIntent
-    from autoshard.memory_model import Layout, MemoryEstimate, Traffic
+    from autoshard.memory_model import Layout, MemoryEstimate, RankInputs, Traffic
     from autoshard.precision import PrecisionPlan
 
 BACKEND_NAME = "fsdp2"
@@ -95,25 +92,15 @@ def precision(plan: PrecisionPlan) -> PrecisionPlan:
     return plan
 
 
-def memory(
-    layout: Layout,
-    sourced: Sequence[tuple[str, torch.optim.Optimizer]],
-    intent: ShardingIntent,
-    world_size: int,
-    rank: int,
-    *,
-    overrides: Mapping[str, int],
-    num_nodes: int,
-    zero_init: bool,
-) -> MemoryEstimate:
+def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     """Exact per-rank bytes under FSDP2's Shard(0) (uneven shards included), over the world or, with
     ``shard_size``, over the rank's shard group; ``num_nodes`` places ranks for 'node' and traffic; ``zero_init``: unused.
     """
     from autoshard.memory_model import CATEGORIES, MemoryEstimate, UnshardedPart, local_shape, numel, optimizer_bytes, outside_param
     from autoshard.units import fmt_bytes
 
-    hsdp = intent.hsdp_sizes(world_size, num_nodes)  # refuses a shard size that does not fit this world
-    group = hsdp[1] if hsdp else world_size
+    sourced, overrides, rank, world_size, num_nodes = inputs.sourced, inputs.overrides, inputs.rank, inputs.world_size, inputs.num_nodes
+    group = inputs.dims.dp_shard
     local = lambda p: local_shape(p, group, rank % group)  # noqa: E731
     states, summaries, notes = optimizer_bytes(sourced, layout, local, overrides)
     full_states, _, _ = optimizer_bytes(sourced, layout, lambda p: p.shape, overrides)
@@ -149,7 +136,7 @@ def memory(
             f" ({fmt_bytes(sum(b for _, b in held))} counted in the gathered block)"
         )
     offloaded: tuple[str, ...] = ()
-    if intent.offload != "none":
+    if inputs.intent.offload != "none":
         offloaded = ("parameters", "gradients", "optimizer_states", "ema_teacher")
         notes.append("CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in CPU memory")
     return MemoryEstimate(
@@ -200,6 +187,21 @@ def traffic(layout: Layout, params: Mapping[int, Any], world_size: int, group: i
     return tuple(t for t in out if t.bytes)
 
 
+def host_bytes(states: MemoryEstimate, offload: str, reshard: bool) -> int:
+    """offload='params' (CPUOffloadPolicy): each rank's shard of the parameters copied in for every all-gather (twice
+    when resharded after forward), its gradient shard copied out."""
+    if offload == "none":
+        return 0
+    return (states.parameters + states.ema_teacher) * (2 if reshard else 1) + states.gradients
+
+
+BUDGET = BudgetChoices(
+    fields=("reshard_after_forward", "activation_checkpointing", "offload", "shard_size"),
+    offload=("none", "params"),
+    selective=True,
+    host_bytes=host_bytes,
+)
+
 BACKEND = Backend(
     name=BACKEND_NAME,
     strategy="fsdp2",
@@ -209,6 +211,7 @@ BACKEND = Backend(
     lightning="autoshard.lightning.fsdp2:FSDP2Strategy",
     precision=precision,
     memory=memory,
+    budget=BUDGET,
     writes=Format.DCP,
     resumes=(Format.DCP, Format.FULL),
 )

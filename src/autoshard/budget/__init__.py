@@ -20,9 +20,9 @@ One module per concern, bottom to top (the import-linter contract in pyproject.t
 
 from __future__ import annotations
 
-from autoshard.budget.advice import BudgetReport, Change, Evaluate, Option, check_budget
-from autoshard.budget.batch import batch_function, batch_rows, cut_batch
-from autoshard.budget.decide import auto_entries, decide
+from autoshard.budget.advice import Ask, BudgetReport, Change, Evaluate, Option, check_budget
+from autoshard.budget.batch import batch_function, batch_rows, batch_tokens, cut_batch
+from autoshard.budget.decide import DecideOptions, auto_entries, decide
 from autoshard.budget.decision import (
     CUDA_HEADROOM,
     RATES_ENV,
@@ -40,27 +40,33 @@ from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import MAX_RANKS, whole_nodes
 from autoshard.budget.resume import resume_decision, stored_differs
 from autoshard.budget.search import price
+from autoshard.budget.simulator import ModelStates, Subject
 
 __all__ = [
     "CUDA_HEADROOM",
     "RATES_ENV",
+    "Subject",
     "default_rates",
     "read_rates",
     "Headroom",
+    "Ask",
     "BudgetDecision",
     "BudgetReport",
     "Change",
     "Evaluate",
     "MAX_RANKS",
+    "ModelStates",
     "Option",
     "check_budget",
     "BudgetRefusedError",
     "Cost",
+    "DecideOptions",
     "Rates",
     "Tried",
     "auto_entries",
     "batch_function",
     "batch_rows",
+    "batch_tokens",
     "cut_batch",
     "decide",
     "describe_config",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autoshard.budget.ranks import MAX_RANKS, states_on_device, world_sizes_after
+from autoshard.budget.ranks import MAX_RANKS, smallest_fitting_world, states_on_device, world_sizes_after
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate, fmt_bytes
 
@@ -95,17 +95,7 @@ class BudgetReport:
         return "\n".join(lines)
 
 
-def check_budget(
-    evaluate: Evaluate,
-    intent: ShardingIntent,
-    world_size: int,
-    budget: int,
-    *,
-    devices_per_node: int,
-    batch_rows: int | None,
-    lacks: Callable[[MemoryEstimate], str] = lambda estimate: "",
-    checkpointable: bool = True,
-) -> BudgetReport:
+def check_budget(evaluate: Evaluate, intent: ShardingIntent, world_size: int, budget: int, *, ask: Ask) -> BudgetReport:
     """The verdict for ``world_size`` and, when it does not fit, the fewest changes that do.
 
     Never more ranks or more changes than needed: each single change first (the smallest world size that fits,
@@ -114,147 +104,166 @@ def check_budget(
     ranks, then all three; only when nothing fits on these ranks, the smallest world size for each combination,
     fewest changes first. Every combination tried is listed, the ones that fit and the smaller ones that did not.
 
-    ``batch_rows``: the micro-batch's size when it can be cut along dim 0 (None: it cannot, or no batch given).
-    ``checkpointable``: whether the model has a block activation checkpointing can wrap (else it is never proposed).
-    ``lacks``: the part of the step an estimate's simulated step could not cover ("activations"; "" when whole).
-    A partial estimate is never "fits": for the run itself the verdict is then "cannot tell" (unless the lower
-    bound is already over the budget) and no change is tried; a change estimated in part is listed as such.
+    A partial estimate (``ask.lacks``) is never "fits": for the run itself the verdict is then "cannot tell" (unless
+    the lower bound is already over the budget) and no change is tried; a change estimated in part is listed as such.
     """
     current = evaluate(Option(intent, world_size))
-    missing = lacks(current)
+    missing = ask.lacks(current)
     if missing:
         fits = None if current.device <= budget else False
         why = f"no change is estimated: each estimate would lack {missing} too"
         return BudgetReport(budget, world_size, current.device, fits, (), (why,), missing)
     if current.device <= budget:
         return BudgetReport(budget, world_size, current.device, True)
-    changes: list[Change] = []
-    notes: list[str] = []
+    advisor = _Advisor(evaluate, intent, world_size, budget, ask)
+    advisor.advise()
+    return BudgetReport(budget, world_size, current.device, False, tuple(advisor.changes), tuple(advisor.notes))
 
-    def add(change: str, cost: str, option: Option) -> Change:
-        estimate = evaluate(option)
-        peak, gap = estimate.device, lacks(estimate)
-        made = Change(change, cost, peak, peak <= budget and not gap, gap)
-        changes.append(made)
+
+@dataclass(frozen=True)
+class Ask:
+    """What ``check_budget`` may propose: ``devices_per_node`` (larger worlds come in whole nodes), ``batch_rows``
+    (the micro-batch's size when it can be cut along dim 0; None: it cannot, or no batch given), ``checkpointable``
+    (the model has a block activation checkpointing can wrap; else it is never proposed), and ``lacks`` (the part of
+    the step an estimate's simulated step could not cover, "activations"; "" when whole)."""
+
+    devices_per_node: int
+    batch_rows: int | None
+    checkpointable: bool = True
+    lacks: Callable[[MemoryEstimate], str] = lambda estimate: ""
+
+
+_WORDS = {"ac": "activation_checkpointing=True", "offload": "offload='params' (CPU memory)"}
+
+
+class _Advisor:
+    """One ``check_budget`` search: the changes estimated so far (``changes``) and why some were not (``notes``)."""
+
+    def __init__(self, evaluate: Evaluate, intent: ShardingIntent, world_size: int, budget: int, ask: Ask) -> None:
+        self.evaluate, self.intent, self.world_size, self.budget, self.ask = evaluate, intent, world_size, budget, ask
+        self.rows = ask.batch_rows
+        self.changes: list[Change] = []
+        self.notes: list[str] = []
+        # The changes on these ranks, cheapest first: activation checkpointing (about a third more compute, same
+        # results), a smaller micro-batch (gradient accumulation keeps the global batch), offload.
+        self.singles: dict[str, tuple[dict[str, Any], str]] = {}
+        if not intent.activation_checkpointing and ask.checkpointable:
+            self.singles["ac"] = ({"activation_checkpointing": True}, "~1/3 more compute (forward recomputed in backward)")
+        if intent.offload == "none":
+            self.singles["offload"] = ({"offload": "params"}, "host-device copies every step (often 2-5x slower)")
+
+    def add(self, change: str, cost: str, option: Option) -> Change:
+        estimate = self.evaluate(option)
+        peak, gap = estimate.device, self.ask.lacks(estimate)
+        made = Change(change, cost, peak, peak <= self.budget and not gap, gap)
+        self.changes.append(made)
         return made
 
-    def smallest_world(asked: ShardingIntent, divisor: int = 1) -> int | None:
-        """The smallest world size above this one at which ``asked`` fits: predicted from model states by bisection
-        (states shrink with ranks, the rest does not), then confirmed by a simulated step, or the next sizes."""
-        here = evaluate(Option(asked, world_size, divisor))
-        if lacks(here):
+    def smallest_world(self, asked: ShardingIntent, divisor: int = 1) -> int | None:
+        """The smallest world size above this one at which ``asked`` fits (``ranks.smallest_fitting_world``)."""
+        here = self.evaluate(Option(asked, self.world_size, divisor))
+        if self.ask.lacks(here):
             return None
-        rest = here.device - states_on_device(here)
-        sizes = world_sizes_after(world_size, devices_per_node, asked)
-        predict = lambda n: rest + states_on_device(evaluate(Option(asked, n, divisor, simulate=False)))  # noqa: E731
-        if not sizes or predict(sizes[-1]) > budget:
-            return None
-        lo, hi = 0, len(sizes) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if predict(sizes[mid]) <= budget else (mid + 1, hi)
-        for n in sizes[lo : lo + 3]:
-            estimate = evaluate(Option(asked, n, divisor))
-            if estimate.device <= budget and not lacks(estimate):
-                return n
-        return None
 
-    def micro_batch(asked: ShardingIntent, ranks: int) -> int:
+        def fits(n: int) -> bool:
+            estimate = self.evaluate(Option(asked, n, divisor))
+            return estimate.device <= self.budget and not self.ask.lacks(estimate)
+
+        return smallest_fitting_world(
+            world_sizes_after(self.world_size, self.ask.devices_per_node, asked),
+            here.device - states_on_device(here),
+            lambda n: states_on_device(self.evaluate(Option(asked, n, divisor, simulate=False))),
+            fits,
+            self.budget,
+        )
+
+    def micro_batch(self, asked: ShardingIntent, ranks: int) -> int:
         """The divisor of the largest micro-batch (rows / 2, / 4, ...) that fits with ``asked``: predicted from the
         activations (about linear in the rows), confirmed by a simulated step. When none fits, where the search
         stopped: one row, or the first micro-batch whose step could not be simulated (listed as such)."""
-        base = evaluate(Option(asked, ranks))
+        rows = self.rows or 0
+        base = self.evaluate(Option(asked, ranks))
         divisor = 2
         while True:
-            while batch_rows // divisor > 1 and base.device - base.activations * (1 - 1 / divisor) > budget:
+            while rows // divisor > 1 and base.device - base.activations * (1 - 1 / divisor) > self.budget:
                 divisor *= 2
-            estimate = evaluate(Option(asked, ranks, divisor))
-            if lacks(estimate) or estimate.device <= budget or batch_rows // divisor <= 1:
+            estimate = self.evaluate(Option(asked, ranks, divisor))
+            if self.ask.lacks(estimate) or estimate.device <= self.budget or rows // divisor <= 1:
                 return divisor
             divisor *= 2
 
-    # 1. More ranks: the same method and batch, more hardware. Under hybrid sharding states divide by the shard
-    #    group, not the world, so the group grows instead.
-    if intent.shard_size is None:
-        ranks = smallest_world(intent)
-        if ranks is not None:
-            add(f"{ranks} ranks (Trainer num_nodes x devices)", f"{ranks / world_size:g}x the devices", Option(intent, ranks))
-        else:
-            notes.append(f"no world size up to {MAX_RANKS} fits: activations and what stays whole do not shrink with ranks")
-    else:  # a bigger shard group, up to every rank: states shrink, and more of the gathers cross nodes
-        group = devices_per_node if intent.shard_size == "node" else int(intent.shard_size)
+    def more_ranks(self) -> None:
+        """1. More ranks: the same method and batch, more hardware. Under hybrid sharding states divide by the shard
+        group, not the world, so the group grows instead."""
+        intent, world_size = self.intent, self.world_size
+        if intent.shard_size is None:
+            ranks = self.smallest_world(intent)
+            if ranks is not None:
+                self.add(f"{ranks} ranks (Trainer num_nodes x devices)", f"{ranks / world_size:g}x the devices", Option(intent, ranks))
+            else:
+                self.notes.append(f"no world size up to {MAX_RANKS} fits: activations and what stays whole do not shrink with ranks")
+            return
+        # a bigger shard group, up to every rank: states shrink, and more of the gathers cross nodes
+        group = self.ask.devices_per_node if intent.shard_size == "node" else int(intent.shard_size)
         size = group * 2
         while size < world_size:
             if world_size % size == 0:
-                made = add(
-                    f"shard_size={size} (was {intent.shard_size!r})",
-                    f"gathers span {size} ranks",
-                    Option(intent.replace(shard_size=size), world_size),
-                )
-                if made.fits:
-                    break
-                changes.pop()
+                change = f"shard_size={size} (was {intent.shard_size!r})"
+                if self.add(change, f"gathers span {size} ranks", Option(intent.replace(shard_size=size), world_size)).fits:
+                    return
+                self.changes.pop()
             size *= 2
-        else:
-            if group < world_size:  # a group of every rank is already pure FSDP
-                add(
-                    "shard_size=None (shard over every rank)",
-                    "gathers and reduce-scatters cross nodes",
-                    Option(intent.replace(shard_size=None), world_size),
-                )
-    # 2.-4. The changes on these ranks, each alone, cheapest first: activation checkpointing (about a third more
-    #    compute, same results), a smaller micro-batch (gradient accumulation keeps the global batch), offload.
-    singles: dict[str, tuple[dict[str, Any], str]] = {}
-    if not intent.activation_checkpointing and checkpointable:
-        singles["ac"] = ({"activation_checkpointing": True}, "~1/3 more compute (forward recomputed in backward)")
-    if intent.offload == "none":
-        singles["offload"] = ({"offload": "params"}, "host-device copies every step (often 2-5x slower)")
-    words = {"ac": "activation_checkpointing=True", "offload": "offload='params' (CPU memory)"}
+        if group < world_size:  # a group of every rank is already pure FSDP
+            change = "shard_size=None (shard over every rank)"
+            self.add(change, "gathers and reduce-scatters cross nodes", Option(intent.replace(shard_size=None), world_size))
 
-    def try_combo(keys: tuple[str, ...], ranks: int, ranks_cost: str = "") -> Change | None:
-        fields: dict[str, Any] = {k: v for key in keys if key != "mb" for k, v in singles[key][0].items()}
-        asked = intent.replace(**fields)
-        parts = [words[key] for key in keys if key != "mb"]
-        costs = [singles[key][1] for key in keys if key != "mb"]
+    def try_combo(self, keys: tuple[str, ...], ranks: int, ranks_cost: str = "") -> Change:
+        fields: dict[str, Any] = {k: v for key in keys if key != "mb" for k, v in self.singles[key][0].items()}
+        asked = self.intent.replace(**fields)
+        parts = [_WORDS[key] for key in keys if key != "mb"]
+        costs = [self.singles[key][1] for key in keys if key != "mb"]
         divisor = 1
         if "mb" in keys:
-            divisor = micro_batch(asked, ranks)
-            parts.append(f"micro-batch {batch_rows // divisor} (was {batch_rows})")
+            divisor = self.micro_batch(asked, ranks)
+            parts.append(f"micro-batch {(self.rows or 0) // divisor} (was {self.rows})")
             costs.append(f"{divisor}x Trainer(accumulate_grad_batches=...) keeps the global batch; {divisor}x the steps")
-        if ranks != world_size:
+        if ranks != self.world_size:
             parts.insert(0, f"{ranks} ranks")
             costs.insert(0, ranks_cost)
-        if len(parts) == 1 and ranks == world_size and "mb" not in keys:
-            return add(parts[0], costs[0], Option(asked, ranks, divisor))
-        return add(" + ".join(parts), "; ".join(costs), Option(asked, ranks, divisor))
+        return self.add(" + ".join(parts), "; ".join(costs), Option(asked, ranks, divisor))
 
-    if "ac" in singles:
-        try_combo(("ac",), world_size)
-    if batch_rows is not None and batch_rows > 1:
-        try_combo(("mb",), world_size)
-    elif batch_rows is None:
-        notes.append("a smaller micro-batch is not estimated: pass --batch with tensors that share dim 0")
-    if "offload" in singles:
-        try_combo(("offload",), world_size)
-    if any(c.fits or c.missing for c in changes):
-        return BudgetReport(budget, world_size, current.device, False, tuple(changes), tuple(notes))
-    # 5. Nothing fits alone: the fewest changes together, first on these ranks, then with the fewest ranks.
-    available = [k for k in ("ac", "mb", "offload") if k in singles or (k == "mb" and batch_rows and batch_rows > 1)]
-    for size in range(2, len(available) + 1):
-        found = [try_combo(keys, world_size) for keys in itertools.combinations(available, size)]
-        if any(c is not None and c.fits for c in found):
-            return BudgetReport(budget, world_size, current.device, False, tuple(changes), tuple(notes))
-    if intent.shard_size is None:
+    def advise(self) -> None:
+        """Each change alone, cheapest first; then the fewest changes together, first on these ranks, then with the
+        fewest ranks."""
+        self.more_ranks()
+        if "ac" in self.singles:
+            self.try_combo(("ac",), self.world_size)
+        if self.rows is not None and self.rows > 1:
+            self.try_combo(("mb",), self.world_size)
+        elif self.rows is None:
+            self.notes.append("a smaller micro-batch is not estimated: pass --batch with tensors that share dim 0")
+        if "offload" in self.singles:
+            self.try_combo(("offload",), self.world_size)
+        if any(c.fits or c.missing for c in self.changes):
+            return
+        available = [k for k in ("ac", "mb", "offload") if k in self.singles or (k == "mb" and self.rows and self.rows > 1)]
+        for size in range(2, len(available) + 1):
+            found = [self.try_combo(keys, self.world_size) for keys in itertools.combinations(available, size)]
+            if any(c.fits for c in found):
+                return
+        if self.intent.shard_size is None:
+            self.with_fewest_ranks(available)
+
+    def with_fewest_ranks(self, available: list[str]) -> None:
+        """Nothing fits on these ranks: the smallest world size for each combination, fewest changes first."""
         for size in range(1, len(available) + 1):
             fitted = False
             for keys in itertools.combinations(available, size):
-                fields = {k: v for key in keys if key != "mb" for k, v in singles[key][0].items()}
-                asked = intent.replace(**fields)
-                divisor = micro_batch(asked, world_size) if "mb" in keys else 1
-                ranks = smallest_world(asked, divisor)
+                fields = {k: v for key in keys if key != "mb" for k, v in self.singles[key][0].items()}
+                asked = self.intent.replace(**fields)
+                divisor = self.micro_batch(asked, self.world_size) if "mb" in keys else 1
+                ranks = self.smallest_world(asked, divisor)
                 if ranks is not None:
-                    made = try_combo(keys, ranks, f"{ranks / world_size:g}x the devices")
-                    fitted = fitted or bool(made and made.fits)
+                    fitted = self.try_combo(keys, ranks, f"{ranks / self.world_size:g}x the devices").fits or fitted
             if fitted:
-                break
-    return BudgetReport(budget, world_size, current.device, False, tuple(changes), tuple(notes))
+                return

@@ -41,15 +41,27 @@ def batch_function(batch: Any, origin: str = "the batch given to decide") -> Cal
     return BatchOfShapes(batch, origin)
 
 
-def batch_rows(make_batch: Callable[[], Any]) -> int | None:
-    """The micro-batch's rows when every tensor in it shares dim 0 (so it can be cut); else None."""
+def _tensors(make_batch: Callable[[], Any]) -> list[torch.Tensor]:
+    """The tensors of one micro-batch, made on meta (shapes only, no memory)."""
     from torch.utils._pytree import tree_leaves
 
     from autoshard.activations import call_batch
 
     with torch.device("meta"):
-        rows = {t.shape[0] if t.dim() else None for t in tree_leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor)}
+        return [t for t in tree_leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor)]
+
+
+def batch_rows(make_batch: Callable[[], Any]) -> int | None:
+    """The micro-batch's rows when every tensor in it shares dim 0 (so it can be cut); else None."""
+    rows = {t.shape[0] if t.dim() else None for t in _tensors(make_batch)}
     return rows.pop() if len(rows) == 1 and None not in rows else None
+
+
+def batch_tokens(make_batch: Callable[[], Any]) -> int | None:
+    """Tokens in one micro-batch, for the tensor-parallel activation traffic: the elements of its first integer
+    tensor (the token ids of a language model's batch); None when it has none."""
+    ids = [t for t in _tensors(make_batch) if not t.is_floating_point() and t.dim() > 0]
+    return ids[0].numel() if ids else None
 
 
 def cut_batch(make_batch: Callable[[], Any], divisor: int) -> Callable[[], Any]:

@@ -11,20 +11,17 @@ order is in ``autoshard.budget.search``), or a refusal naming what would fit (a 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from autoshard.adapters.deepspeed import check_intent as check_deepspeed_intent
-from autoshard.backends import get_backend
-from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
-from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.backends import get_backend, load
 from autoshard.budget.batch import batch_function, batch_rows
 from autoshard.budget.decision import (
-    DEEPSPEED_FIELDS,
-    FREE_FIELDS,
     BudgetDecision,
     BudgetRefusedError,
+    Headroom,
     Rates,
     default_rates,
     describe_config,
@@ -32,12 +29,13 @@ from autoshard.budget.decision import (
     headroom_for,
 )
 from autoshard.budget.meta import meta_factory
-from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_DECISION_RANKS
+from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_RANKS
 from autoshard.budget.search import largest_micro_batch, search_configs, smallest_world_size
 from autoshard.budget.simulator import Simulator
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import fmt_bytes
+from autoshard.mesh import check_num_nodes, check_world_size, nodes_for
 
 
 def decide(
@@ -46,15 +44,10 @@ def decide(
     intent: ShardingIntent,
     world_size: int,
     *,
-    num_nodes: int = 1,
-    devices_per_node: int | None = None,
+    backend: str = "fsdp2",
     budget: str | int | None = None,
-    precision: Any = None,
-    callbacks: Sequence[Any] = (),
-    rates: Rates | None = None,
-    progress: Callable[[str], None] | None = None,
-    backend: str = FSDP2,
     device_type: str | None = None,
+    options: DecideOptions | None = None,
 ) -> BudgetDecision:
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
     ``world_size`` ranks: a pure function of the module's shapes, the batch's shapes, the intent and the world.
@@ -66,7 +59,8 @@ def decide(
     function building one. ``batch``: one micro-batch as ``training_step`` receives it (tensors are read for shapes
     only), or a function returning one. Fields the user set (not at their defaults) are kept; the free ones among
     reshard_after_forward, activation_checkpointing, offload and (with several nodes) shard_size are chosen, in the
-    cost order of ``autoshard.budget.search``'s header. ``devices_per_node`` places larger world sizes on whole nodes.
+    cost order of ``autoshard.budget.search``'s header. ``options`` (``DecideOptions``): the nodes, the devices per node
+    (larger world sizes come in whole nodes), the precision, the callbacks holding optimizers, the rates, progress.
 
     Refuses (``BudgetRefusedError``, before anything is sharded) when nothing fits, naming the smallest world size at
     which something does (a search: states shrink with ranks, activations do not), or, when none does, the largest
@@ -85,37 +79,67 @@ def decide(
     """
     import torch.distributed as dist
 
-    from autoshard.activations import describe_batch
-    from autoshard.precision import resolve_precision
+    question = Question(module, batch, intent, world_size, backend, budget, device_type, options or DecideOptions())
+    if dist.is_available() and dist.is_initialized() and not torch.cuda.is_initialized():
+        return _beside_live_group(lambda: _answer(question))
+    return _answer(question)
+
+
+@dataclass(frozen=True)
+class DecideOptions:
+    """How ``decide`` places and prices the run beyond its world size: ``num_nodes`` (the nodes the ranks fill),
+    ``devices_per_node`` (larger world sizes come in whole nodes of it), ``precision`` (the run's resolved plan; None:
+    the intent's), ``callbacks`` (those holding optimizers, built with the module), ``rates`` (None:
+    ``default_rates()``), ``progress`` (called with a line before each simulated step)."""
+
+    num_nodes: int = 1
+    devices_per_node: int | None = None
+    precision: Any = None
+    callbacks: Sequence[Any] = ()
+    rates: Rates | None = None
+    progress: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class Question:
+    """What ``decide`` was asked (its arguments, as given): answered in this process or in a forked child."""
+
+    module: Any
+    batch: Any
+    intent: ShardingIntent
+    world_size: int
+    backend: str
+    budget: str | int | None
+    device_type: str | None
+    options: DecideOptions
+
+
+@dataclass(frozen=True)
+class _Limit:
+    """The budget in bytes, the largest peak it admits (``limit``) with the device's headroom, and the backend."""
+
+    budget: int
+    limit: int
+    headroom: Headroom
+    backend: str
+
+
+def _limit(q: Question) -> _Limit:
+    """The budget checked against the question (world size, tensor parallel, backend, headroom), or refused in words."""
     from autoshard.units import parse_size
 
-    if dist.is_available() and dist.is_initialized() and not torch.cuda.is_initialized():
-        args = dict(
-            num_nodes=num_nodes,
-            devices_per_node=devices_per_node,
-            budget=budget,
-            precision=precision,
-            callbacks=callbacks,
-            rates=rates,
-            progress=progress,
-            backend=backend,
-            device_type=device_type,
-        )
-        return _beside_live_group(lambda: decide(module, batch, intent, world_size, **args))
-
-    budget_bytes = parse_size(budget, option="memory_budget", example="70GiB", error=IntentError) if budget is not None else intent.memory_budget
+    intent = q.intent
+    budget_bytes = parse_size(q.budget, option="memory_budget", example="70GiB", error=IntentError) if q.budget is not None else intent.memory_budget
     if budget_bytes is None:
         raise IntentError("decide needs a memory budget. Fix: ShardingIntent(memory_budget='70GiB'), or decide(..., budget='70GiB')")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise IntentError(f"world size must be a positive integer, got {world_size!r}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+    check_world_size(q.world_size)
     if intent.tensor_parallel_size > 1:
         raise IntentError(
             f"memory_budget with tensor_parallel_size={intent.tensor_parallel_size} is not decided yet: the simulated step runs"
             f" data parallel only. Fix: drop memory_budget and set the fields yourself, or set tensor_parallel_size=1"
         )
-    backend = _check_budget_backend(intent.replace(memory_budget=budget_bytes, memory_headroom=None), backend)
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = _check_budget_backend(intent.replace(memory_budget=budget_bytes, memory_headroom=None), q.backend)
+    device_type = q.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     headroom = headroom_for(intent, device_type)
     limit = headroom.limit(budget_bytes)
     if limit < 1:
@@ -124,71 +148,85 @@ def decide(
             f" beside its tensors (CUDA context, communication buffers, allocator fragmentation). Fix: memory_budget of the"
             f" whole device, or memory_headroom=0 to let tensors fill the budget"
         )
-    make_batch = batch_function(batch)
-    rates = rates or default_rates()
-    precision = precision or resolve_precision(None, intent)
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
-        raise IntentError(f"num_nodes={num_nodes!r} does not divide the world size {world_size}. Fix: Trainer(devices=N, num_nodes=M) with N, M >= 1")
+    return _Limit(budget_bytes, limit, headroom, backend)
+
+
+def _answer(q: Question) -> BudgetDecision:
+    from autoshard.activations import describe_batch
+    from autoshard.precision import resolve_precision
+
+    limit, o = _limit(q), q.options
+    make_batch = batch_function(q.batch)
+    rates = o.rates or default_rates()
+    precision = o.precision or resolve_precision(None, q.intent)
+    world_size, num_nodes, devices_per_node = q.world_size, o.num_nodes, o.devices_per_node
+    check_num_nodes(world_size, num_nodes)
     if devices_per_node is None:  # larger world sizes come in whole nodes: of these ranks, or of a usual 8-GPU node
         devices_per_node = world_size // num_nodes if num_nodes > 1 else max(world_size, DEVICES_PER_NODE)
     if num_nodes == 1:
-        from autoshard.memory import nodes_for
-
         num_nodes = nodes_for(world_size, devices_per_node)
-    sim = Simulator(
-        meta_factory(module, callbacks),
-        make_batch,
-        intent.replace(memory_budget=None, memory_headroom=None, pinned=()),
-        precision,
-        devices_per_node,
-        num_nodes,
-        progress,
-        backend,
-    )
+    base = q.intent.replace(memory_budget=None, memory_headroom=None, pinned=())
+    sim = Simulator(meta_factory(q.module, o.callbacks), make_batch, base, precision, devices_per_node, num_nodes, o.progress, limit.backend)
     with torch.device("meta"):
         described = describe_batch(make_batch())
-    free = free_fields(intent, num_nodes, backend)
-    kept = _kept(intent, free, backend)
+    free = free_fields(q.intent, num_nodes, limit.backend)
+    kept = _kept(q.intent, free, limit.backend)
     blocks = sim.blocks() if "activation_checkpointing" in free else 0
-    chosen, cheaper, most = search_configs(sim, world_size, limit, rates, free, blocks)
+    chosen, cheaper, most = search_configs(sim, world_size, limit.limit, rates, free, blocks)
     if chosen is not None:
         return BudgetDecision(
-            budget_bytes, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, described, kept, rates, num_nodes, backend, headroom
+            limit.budget,
+            world_size,
+            chosen.config,
+            chosen.peak,
+            chosen.cost,
+            cheaper,
+            described,
+            kept,
+            rates,
+            num_nodes,
+            limit.backend,
+            limit.headroom,
         )
+    raise _refusal(sim, most, world_size, limit, described)
+
+
+def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limit, described: str) -> BudgetRefusedError:
+    """Nothing fits: the smallest world size at which the most saving configuration does, else the largest
+    micro-batch that fits here, else neither, in words."""
+    num_nodes, budget_bytes = sim.num_nodes, limit.budget
     peak = sim.step(most, world_size)[0].device
+    choices = get_backend(limit.backend).budget
+    assert choices is not None  # _check_budget_backend refused a backend without one
     where = f"world size {world_size}" + (f" ({num_nodes} nodes)" if num_nodes > 1 else "")
     head = (
         f"memory_budget {fmt_bytes(budget_bytes)} per rank"
-        + (f" (a peak of {fmt_bytes(limit)} with its {headroom.words()})" if limit != budget_bytes else "")
+        + (f" (a peak of {fmt_bytes(limit.limit)} with its {limit.headroom.words()})" if limit.limit != budget_bytes else "")
         + f" cannot be met at {where}"
-        + (" under DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if backend == DEEPSPEED else "")
+        + (f" under {choices.peaks}" if choices.peaks else "")
         + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
-        + (
-            " (under DeepSpeed autoshard sets the offload and activation checkpointing only; strategy='fsdp2' can also reshard and group shards)"
-            if backend == DEEPSPEED
-            else ""
-        )
+        + (f" ({choices.limits})" if choices.limits else "")
     )
-    smallest = smallest_world_size(sim, most, world_size, limit)
+    smallest = smallest_world_size(sim, most, world_size, limit.limit)
     if smallest is not None:
-        raise BudgetRefusedError(
+        return BudgetRefusedError(
             f"{head}. The smallest world size at which a configuration fits is {smallest} (found by search: model states"
             f" shrink with ranks, activations do not). Fix: run on {smallest} ranks (Trainer(devices=..., num_nodes=...)),"
-            f" or raise memory_budget to {fmt_bytes(headroom.budget_for(peak))}",
+            f" or raise memory_budget to {fmt_bytes(limit.headroom.budget_for(peak))}",
             smallest,
         )
-    rows = batch_rows(make_batch)
-    smaller = largest_micro_batch(sim, most, world_size, limit, rows)
-    tail = f"no world size up to {MAX_DECISION_RANKS} fits: activations and what stays whole do not shrink with ranks"
+    rows = batch_rows(sim.make_batch)
+    smaller = largest_micro_batch(sim, most, world_size, limit.limit, rows)
+    tail = f"no world size up to {MAX_RANKS} fits: activations and what stays whole do not shrink with ranks"
     if smaller is not None:
         n, fits_at = smaller
-        raise BudgetRefusedError(
+        return BudgetRefusedError(
             f"{head}; {tail}. A micro-batch of {n} (was {rows}) fits here with {describe_config(most)} (peak {fmt_bytes(fits_at)})."
             f" Fix: DataLoader(batch_size={n}) with Trainer(accumulate_grad_batches={rows // n}) keeps the global batch",
             None,
             n,
         )
-    raise BudgetRefusedError(
+    return BudgetRefusedError(
         f"{head}; {tail}, and no smaller micro-batch fits either"
         + ("" if rows else " (the batch's tensors do not share dim 0, so none was tried)")
         + ". Fix: a smaller model or sequence, or devices with more memory",
@@ -199,17 +237,17 @@ def decide(
 def _check_budget_backend(intent: ShardingIntent, backend: str) -> str:
     """Refuse a memory budget on a backend it cannot decide for, or an intent that backend cannot run; returns the
     backend's canonical name."""
-    name = get_backend(backend).name
-    if name not in (FSDP2, DEEPSPEED):
-        raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {name}. Fix: backend='fsdp2'")
-    if name == DEEPSPEED:  # what ZeRO-3 cannot run (tensor parallel, selective checkpointing), with the matrix's text
-        check_deepspeed_intent(intent)
-    return name
+    chosen = get_backend(backend)
+    if chosen.budget is None:
+        raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {chosen.name}. Fix: backend='fsdp2'")
+    if chosen.budget.check:  # what the backend cannot run (ZeRO-3: tensor parallel, selective checkpointing), in the matrix's words
+        load(chosen.budget.check)(intent)
+    return chosen.name
 
 
 def _kept(intent: ShardingIntent, free: list[str], backend: str) -> tuple[str, ...]:
-    """The fields the decision leaves as the user set them (under DeepSpeed, those it has no say in are not named)."""
-    fields = DEEPSPEED_FIELDS if backend == DEEPSPEED else FREE_FIELDS
+    """The fields the decision leaves as the user set them (those the backend's budget has no say in are not named)."""
+    fields = get_backend(backend).budget.fields  # type: ignore[union-attr]
     return tuple(f for f in fields if f not in free and (f != "shard_size" or intent.shard_size is not None))
 
 
@@ -228,14 +266,16 @@ def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:
     return BudgetDecision.from_dict(answer["result"])
 
 
-def auto_entries(factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, **kwargs: Any) -> list[dict[str, Any]]:
+def auto_entries(
+    factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, *, backend: str, options: DecideOptions
+) -> list[dict[str, Any]]:
     """``explain --budget B --json``'s "auto": per world size, ``BudgetDecision.to_dict()`` (``chosen``, ``peak``,
     ``cheaper``: each with its ``config`` and ``peak``), or ``{"world_size", "budget", "error": {"type", "message",
     "min_world_size"}}`` when there is no decision (``min_world_size``: None when no world size fits)."""
     out: list[dict[str, Any]] = []
     for n in world_sizes:
         try:
-            out.append(decide(factory, batch, intent, n, budget=budget, **kwargs).to_dict())
+            out.append(decide(factory, batch, intent, n, backend=backend, budget=budget, options=options).to_dict())
         except AutoShardError as exc:
             error = {"type": type(exc).__name__, "message": str(exc), "min_world_size": getattr(exc, "min_world_size", None)}
             out.append({"world_size": n, "budget": budget, "error": error})

@@ -10,14 +10,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
-from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.backends import get_backend
 from autoshard.errors import IntentError
 from autoshard.intent import BUDGET_FIELDS, ShardingIntent
 from autoshard.memory import fmt_bytes
 
 FREE_FIELDS = BUDGET_FIELDS
-DEEPSPEED_FIELDS = ("activation_checkpointing", "offload")  # what a budget sets under DeepSpeed ZeRO-3 (no resharding, no shard group)
 DEFAULTS: dict[str, Any] = {"reshard_after_forward": True, "activation_checkpointing": False, "offload": "none", "shard_size": None}
 OFFLOAD_SAVING = {"none": 0, "optimizer": 1, "params": 2}  # what each offload leaves off the device, least first
 
@@ -206,7 +204,7 @@ class BudgetDecision:
     kept: tuple[str, ...] = ()
     rates: Rates = field(default_factory=Rates)
     num_nodes: int = 1
-    backend: str = FSDP2  # the backend the peaks are for: fsdp2's simulated step, or DeepSpeed's estimator + activations
+    backend: str = "fsdp2"  # the backend the peaks are for: fsdp2's simulated step, or DeepSpeed's estimator + activations
     headroom: Headroom = field(default_factory=Headroom)  # kept free beside the peak: peak <= headroom.limit(budget)
 
     def intent(self, base: ShardingIntent) -> ShardingIntent:
@@ -219,7 +217,7 @@ class BudgetDecision:
         head = (
             f"autoshard memory budget: {fmt_bytes(self.budget)} per rank, world size {self.world_size}"
             + (f" on {self.num_nodes} nodes" if self.num_nodes > 1 else "")
-            + (", DeepSpeed ZeRO-3 (its estimator + the simulated activations)" if self.backend == DEEPSPEED else "")
+            + (f", {peaks}" if (peaks := get_backend(self.backend).budget.peaks) else "")  # type: ignore[union-attr]
             + (f", micro-batch {self.batch}" if self.batch else "")
             + (
                 f"\n  {self.headroom.words()} (CUDA context, communication buffers, allocator fragmentation): the simulated"
@@ -270,7 +268,7 @@ class BudgetDecision:
             kept=tuple(data.get("kept", ())),
             rates=Rates(**data.get("rates", {})),
             num_nodes=int(data.get("num_nodes", 1)),
-            backend=str(data.get("backend", FSDP2)),
+            backend=str(data.get("backend", "fsdp2")),
             headroom=Headroom(**data.get("headroom", {})),
         )
 
@@ -293,10 +291,9 @@ def _cost_words(cost: Cost) -> str:
     return f"~{cost.seconds * 1e3:.3g} ms/step estimated ({'; '.join(parts) or 'nothing extra'})"
 
 
-def free_fields(intent: ShardingIntent, num_nodes: int, backend: str = FSDP2) -> list[str]:
-    """The fields the user left at their defaults (shard_size only when there are several nodes to group by; under
-    DeepSpeed offload and activation checkpointing, the knobs autoshard sets there)."""
+def free_fields(intent: ShardingIntent, num_nodes: int, backend: str = "fsdp2") -> list[str]:
+    """The fields the user left at their defaults among those the backend's budget sets (``BudgetChoices.fields``),
+    shard_size only when there are several nodes to group by."""
+    fields = get_backend(backend).budget.fields  # type: ignore[union-attr]
     free = [f for f in FREE_FIELDS if getattr(intent, f) == DEFAULTS[f] and type(getattr(intent, f)) is type(DEFAULTS[f]) and f not in intent.pinned]
-    if backend == DEEPSPEED:
-        return [f for f in free if f in DEEPSPEED_FIELDS]
-    return [f for f in free if f != "shard_size" or num_nodes > 1]
+    return [f for f in free if f in fields and (f != "shard_size" or num_nodes > 1)]

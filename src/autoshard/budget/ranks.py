@@ -4,12 +4,14 @@ decision's search."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate
+from autoshard.mesh import hybrid_sizes
 
 MAX_RANKS = 4096  # the search for "more ranks" stops here
-MAX_DECISION_RANKS = MAX_RANKS
 DEVICES_PER_NODE = 8  # ranks per node when nothing says otherwise (one node of the world size if it is larger)
 
 
@@ -27,13 +29,28 @@ def world_sizes_after(world_size: int, devices_per_node: int | None, intent: Sha
     intent's fixed shard_size divides."""
     per_node = devices_per_node or world_size
     sizes = [n for n in range(world_size + 1, per_node + 1)] + list(
-        range(max(per_node, world_size) // per_node * per_node + per_node, MAX_DECISION_RANKS + 1, per_node)
+        range(max(per_node, world_size) // per_node * per_node + per_node, MAX_RANKS + 1, per_node)
     )
     out = []
     for n in sorted(set(sizes)):
         try:
-            intent.hsdp_sizes(n, max(1, n // per_node) if devices_per_node else 1)
+            hybrid_sizes(intent, n, max(1, n // per_node) if devices_per_node else 1)
         except IntentError:
             continue
         out.append(n)
     return out
+
+
+def smallest_fitting_world(sizes: list[int], rest: int, states_at: Callable[[int], int], fits: Callable[[int], bool], budget: int) -> int | None:
+    """The first of ``sizes`` at which a run fits: predicted by bisection as ``rest`` (what does not shrink with ranks:
+    activations, what stays whole) plus ``states_at(n)`` (the model states on the device at n ranks, which shrink
+    monotonically), then confirmed with ``fits`` on that size and the next two. The one world-size search of the
+    ``--budget`` advice and of the decision's refusal."""
+    predict = lambda n: rest + states_at(n)  # noqa: E731
+    if not sizes or predict(sizes[-1]) > budget:
+        return None
+    lo, hi = 0, len(sizes) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if predict(sizes[mid]) <= budget else (mid + 1, hi)
+    return next((n for n in sizes[lo : lo + 3] if fits(n)), None)

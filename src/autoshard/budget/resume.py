@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from autoshard.backends import get_backend
-from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
 from autoshard.budget.decision import BudgetDecision, describe_config, free_fields
 from autoshard.intent import ShardingIntent
 from autoshard.memory import fmt_bytes
 
 
 def resume_decision(
-    stored: dict[str, Any] | None, intent: ShardingIntent, world_size: int, backend: str = FSDP2, *, batch: str | None = None
+    stored: dict[str, Any] | None, intent: ShardingIntent, world_size: int, backend: str = "fsdp2", *, batch: str | None = None
 ) -> tuple[BudgetDecision | None, str]:
     """At resume: the stored decision when the budget and the world are the same (so the run trains as before), else
     None and the sentence to log saying why it is decided again ("" when nothing was stored). A decision for another

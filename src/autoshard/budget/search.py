@@ -30,26 +30,28 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from autoshard.backends import get_backend
-from autoshard.backends.deepspeed import BACKEND_NAME as DEEPSPEED
-from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.backends import BudgetChoices, get_backend
 from autoshard.budget.batch import batch_function
 from autoshard.budget.decision import OFFLOAD_SAVING, Cost, Rates, Tried, default_rates, describe_config
 from autoshard.budget.meta import meta_factory
-from autoshard.budget.ranks import states_on_device, world_sizes_after
+from autoshard.budget.ranks import smallest_fitting_world, states_on_device, world_sizes_after
 from autoshard.budget.simulator import Simulator, config_key
 from autoshard.errors import AutoShardError
 from autoshard.intent import SELECTIVE, ShardingIntent
 from autoshard.memory import fmt_bytes
 
 
-def _ac_options(blocks: int, backend: str = FSDP2) -> list[bool | int | str]:
-    """False, every k-th block (k = 2, and 4 from 8 blocks), selective (not under DeepSpeed, which refuses it), every
-    block: steps between nothing and all."""
+def _choices(backend: str) -> BudgetChoices:
+    return get_backend(backend).budget  # type: ignore[return-value]  # decide refused a backend without one
+
+
+def _ac_options(blocks: int, backend: str) -> list[bool | int | str]:
+    """False, every k-th block (k = 2, and 4 from 8 blocks), selective (where the backend takes it: not DeepSpeed),
+    every block: steps between nothing and all."""
     if blocks == 0:
         return [False]
     every = [k for k in (2, 4) if k < blocks and (k == 2 or blocks >= 8)]
-    return [False, *every, *([SELECTIVE] if backend == FSDP2 else []), True]
+    return [False, *every, *([SELECTIVE] if _choices(backend).selective else []), True]
 
 
 def _saves_at_least(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -84,13 +86,9 @@ def config_cost(sim: Simulator, config: dict[str, Any], world_size: int, flops: 
     recompute = max(0, flops.get(ac, 0) - flops.get(base_ac, 0)) if ac in flops and base_ac in flops else 0
     gathered_intra = states.intra_node_bytes
     gathered_inter = states.inter_node_bytes
-    host = 0
     offload = config.get("offload", sim.base.offload)
-    if sim.backend == DEEPSPEED:  # see the cost order above: gradients out, parameters in once (optimizer) or per gather
-        host = {"none": 0, "optimizer": states.parameters + states.gradients, "params": 2 * states.parameters + states.gradients}[offload]
-    elif offload != "none":
-        reshard = config.get("reshard_after_forward", sim.base.reshard_after_forward)
-        host = (states.parameters + states.ema_teacher) * (2 if reshard else 1) + states.gradients
+    reshard = config.get("reshard_after_forward", sim.base.reshard_after_forward)
+    host = _choices(sim.backend).host_bytes(states, offload, reshard)  # see the cost order above
     selective = ac == SELECTIVE and recompute > 0
     cost = Cost(recompute, gathered_intra, gathered_inter, host, selective=selective)
     return Cost(recompute, gathered_intra, gathered_inter, host, cost.at(rates), selective)
@@ -105,8 +103,7 @@ def price(
     *,
     rates: Rates | None = None,
     precision: Any = None,
-    num_nodes: int = 1,
-    backend: str = FSDP2,
+    backend: str = "fsdp2",
 ) -> list[tuple[int, Cost]]:
     """(device peak per rank, price) of each configuration (ShardingIntent fields over ``intent``), as ``decide``
     computes them on ``backend``: one simulated step each, plus one without activation checkpointing for the
@@ -120,8 +117,8 @@ def price(
         batch_function(batch),
         base,
         precision or resolve_precision(None, intent),
-        world_size // num_nodes,
-        num_nodes,
+        world_size,
+        1,
         None,
         get_backend(backend).name,
     )
@@ -136,12 +133,12 @@ def price(
     return out
 
 
-def _options(field_name: str, blocks: int, backend: str = FSDP2) -> list[Any]:
+def _options(field_name: str, blocks: int, backend: str) -> list[Any]:
     """Each free field's options, cheapest (least saving) first."""
     return {
         "reshard_after_forward": [False, True],
         "activation_checkpointing": _ac_options(blocks, backend),
-        "offload": ["none", "optimizer", "params"] if backend == DEEPSPEED else ["none", "params"],
+        "offload": list(_choices(backend).offload),
         "shard_size": ["node", None],
     }[field_name]
 
@@ -239,25 +236,15 @@ def _first_error(message: str) -> str:
 
 
 def smallest_world_size(sim: Simulator, config: dict[str, Any], world_size: int, budget: int) -> int | None:
-    """The smallest world size above ``world_size`` at which ``config`` fits: predicted from model states (they shrink
-    with ranks, activations do not) by bisection, then confirmed by a simulated step (the next sizes when not)."""
+    """The smallest world size above ``world_size`` at which ``config`` fits (``ranks.smallest_fitting_world``)."""
     here, _ = sim.step(config, world_size)
-    rest = here.device - states_on_device(sim.states(config, world_size))
-    sizes = world_sizes_after(world_size, sim.devices_per_node, sim.base.replace(**config))
-    predict = lambda n: rest + states_on_device(sim.states(config, n))  # noqa: E731
-    if not sizes or predict(sizes[-1]) > budget:
-        return None
-    lo, hi = 0, len(sizes) - 1
-    while lo < hi:  # the first size predicted to fit (states shrink monotonically with ranks)
-        mid = (lo + hi) // 2
-        if predict(sizes[mid]) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    for n in sizes[lo : lo + 3]:
-        if sim.step(config, n)[0].device <= budget:
-            return n
-    return None
+    return smallest_fitting_world(
+        world_sizes_after(world_size, sim.devices_per_node, sim.base.replace(**config)),
+        here.device - states_on_device(sim.states(config, world_size)),
+        lambda n: states_on_device(sim.states(config, n)),
+        lambda n: sim.step(config, n)[0].device <= budget,
+        budget,
+    )
 
 
 def largest_micro_batch(sim: Simulator, config: dict[str, Any], world_size: int, budget: int, rows: int | None) -> tuple[int, int] | None:

@@ -1,13 +1,16 @@
-"""Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached: what the
-decision's search and ``price`` evaluate configurations with."""
+"""Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached: ``ModelStates``
+is the one estimator of model states (explain's table, the ``--budget`` advice, the decision's search), ``Simulator``
+adds the decision's simulated steps (what its search and ``price`` evaluate configurations with)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from autoshard.backends.fsdp2 import BACKEND_NAME as FSDP2
+from autoshard.backends import get_backend
 from autoshard.budget.batch import cut_batch
 from autoshard.budget.decision import describe_config
 from autoshard.errors import IntentError
@@ -16,6 +19,60 @@ from autoshard.intent import ShardingIntent
 
 def config_key(config: dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Subject:
+    """One module built on meta, the callbacks that came with it, the optimizers of its one ``configure_optimizers``
+    call (hooks may assert a single call) and the needs read from them: what every estimate of it reads."""
+
+    module: Any
+    callbacks: list[Any]
+    sourced: list[tuple[str, Any]]
+    needs: Any
+    notes: list[str]
+
+    @classmethod
+    def build(cls, factory: Callable[[], Any]) -> Subject:
+        from autoshard.memory import collect_optimizers
+        from autoshard.needs import inspect_needs
+        from autoshard.target import build_on_meta
+
+        built = build_on_meta(factory)
+        sourced = collect_optimizers(built.module, built.callbacks)
+        configured = [o for source, o in sourced if source == "configure_optimizers"]
+        needs = inspect_needs(built.module, callbacks=built.callbacks, optimizers=configured)
+        return cls(built.module, built.callbacks, sourced, needs, built.notes)
+
+
+class ModelStates:
+    """The model states of one ``Subject`` on ``backend``, for any intent at any world size, cached (fast, from shapes:
+    ``memory.estimate_memory_many``). World sizes fill whole nodes of ``devices_per_node`` ranks, or (None) run on
+    ``num_nodes``; ``tokens`` per micro-batch count a tensor-parallel plan's traffic."""
+
+    def __init__(
+        self, subject: Subject, backend: str, precision: Any, devices_per_node: int | None, num_nodes: int = 1, tokens: int | None = None
+    ) -> None:
+        from autoshard.memory import EstimateOptions
+
+        self.subject, self.backend = subject, backend
+        self.options = EstimateOptions(
+            num_nodes=num_nodes, devices_per_node=devices_per_node, precision=precision, sourced=subject.sourced, tokens=tokens
+        )
+        self.cache: dict[tuple[str, int], Any] = {}
+
+    def of(self, intent: ShardingIntent, world_sizes: Sequence[int]) -> list[Any]:
+        """The estimates of ``intent`` at ``world_sizes``: those not cached made together (one plan for all)."""
+        from autoshard.memory import estimate_memory_many
+
+        missing = [n for n in world_sizes if (repr(intent), n) not in self.cache]
+        if missing:
+            s = self.subject
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the plan's warnings are explain's to report, once
+                made = estimate_memory_many(s.module, intent, s.needs, missing, self.backend, callbacks=s.callbacks, options=self.options)
+            self.cache.update({(repr(intent), n): e for n, e in zip(missing, made)})
+        return [self.cache[(repr(intent), n)] for n in world_sizes]
 
 
 class Simulator:
@@ -34,27 +91,20 @@ class Simulator:
         devices_per_node: int | None,
         num_nodes: int,
         progress: Callable[[str], None] | None,
-        backend: str = FSDP2,
+        backend: str = "fsdp2",
     ) -> None:
-        from autoshard.memory import collect_optimizers
-        from autoshard.needs import inspect_needs
-        from autoshard.target import build_on_meta
-
         self.factory, self.make_batch, self.base, self.precision = factory, make_batch, base, precision
         self.devices_per_node, self.num_nodes, self.progress = devices_per_node, num_nodes, progress
         self.backend = backend
-        built = build_on_meta(factory)
-        self.module, self.callbacks = built.module, built.callbacks
-        self.sourced = collect_optimizers(self.module, self.callbacks)
-        configured = [o for source, o in self.sourced if source == "configure_optimizers"]
-        self.needs = inspect_needs(self.module, callbacks=self.callbacks, optimizers=configured)
-        self.states_cache: dict[tuple[str, int], Any] = {}
+        subject = Subject.build(factory)
+        self.module, self.needs = subject.module, subject.needs
+        self.model = ModelStates(subject, backend, precision, devices_per_node, num_nodes)
         self.step_cache: dict[tuple[str, int, int], tuple[Any, int]] = {}
         self.measured: dict[tuple[str, int, int], Any] = {}
         self.sims = 0
 
     def nodes(self, world_size: int) -> int:
-        from autoshard.memory import nodes_for
+        from autoshard.mesh import nodes_for
 
         return self.num_nodes if self.devices_per_node is None else nodes_for(world_size, self.devices_per_node)
 
@@ -65,26 +115,7 @@ class Simulator:
         return len(checkpointable_blocks(self.module, self.base, self.needs))
 
     def states(self, config: dict[str, Any], world_size: int) -> Any:
-        import warnings
-
-        from autoshard.memory import estimate_memory_many
-
-        key = (config_key(config), world_size)
-        if key not in self.states_cache:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self.states_cache[key] = estimate_memory_many(
-                    self.module,
-                    self.base.replace(**config),
-                    self.needs,
-                    [world_size],
-                    self.backend,
-                    callbacks=self.callbacks,
-                    sourced=self.sourced,
-                    num_nodes=self.nodes(world_size),
-                    precision=self.precision,
-                )[0]
-        return self.states_cache[key]
+        return self.model.of(self.base.replace(**config), [world_size])[0]
 
     def step(self, config: dict[str, Any], world_size: int, divisor: int = 1) -> tuple[Any, int]:
         """(the estimate with the simulated step, the step's FLOPs)."""
@@ -94,7 +125,7 @@ class Simulator:
         if key not in self.step_cache:
             # DeepSpeed: only the activations of fsdp2's step with the same blocks checkpointed are added to its estimator's
             # states (they do not depend on the offload)
-            whole = self.backend == FSDP2
+            whole = get_backend(self.backend).simulates_its_step
             step = self._measure(config if whole else {k: v for k, v in config.items() if k == "activation_checkpointing"}, world_size, divisor)
             self.step_cache[key] = (with_step(self.states(config, world_size), step, whole), step.flops)
         return self.step_cache[key]
@@ -105,7 +136,7 @@ class Simulator:
         key = (config_key(config), world_size, divisor)
         if key not in self.measured:
             if self.progress is not None:
-                what = describe_config(config) + ("" if self.backend == FSDP2 else ": activations for DeepSpeed")
+                what = describe_config(config) + ("" if get_backend(self.backend).simulates_its_step else ": activations for DeepSpeed")
                 self.progress(f"simulating one step on {world_size} fake ranks ({what}" + (f", micro-batch / {divisor}" if divisor > 1 else "") + ")")
             step = measure_step(
                 self.factory,

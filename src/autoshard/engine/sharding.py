@@ -76,9 +76,7 @@ def shard_module(
         if teachers:
             rank_zero_info(f"autoshard: EMA teacher units reshard after forward: {', '.join(teachers)}")
         return None
-    plan = plan_fsdp2(module, intent, needs, precision)
-    plan.sync_batchnorm = sync_batchnorm
-    plan.hsdp = mesh.dims.hsdp
+    plan = plan_fsdp2(module, intent, needs, precision, dims=mesh.dims, sync_batchnorm=sync_batchnorm)
     if intent.shard_size == "node" and mesh.dims.hybrid:
         check_node_groups(node_ranks(), mesh.dims.node_group)
     plan.apply(module, mesh)

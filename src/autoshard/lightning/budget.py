@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from autoshard.activations import describe_batch
-from autoshard.budget import BudgetDecision, batch_function, decide, resume_decision
+from autoshard.budget import BudgetDecision, DecideOptions, batch_function, decide, resume_decision
 from autoshard.checkpoint.resume import stored_budget_decision
 from autoshard.checkpoint.saves import on_rank0, rng_state, set_rng_state
 from autoshard.errors import IntentError
@@ -252,11 +252,13 @@ def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, b
                 batch_function(batch, origin="the first batch of the train DataLoader"),
                 intent,
                 world,
-                num_nodes=strategy.num_nodes,
-                precision=strategy.precision_plan,
-                callbacks=[c for c in trainer.callbacks if held_optimizers(c)],
                 backend=backend,
                 device_type=strategy.root_device.type,
+                options=DecideOptions(
+                    num_nodes=strategy.num_nodes,
+                    precision=strategy.precision_plan,
+                    callbacks=[c for c in trainer.callbacks if held_optimizers(c)],
+                ),
             )
         return {"decision": decision.to_dict(), "said": said}
 

@@ -122,9 +122,9 @@ class FSDP2Plan:
     intent: ShardingIntent
     notes: list[str] = field(default_factory=list)
     buffers: dict[str, int] = field(default_factory=dict)  # name -> bytes; never sharded, kept equal by BUFFER_RULE
-    sync_batchnorm: bool = False  # set by the strategy for Trainer(sync_batchnorm=True)
+    sync_batchnorm: bool = False  # Trainer(sync_batchnorm=True), stated in the summary
     precision: PrecisionPlan | None = None  # the run's resolved precision; None: the intent's (see plan_fsdp2)
-    hsdp: tuple[int, int] | None = None  # (replicas, shard_size) for a plain DeviceMesh given to apply; None: pure FSDP
+    hsdp: tuple[int, int] | None = None  # (replicas, shard_size) of the resolved dims, for a plain DeviceMesh given to apply; None: pure FSDP
     tp_plan: TPPlan | None = None  # the model's tensor-parallel layout, applied first when tensor_parallel_size > 1
     compiled: tuple[str, ...] = ()  # modules compiled in place before fully_shard (adapters.compile), units in unit order
 

@@ -19,16 +19,26 @@ from autoshard.adapters.fsdp2.plan import PARALLELIZE_FN_HINT, FSDP2Plan, Replic
 from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
+from autoshard.mesh import ParallelDims
 from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
 
 
 def plan_fsdp2(
-    module: nn.Module, intent: ShardingIntent | None = None, needs: MethodNeeds | None = None, precision: PrecisionPlan | None = None
+    module: nn.Module,
+    intent: ShardingIntent | None = None,
+    needs: MethodNeeds | None = None,
+    precision: PrecisionPlan | None = None,
+    *,
+    dims: ParallelDims | None = None,
+    sync_batchnorm: bool = False,
 ) -> FSDP2Plan:
     """Decide what to ``fully_shard``: every parameter-owning block, then every trainable subtree; never the root.
 
     ``precision``: the run's resolved plan (the strategy's, from the Trainer); None plans for the intent's.
+    ``dims``: the run's resolved layout (its hybrid split and tensor-parallel ranks); None before a world is known
+    (explain, the memory estimate): the intent's tensor_parallel_size, pure FSDP. ``sync_batchnorm``:
+    Trainer(sync_batchnorm=True), which the plan's summary states.
     """
     intent = intent or ShardingIntent()
     needs = needs or MethodNeeds()
@@ -43,10 +53,43 @@ def plan_fsdp2(
             f"exclude names {', '.join(map(repr, unknown))}, not a module of {type(module).__name__}: top-level modules"
             f" are {top}. Fix: name module paths as printed by `print(model)`, or drop them from exclude"
         )
-    tp_plan = tensor_parallel_plan(module, intent.tensor_parallel_size)
+    tp_plan = tensor_parallel_plan(module, dims.tp if dims is not None else intent.tensor_parallel_size)
     teachers = {p.teacher for p in needs.ema_pairs}
     for pair in needs.ema_pairs:
         check_ema_structure(module, pair)
+    notes: list[str] = []
+    replicated: list[Replicated] = []
+    candidates = _candidates(module, modules, intent, needs, excluded, names_of, replicated, notes)
+    # The blocks activation checkpointing wraps: one selection for every engine (DeepSpeed checkpoints the same ones)
+    checkpointed = set(checkpointable_blocks(module, intent, needs)) if intent.activation_checkpointing else set()
+    units = _units(modules, candidates, teachers, intent, needs, names_of, checkpointed)
+    if intent.activation_checkpointing and not any(u.checkpointed for u in units):
+        raise nothing_to_checkpoint(module, intent)
+    kept_whole = batchnorm_parameters(module) if low_precision_gather(precision or resolve_precision(None, intent)) else set()
+    _left_whole(module, modules, units, excluded, kept_whole, needs, replicated)
+    _refuse_or_note(module, intent, units, replicated, notes)
+    buffers = {name: b.numel() * b.element_size() for name, b in module.named_buffers()}
+    compiled = _compiled(module, units, intent, needs)
+    if compiled and needs.compiled:
+        user = ", ".join(f"'{p}'" for p in needs.compiled)
+        notes.append(f"compiled by the model ({user}): its blocks are compiled in place before fully_shard, names stay eager")
+    hsdp = dims.hsdp if dims is not None else None
+    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, sync_batchnorm, precision, hsdp, tp_plan, compiled)
+
+
+def _candidates(
+    module: nn.Module,
+    modules: dict[str, nn.Module],
+    intent: ShardingIntent,
+    needs: MethodNeeds,
+    excluded: set[str],
+    names_of: dict[int, list[str]],
+    replicated: list[Replicated],
+    notes: list[str],
+) -> dict[str, tuple[UnitKind, str]]:
+    """The modules that may become units (blocks inside the planned subtrees, then the subtrees themselves), minus
+    those sharing parameters with modules outside them; frozen subtrees go to ``replicated`` when nothing is named."""
+    teachers = {p.teacher for p in needs.ema_pairs}
 
     def exclusive(path: str) -> bool:
         """A unit may not share a parameter (tied weights) with anything outside it."""
@@ -55,9 +98,7 @@ def plan_fsdp2(
 
     roots = [r for r in subtree_roots(module, intent.shard) if not within(r, excluded)]
     roots += [m for p in needs.ema_pairs for m in (p.teacher, p.student) if m not in roots and not within(m, excluded)]
-    notes: list[str] = []
     candidates: dict[str, tuple[UnitKind, str]] = {}
-    replicated: list[Replicated] = []
     planned: list[str] = []
     for root_path in roots:
         sub = modules[root_path]
@@ -83,15 +124,23 @@ def plan_fsdp2(
         if not exclusive(path):
             notes.append(f"'{path}' shares parameters with modules outside it (tied weights): sharded with its parent instead")
             del candidates[path]
-    # The blocks activation checkpointing wraps: one selection for every engine (DeepSpeed checkpoints the same ones)
-    checkpointed = set(checkpointable_blocks(module, intent, needs)) if intent.activation_checkpointing else set()
-    units = _units(modules, candidates, teachers, intent, needs, names_of, checkpointed)
-    if intent.activation_checkpointing and not any(u.checkpointed for u in units):
-        raise nothing_to_checkpoint(module, intent)
+    return candidates
+
+
+def _left_whole(
+    module: nn.Module,
+    modules: dict[str, nn.Module],
+    units: list[ShardUnit],
+    excluded: set[str],
+    kept_whole: set[int],
+    needs: MethodNeeds,
+    replicated: list[Replicated],
+) -> None:
+    """Every parameter no unit shards, into ``replicated`` with why: BatchNorm's under a low-precision gather
+    (``kept_whole``), 0-dim ones inside units, excluded modules whole, the rest (the root's, outside any unit)."""
     covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
     unit_names = {u.name for u in units}
     replicated_names = {r.name for r in replicated}
-    kept_whole = batchnorm_parameters(module) if low_precision_gather(precision or resolve_precision(None, intent)) else set()
     for name, p in module.named_parameters():
         if within(name, replicated_names):
             continue
@@ -115,6 +164,10 @@ def plan_fsdp2(
             why = Unsharded.ROOT if "." not in name else Unsharded.OUTSIDE
             replicated.append(_replicated(name, [p], why))
             replicated_names.add(name)
+
+
+def _refuse_or_note(module: nn.Module, intent: ShardingIntent, units: list[ShardUnit], replicated: list[Replicated], notes: list[str]) -> None:
+    """No unit at all, or parameters on the root: refused under ``strict``, else a note or a warning."""
     if not units:
         message = (
             f"no parameter-owning child modules found to shard in {type(module).__name__}: your trainable parameters"
@@ -132,13 +185,7 @@ def plan_fsdp2(
         )
         if intent.strict:
             raise AutoShardError(message.replace("they stay replicated with averaged gradients", "strict=True refuses to replicate them"))
-        warnings.warn(message, stacklevel=2)
-    buffers = {name: b.numel() * b.element_size() for name, b in module.named_buffers()}
-    compiled = _compiled(module, units, intent, needs)
-    if compiled and needs.compiled:
-        user = ", ".join(f"'{p}'" for p in needs.compiled)
-        notes.append(f"compiled by the model ({user}): its blocks are compiled in place before fully_shard, names stay eager")
-    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, precision=precision, tp_plan=tp_plan, compiled=compiled)
+        warnings.warn(message, stacklevel=3)
 
 
 def _compiled(module: nn.Module, units: list[ShardUnit], intent: ShardingIntent, needs: MethodNeeds) -> tuple[str, ...]:
