@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from autoshard.budget import RATES_ENV, Rates, read_rates
+from autoshard.consolidate import command_parser
 from autoshard.errors import AutoShardError
 
 FORMAT = "autoshard-rates"  # the key a rates file carries: calibrate replaces only files that have it
@@ -201,12 +202,8 @@ def cmd_calibrate(args: argparse.Namespace, stream: Any = None) -> int:
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``autoshard calibrate`` to the ``autoshard`` command."""
-    parser = subparsers.add_parser(
-        "calibrate",
-        allow_abbrev=False,
-        help="measure the rates a memory budget prices configurations with, on this machine's device",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
+    summary = "measure the rates a memory budget prices configurations with, on this machine's device"
+    parser = command_parser(subparsers, "calibrate", summary, __doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--out", default=None, help=f"the rates file to write (default: {default_path()})")
     parser.add_argument("--device", default=None, help="the device to measure, e.g. cuda:1 (default: cuda when there is one, else cpu)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (the median is kept)")

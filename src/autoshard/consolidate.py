@@ -197,7 +197,7 @@ def refuse_module_run(command: str, usage: str, argv: Sequence[str]) -> int:
     return 2
 
 
-def command_parser(subparsers: argparse._SubParsersAction, name: str, help: str, description: str) -> argparse.ArgumentParser:
+def command_parser(subparsers: argparse._SubParsersAction, name: str, help: str, description: str | None) -> argparse.ArgumentParser:
     """``autoshard NAME``'s parser (abbreviated options refused, as every autoshard command refuses them)."""
     return subparsers.add_parser(name, allow_abbrev=False, help=help, description=description)
 

@@ -34,6 +34,31 @@ class Private:
         return f"{self.owner.rpartition('.')[2]}.{self.name}"
 
 
+def engine_members(strategies: str, left: str, left_deepspeed: str) -> tuple[Private, ...]:
+    """The members ``engine/`` hooks in a front end's strategies (``strategies``: ``lightning.pytorch.strategies`` or
+    ``lightning.fabric.strategies``); ``left`` / ``left_deepspeed``: what is refused when one is gone."""
+    model_parallel, deepspeed = f"{strategies}.ModelParallelStrategy", f"{strategies}.DeepSpeedStrategy"
+    return (
+        Private(
+            model_parallel,
+            "_configure_launcher",
+            "engine/base.py",
+            "overridden: the last step of construction, the first point where the precision is known; precision, backend"
+            " and mesh are checked there, before any process starts",
+            without=left,
+        ),
+        Private(
+            model_parallel,
+            "_data_parallel_size",
+            "engine/fsdp2.py",
+            "set from the intent before 'auto' (tensor parallel within a node)",
+            on_instance=True,
+        ),
+        Private(model_parallel, "_tensor_parallel_size", "engine/fsdp2.py", "set with _data_parallel_size", on_instance=True),
+        Private(deepspeed, "_configure_launcher", "engine/base.py", "overridden, as for ModelParallelStrategy", without=left_deepspeed),
+    )
+
+
 def resolve(path: str) -> object | None:
     """A class or module from its dotted path; None when the installed Lightning has none there."""
     try:

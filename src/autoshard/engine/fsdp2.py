@@ -6,18 +6,22 @@ and the decision at setup. One copy, so the two cannot drift; each front end add
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
 from autoshard.adapters.fsdp2 import ParallelizeFn
 from autoshard.backends.matrix import cell
 from autoshard.checkpoint.saves import all_gather_object
-from autoshard.engine.auto_shard import FSDP2
+from autoshard.engine.auto_shard import FSDP2, fsdp2_auto_intent
 from autoshard.engine.base import BackendMixin
+from autoshard.engine.compat import lightning_lacks
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.init_from import InitPlan, plan_everywhere, sources_of
-from autoshard.intent import ShardingIntent
+from autoshard.intent import ShardingIntent, as_intent
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import MethodNeeds
 from autoshard.precision import Precision, PrecisionPlan, normalize_precision
@@ -77,10 +81,42 @@ class FSDP2Checks(BackendMixin):
     device_mesh: Any  # Lightning's one DeviceMesh, built with the dims set in _check_construction
     _data_parallel_size: Any
     _tensor_parallel_size: Any
+    hooked_by: str  # how a refusal names the strategies whose hooked Lightning members are gone
+    auto_shard_words: tuple[str, str, str] | None = None  # auto-shard's: how fsdp2_auto_intent's refusal names it
+
+    def __init__(
+        self,
+        intent: ShardingIntent | Mapping[str, Any] | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **intent_fields: Any,
+    ) -> None:
+        gone = self._lightning_gone()
+        if gone:  # Lightning would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
+            raise lightning_lacks(gone, self.hooked_by)
+        self.intent = self._wanted(as_intent(intent, **intent_fields))
+        super().__init__(  # type: ignore[call-arg]
+            **self._parent_arguments(),
+            data_parallel_size="auto",
+            tensor_parallel_size="auto",
+            save_distributed_checkpoint=self.intent.checkpoint == "distributed",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.parallelize_fn = parallelize_fn
+
+    def _lightning_gone(self) -> list[str]:
+        """The hooked ModelParallelStrategy members this Lightning lacks (each front end's own list)."""
+        raise NotImplementedError
+
+    def _parent_arguments(self) -> dict[str, Any]:
+        """What only this front end's ModelParallelStrategy takes."""
+        return {}
 
     def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
-        """The intent this strategy runs (auto-shard's refuses one only DeepSpeed can run: ``fsdp2_auto_intent``)."""
-        return intent
+        """The intent this strategy runs: auto-shard's refuses one only DeepSpeed can run."""
+        return intent if self.auto_shard_words is None else fsdp2_auto_intent(intent, *self.auto_shard_words)
 
     # -- construction (BackendMixin._configure_launcher): what can be refused before a process starts ------------------
     def _check_construction(self) -> None:

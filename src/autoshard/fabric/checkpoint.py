@@ -22,20 +22,11 @@ from torch import nn
 
 from autoshard.adapters.fsdp2 import sync_buffers
 from autoshard.capability import Format
+from autoshard.checkpoint import saves
 from autoshard.checkpoint.formats import FORMAT_VERSION, LIGHTNING_META, STATE_KEY, detect_format
 from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.readers import dcp_entries, saved_entries, saved_shapes
 from autoshard.checkpoint.resume import model_mismatch, resolve_for_load
-from autoshard.checkpoint.saves import (
-    all_gather_object,
-    on_rank0,
-    publish_save,
-    restore_rng,
-    rng_state,
-    verify_on_every_rank,
-    write_full,
-    write_sharded,
-)
 from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
@@ -125,18 +116,20 @@ class FabricCheckpoint:
         metadata[STATE_KEY] = {
             "version": FORMAT_VERSION,
             "world_size": self.world_size,
-            "rng_states": all_gather_object(rng_state()),
+            "rng_states": saves.all_gather_object(saves.rng_state()),
             "fabric": {"modules": list(modules), "optimizers": [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]},
         }
-        rank, world = self.global_rank, self.world_size
+        rank, world, broadcast = self.global_rank, self.world_size, self.broadcast  # type: ignore[attr-defined]
 
         def write(staged: Path, token: str) -> None:
             if full:
-                on_rank0(lambda: write_full(lambda f: torch.save({**tensors, **metadata}, f), staged, path, token), rank, world, self.broadcast)  # type: ignore[attr-defined]
+                saves.on_rank0(
+                    lambda: saves.write_full(lambda f: torch.save({**tensors, **metadata}, f), staged, path, token), rank, world, broadcast
+                )
             else:
-                write_sharded(tensors, metadata, staged, rank, world, self.broadcast)  # type: ignore[attr-defined]
+                saves.write_sharded(tensors, metadata, staged, rank, world, broadcast)
 
-        publish_save(path, write, rank, world, self.broadcast)  # type: ignore[attr-defined]
+        saves.publish_save(path, write, rank, world, broadcast)
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load_checkpoint(  # type: ignore[override]
@@ -149,8 +142,8 @@ class FabricCheckpoint:
         if not isinstance(state, dict) or not state:  # load_raw (a module alone), or no state: Lightning's own paths
             return ModelParallelStrategy.load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)  # type: ignore[arg-type]
         path = Path(self.broadcast(path))  # type: ignore[attr-defined]
-        resolved = Path(on_rank0(lambda: str(_resolve(path)), self.global_rank, self.world_size, self.broadcast))  # type: ignore[arg-type, attr-defined]
-        verified = verify_on_every_rank(resolved, self.global_rank, self.world_size)
+        resolved = Path(saves.on_rank0(lambda: str(_resolve(path)), self.global_rank, self.world_size, self.broadcast))  # type: ignore[arg-type, attr-defined]
+        verified = saves.verify_on_every_rank(resolved, self.global_rank, self.world_size)
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
         if not modules:
@@ -163,7 +156,7 @@ class FabricCheckpoint:
             metadata = self._load_full(resolved, modules, optimizers, strict, trust)
         extra = metadata.pop(STATE_KEY, None)
         if extra is not None:
-            said = restore_rng(extra, self.global_rank, self.world_size, "loaded", "random draws")
+            said = saves.restore_rng(extra, self.global_rank, self.world_size, "loaded", "random draws")
             if said:
                 rank_zero_warn(said)
             if not verified:

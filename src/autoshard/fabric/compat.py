@@ -14,30 +14,13 @@ optimizers) and ``setup_optimizers`` to ``setup_optimizer``; ``ModelParallelStra
 
 from __future__ import annotations
 
-from autoshard.engine.compat import Private, absent
+from autoshard.engine.compat import Private, absent, engine_members
 
-_MODEL_PARALLEL = "lightning.fabric.strategies.ModelParallelStrategy"
 _DEEPSPEED = "lightning.fabric.strategies.DeepSpeedStrategy"
 _LEFT = "Fabric(strategy='fsdp2' / 'auto-shard' / 'autoshard-deepspeed') is refused (it could not set its mesh or config)"
 
 FABRIC_PRIVATE_MEMBERS: tuple[Private, ...] = (
-    Private(
-        _MODEL_PARALLEL,
-        "_configure_launcher",
-        "engine/base.py (BackendMixin), fabric/strategies.py",
-        "overridden: the last step of Fabric() construction, where the precision plugin is known; precision, backend"
-        " and mesh sizes are checked there, before any process starts",
-        without=_LEFT,
-    ),
-    Private(
-        _MODEL_PARALLEL,
-        "_data_parallel_size",
-        "engine/fsdp2.py",
-        "set from the intent before Fabric resolves 'auto' (which means tensor parallel within a node)",
-        on_instance=True,
-    ),
-    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "engine/fsdp2.py", "set with _data_parallel_size", on_instance=True),
-    Private(_DEEPSPEED, "_configure_launcher", "fabric/deepspeed.py", "overridden, as for ModelParallelStrategy", without=_LEFT),
+    *engine_members("lightning.fabric.strategies", _LEFT, _LEFT),
     Private(
         _DEEPSPEED,
         "_format_config",

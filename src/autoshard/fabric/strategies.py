@@ -9,19 +9,15 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from autoshard.adapters.fsdp2 import (
     FSDP2Plan,
-    ParallelizeFn,
     Reshard,
     Role,
     check_ema_alignment,
@@ -31,8 +27,6 @@ from autoshard.adapters.fsdp2 import (
     sync_buffers,
 )
 from autoshard.checkpoint.saves import all_gather_object
-from autoshard.engine.auto_shard import fsdp2_auto_intent
-from autoshard.engine.compat import lightning_lacks
 from autoshard.engine.fsdp2 import FSDP2Checks
 from autoshard.engine.guarantees import reshard_after_no_grad_forward
 from autoshard.engine.meta_init import check_meta_init, copy_students_into_teachers
@@ -44,7 +38,6 @@ from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module, label, remap_optimizer, stale_parameters, stale_refusal
 from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, run_needs
 from autoshard.init_from import InitReport
-from autoshard.intent import ShardingIntent, as_intent
 from autoshard.needs import EMAPair, MethodNeeds
 
 _BUFFER_HOOK = "_autoshard_buffer_sync"
@@ -108,33 +101,22 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
     """
 
     strategy_name = "fsdp2"
+    hooked_by = "Fabric strategies hook"
 
-    def __init__(
-        self,
-        intent: ShardingIntent | Mapping[str, Any] | None = None,
-        parallelize_fn: ParallelizeFn | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
-    ) -> None:
-        gone = missing(ModelParallelStrategy)
-        if gone:  # Fabric would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
-            raise lightning_lacks(gone, "Fabric strategies hook")
-        self.intent = self._wanted(as_intent(intent, **intent_fields))
-        super().__init__(
-            parallelize_fn=self._shard,
-            data_parallel_size="auto",
-            tensor_parallel_size="auto",
-            save_distributed_checkpoint=self.intent.checkpoint == "distributed",
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self.parallelize_fn = parallelize_fn  # the user's; Fabric's own is self._shard
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``FSDP2Checks``' arguments; ``parallelize_fn`` is the user's (Fabric's own is ``self._shard``)."""
+        super().__init__(*args, **kwargs)
         self.setups: list[Setup] = []  # every fabric.setup / setup_module call, in order
         self.plans: dict[int, FSDP2Plan] = {}  # autoshard's plan of each setup call (by its index), when it planned
         self.init_reports: dict[int, InitReport] = {}  # what this rank read for ShardingIntent(init_from=...)
         self._arriving: list[str] = []  # the optimizers handed over with the module being set up, described
         self._pending: tuple[int, MethodNeeds, tuple[int, str] | None] | None = None  # (call, needs, student) in setup
+
+    def _lightning_gone(self) -> list[str]:
+        return missing(ModelParallelStrategy)
+
+    def _parent_arguments(self) -> dict[str, Any]:
+        return {"parallelize_fn": self._shard}
 
     @property
     def plan(self) -> FSDP2Plan | None:
@@ -320,11 +302,8 @@ class AutoShardStrategy(FSDP2Strategy):
 
     strategy_name = "auto-shard"
     prefer = "auto"
-
-    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
-        return fsdp2_auto_intent(
-            intent,
-            "autoshard.fabric.AutoShardStrategy",
-            "autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),",
-            "autoshard's Fabric DeepSpeed strategy for this intent",
-        )
+    auto_shard_words = (
+        "autoshard.fabric.AutoShardStrategy",
+        "autoshard.fabric.auto_shard(...) and the same arguments (what Fabric(strategy='auto-shard') calls),",
+        "autoshard's Fabric DeepSpeed strategy for this intent",
+    )

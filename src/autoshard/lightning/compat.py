@@ -25,7 +25,7 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private, absent
+from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private, absent, engine_members
 
 _CONNECTOR = "lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector"
 _FABRIC_CONNECTOR = "lightning.fabric.connector._Connector"
@@ -72,22 +72,7 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(_FABRIC_CONNECTOR, "_cluster_environment_flag", "lightning/guards.py", "read: a cluster environment the user passed", on_instance=True),
     Private(_CONNECTOR, "_strategy_flag", "lightning/guards.py", "read: the strategy the user passed", on_instance=True),
     Private(_CONNECTOR, "_precision_flag", "lightning/guards.py", "read: the precision the user passed", on_instance=True),
-    Private(
-        _MODEL_PARALLEL,
-        "_configure_launcher",
-        "engine/base.py",
-        "overridden: the last step of Trainer construction, the first point where the Trainer's precision is"
-        " known; precision, backend and mesh are checked there, before any process starts",
-        without=_LEFT_FSDP2,
-    ),
-    Private(
-        _MODEL_PARALLEL,
-        "_data_parallel_size",
-        "engine/fsdp2.py",
-        "set from the intent before Lightning resolves 'auto' (which means tensor parallel within a node)",
-        on_instance=True,
-    ),
-    Private(_MODEL_PARALLEL, "_tensor_parallel_size", "engine/fsdp2.py", "set with _data_parallel_size", on_instance=True),
+    *engine_members("lightning.pytorch.strategies", _LEFT_FSDP2, _LEFT_DEEPSPEED),
     Private(_MODEL_PARALLEL, "_save_distributed_checkpoint", "lightning/checkpoint.py", "read: a DCP directory or one full file", on_instance=True),
     Private(
         _MODEL_PARALLEL,
@@ -96,7 +81,6 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         "read: Trainer(sync_batchnorm=True), which ModelParallelStrategy ignores and autoshard applies",
         on_instance=True,
     ),
-    Private(_DEEPSPEED, "_configure_launcher", "engine/base.py", "overridden, as for ModelParallelStrategy", without=_LEFT_DEEPSPEED),
     Private(
         _DEEPSPEED,
         "_layer_sync",

@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from autoshard.adapters.fsdp2 import FSDP2Plan, ParallelizeFn, is_sharded, per_shard_random_init, sync_buffers, to_device_keeping_offloaded
+from autoshard.adapters.fsdp2 import FSDP2Plan, is_sharded, per_shard_random_init, sync_buffers, to_device_keeping_offloaded
 from autoshard.batchnorm import convert_sync_batchnorm
 from autoshard.checkpoint.saves import all_gather_object
-from autoshard.engine.auto_shard import FSDP2, fsdp2_auto_intent
-from autoshard.engine.compat import lightning_lacks
+from autoshard.engine.auto_shard import FSDP2
 from autoshard.engine.fsdp2 import FSDP2Checks
 from autoshard.engine.guarantees import ExplainMixedDTensor, track_forwards
 from autoshard.engine.meta_init import check_meta_init, configure_model_counted_as_overridden
 from autoshard.engine.sharding import after_materialize, shard_module, unwrap_user_compile
 from autoshard.errors import IntentError
 from autoshard.init_from import InitReport
-from autoshard.intent import ShardingIntent, as_intent
 from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
 from autoshard.lightning.checkpoint import CheckpointMixin
@@ -43,29 +38,12 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
     """
 
     strategy_name = "fsdp2"
+    hooked_by = "fsdp2 strategies hook"
+    plan: FSDP2Plan | None = None
+    init_report: InitReport | None = None  # what this rank read for ShardingIntent(init_from=...)
 
-    def __init__(
-        self,
-        intent: ShardingIntent | Mapping[str, Any] | None = None,
-        parallelize_fn: ParallelizeFn | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
-    ) -> None:
-        gone = missing(ModelParallelStrategy)
-        if gone:  # Lightning would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
-            raise lightning_lacks(gone, "fsdp2 strategies hook")
-        self.intent = self._wanted(as_intent(intent, **intent_fields))
-        super().__init__(
-            data_parallel_size="auto",
-            tensor_parallel_size="auto",
-            save_distributed_checkpoint=self.intent.checkpoint == "distributed",
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self.parallelize_fn = parallelize_fn
-        self.plan: FSDP2Plan | None = None
-        self.init_report: InitReport | None = None  # what this rank read for ShardingIntent(init_from=...)
+    def _lightning_gone(self) -> list[str]:
+        return missing(ModelParallelStrategy)
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -172,12 +150,9 @@ class AutoShardStrategy(FSDP2Strategy):
 
     strategy_name = "auto-shard"
     prefer = "auto"
-
-    def _wanted(self, intent: ShardingIntent) -> ShardingIntent:
-        return fsdp2_auto_intent(
-            intent,
-            "AutoShardStrategy",
-            "autoshard.lightning.auto_shard(...) and the same arguments (what Trainer(strategy='auto-shard') calls),",
-            "autoshard's DeepSpeed strategy for this intent; in a LightningCLI config use class_path:"
-            " autoshard.lightning.deepspeed.AutoShardDeepSpeedStrategy",
-        )
+    auto_shard_words = (
+        "AutoShardStrategy",
+        "autoshard.lightning.auto_shard(...) and the same arguments (what Trainer(strategy='auto-shard') calls),",
+        "autoshard's DeepSpeed strategy for this intent; in a LightningCLI config use class_path:"
+        " autoshard.lightning.deepspeed.AutoShardDeepSpeedStrategy",
+    )
