@@ -73,7 +73,8 @@ def _rank_files(folder: Path) -> tuple[list[Path], list[Path]]:
 
 
 def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> TrainingState:
-    """A ZeRO-3 checkpoint into full per-parameter tensors, each sub-group's flat partitions cut by ``param_shapes``."""
+    """A ZeRO-3 checkpoint into full per-parameter tensors, each sub-group's flat partitions cut by ``param_shapes`` as
+    zero_to_fp32's ``_get_fp32_state_dict_from_zero3_checkpoint`` cuts the weights."""
     models, optims, bf16 = _load_rank_files(path, tag, trust_pickle)
     head, world = models[0], len(models)
     sub_groups: list[OrderedDict[str, torch.Size]] = list(head["param_shapes"])

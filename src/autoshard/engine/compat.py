@@ -40,12 +40,7 @@ def engine_members(strategies: str, left: str, left_deepspeed: str) -> tuple[Pri
     model_parallel, deepspeed = f"{strategies}.ModelParallelStrategy", f"{strategies}.DeepSpeedStrategy"
     return (
         Private(
-            model_parallel,
-            "_configure_launcher",
-            "engine/base.py",
-            "overridden: the last step of construction, the first point where the precision is known; precision, backend"
-            " and mesh are checked there, before any process starts",
-            without=left,
+            model_parallel, "_configure_launcher", "engine/base.py", "overridden: construction's last step, once the precision is known", without=left
         ),
         Private(
             model_parallel,
