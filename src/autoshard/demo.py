@@ -182,10 +182,8 @@ class LossTrace(pl.Callback):
 
 
 class MemoryReport(pl.Callback):
-    """One line per rank at the end of training: what this rank holds, against the unsharded total.
-
-    Rank 0 prints every rank's line, in rank order: ranks printing for themselves interleave.
-    """
+    """One line per rank: what it holds, against the unsharded total; rank 0 prints them all (ranks printing for
+    themselves interleave)."""
 
     def __init__(self, probe: OnlineProbe | None = None) -> None:
         self.probe = probe

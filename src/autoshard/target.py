@@ -88,10 +88,8 @@ class Built:
 
 
 def build_on_meta(factory: Callable[[], Any] | nn.Module) -> Built:
-    """Call the factory under ``torch.device("meta")``; it may return a module or ``(module, [callbacks])``.
-
-    Callbacks get ``setup(None, module, "fit")`` so that probes attach their modules and build their optimizers.
-    """
+    """Call the factory under ``torch.device("meta")``; it may return a module or ``(module, [callbacks])``. Callbacks
+    get ``setup(None, module, "fit")`` so that probes attach their modules and build their optimizers."""
     notes: list[str] = []
     with torch.device("meta"):
         try:

@@ -43,10 +43,7 @@ def is_torch_file(path: Path) -> bool:
 
 
 def torn_shard(path: Path) -> str | None:
-    """A shard shorter than .metadata says, or missing: what an in-place save (stock Lightning's) leaves when killed.
-
-    Only .metadata is read (offsets and lengths), never the tensors.
-    """
+    """A shard shorter than .metadata says, or missing: what an in-place save (stock Lightning's) leaves when killed."""
     try:
         metadata = read_dcp_metadata(path)
     except UntrustedPickleError:
@@ -69,10 +66,8 @@ def torn_shard(path: Path) -> str | None:
 
 
 def detect_format(path: str | os.PathLike[str], verify: bool = True) -> CheckpointInfo:
-    """Classify ``path`` by its files only (no tensor is read), so it is cheap on any checkpoint size.
-
-    ``verify`` also reads DCP's .metadata to catch torn shards; deciding whether a path may be replaced skips it.
-    """
+    """Classify ``path`` by its files only, so it is cheap on any checkpoint size; ``verify`` also reads DCP's
+    .metadata to catch torn shards."""
     p = Path(path)
     if not p.exists():
         if p.is_symlink():

@@ -5,17 +5,7 @@ in flat per-rank buffers; a DCP checkpoint keeps them per parameter name. Both a
 ``TrainingState`` (full tensors by parameter name, optimizer state per parameter, Lightning's trainer state), and
 written in the other layout, so ``Trainer.fit(ckpt_path=DST)`` resumes with the other backend, at any world size.
 
-One module per concern:
-
-- ``state``: the neutral form, and what readers and writers share (named optimizer state, tied weights);
-- ``dcp``, ``deepspeed``, ``torch_file``, ``safetensors``: one layout each, read and / or written;
-- ``output``: the check of DST and the publish step (``checkpoint.publish``'s protocol), in convert's words;
-- ``pipeline``: ``convert`` itself: read with the one checkpoint reader, check the target, write, publish;
-- ``cli``: the ``autoshard convert`` command.
-
-Everything runs in one CPU process; memory is the full weights plus optimizer state. Outputs are written into a
-hidden staging sibling and renamed into place only when complete; an existing DST is never replaced without
-``force``.
+Everything runs in one CPU process; memory is the full weights plus optimizer state.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Where ``convert`` writes: the check of DST (before the source is read, and again under the lock), the record of
-what an output came from, and the publish step, all through ``checkpoint.publish``'s protocol (the one every autoshard
-writer follows); only the words of the refusals are convert's own."""
+"""Where ``convert`` writes, through ``checkpoint.publish``'s protocol; only the words of the refusals are its own."""
 
 from __future__ import annotations
 
@@ -49,10 +47,7 @@ REFUSALS = {  # of DST, in convert's words (``publish.output_refusal``)
 
 
 def check_output(out: Path, source: Path | None, force: bool, *, to: str = "") -> None:
-    """What ``publish.output_clash`` refuses for every offline writer, in convert's words: the source itself,
-    a DST that holds it or lies inside it, a place nothing can be written, and an existing DST unless ``force`` and
-    DST is an output of ``convert --to {to}`` holding nothing else (its manifest says so). --force never deletes what
-    autoshard did not write."""
+    """What ``publish.output_clash`` refuses, in convert's words."""
     found = output_clash(out, source, output_kind(to) if to else None, force=force, legacy=bool(to) and _recorded_target(Path(out)) == to)
     if found is None:
         return

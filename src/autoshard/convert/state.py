@@ -1,9 +1,7 @@
 """The neutral form of a checkpoint in memory (``TrainingState``), and what every format's reader and writer share.
 
-A DeepSpeed ZeRO-3 checkpoint keeps each rank's slice of every parameter, fp32 master weight and optimizer moment in
-flat per-rank buffers; a DCP checkpoint keeps them per parameter name. Each format's reader fills a TrainingState (full
-tensors by parameter name, optimizer state per parameter, Lightning's trainer state) and each writer writes one, so
-that a format is one module (``dcp``, ``deepspeed``, ``torch_file``, ``safetensors``) and converting is read, then write.
+Each format's reader fills a TrainingState (full tensors by parameter name, optimizer state per parameter,
+Lightning's trainer state) and each writer writes one, so a format is one module and converting is read, then write.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``strategy="auto-shard"``, for the Trainer and for Fabric alike: the backend the intent alone needs.
 
-Both registries call their factory when the Trainer (or Fabric) is built, before the model is known: so the choice
-reads the intent alone (NVMe or optimizer-only offload need DeepSpeed; everything else is fsdp2), and each strategy
-checks the method again at setup. Each front end's factory (``autoshard.lightning.auto_shard``,
-``autoshard.fabric.auto_shard``) builds its own strategy for the backend chosen here.
+Both registries call their factory before the model is known, so the choice reads the intent alone (NVMe or
+optimizer-only offload need DeepSpeed; everything else is fsdp2), and each strategy checks the method again at setup.
 """
 
 from __future__ import annotations

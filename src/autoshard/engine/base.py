@@ -1,11 +1,9 @@
 """What every autoshard strategy does around its Lightning parent, whichever backend it drives and whichever front
 end (the Trainer or Fabric, ``front``) built it.
 
-Mixed in first (``class FSDP2Strategy(TrainerBackend, ..., ModelParallelStrategy)``), so its ``_configure_launcher``
-runs before Lightning's. One order for every backend: when the Trainer (or Fabric) is built, its precision is resolved
-once (with the intent), the launch is checked against ``devices`` / ``num_nodes`` (``engine.launch``: SLURM,
-torchrun), and what needs no module is checked (the parallel dims, resolved once, and per strategy more); at setup,
-the method's needs go through the same ``select_backend`` with the same accelerator, precision and strategy string.
+Mixed in first, so its ``_configure_launcher`` runs before Lightning's: one order for every backend when the Trainer
+(or Fabric) is built (precision resolved once, the launch checked, the parallel dims resolved once), and at setup the
+same ``select_backend`` for the method's needs.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Which front end the user built, as a value: ``TRAINER`` or ``FABRIC``.
-
-The engine runs the same checks under both; what a message calls the thing the user built (``Trainer(...)`` or
-``Fabric(...)``), and how a fix names a strategy, comes from this value, so one text serves both.
-"""
+"""Which front end the user built, as a value (``TRAINER`` or ``FABRIC``), so one message text serves both."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Models built on the meta device (``Trainer.init_module(empty_init=True)``) under autoshard's fsdp2 strategies: what
 must hold before Lightning materializes the shards, and what must follow.
 
-Lightning materializes meta parameters in ``ModelParallelStrategy.setup`` through each module's
-``reset_parameters()`` (after sharding, so each rank only allocates its shards); it only warns when a module has none,
-and training would then start from uninitialized memory.
+Lightning materializes meta shards through each module's ``reset_parameters()`` and only warns when a module has
+none: training would then start from uninitialized memory.
 """
 
 from __future__ import annotations
@@ -19,10 +18,8 @@ from autoshard.needs import EMAPair
 
 @contextmanager
 def configure_model_counted_as_overridden(module: torch.nn.Module) -> Iterator[None]:
-    """ModelParallelStrategy.setup insists on an overridden ``configure_model``; autoshard did the sharding instead.
-
-    A temporary instance attribute satisfies that check without copying Lightning's setup; it is removed after.
-    """
+    """ModelParallelStrategy.setup insists on an overridden ``configure_model``; autoshard did the sharding instead, so
+    a temporary instance attribute satisfies that check."""
     had = "configure_model" in vars(module)
     if not had:
 
@@ -39,10 +36,7 @@ def configure_model_counted_as_overridden(module: torch.nn.Module) -> Iterator[N
 
 def check_meta_init(module: torch.nn.Module, covered: Collection[str] = frozenset()) -> bool:
     """True when built on the meta device; refuses modules whose parameters reset_parameters() would not initialize
-    and ``init_from`` does not fill (``covered``: the state-dict names it loads).
-
-    Lightning only warns there, and training would start from uninitialized memory.
-    """
+    and ``init_from`` does not fill (``covered``: the state-dict names it loads)."""
     if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return False
 

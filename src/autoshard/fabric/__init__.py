@@ -1,14 +1,9 @@
 """Lightning Fabric: ``Fabric(strategy="auto-shard" | "fsdp2" | "autoshard-deepspeed")``, with the Trainer's guarantees.
 
-Fabric keeps its own registry, ``lightning.fabric.strategies.STRATEGY_REGISTRY``, apart from the Trainer's, and each
-``Fabric()`` copies its names once when it is built: ``import autoshard`` registers here (``register``), at once when
-``lightning.fabric`` is loaded, else the moment it is. Registering imports nothing but that registry: each entry is a
-factory that imports its strategy (and ``autoshard.engine``, what it shares with the Trainer) when ``Fabric()`` builds
-it, so ``from lightning.fabric import Fabric`` stays as fast as without autoshard.
-
-Every registry entry this changes goes into the one record of what ``import autoshard`` changes in Lightning
-(``autoshard.install_record``, the Trainer's changes beside it), is listed in docs/lightning-changes.md, and is put
-back by ``uninstall`` (Fabric's entries) or ``autoshard.uninstall()`` (everything).
+Fabric keeps its own registry, ``STRATEGY_REGISTRY``; ``import autoshard`` registers there the moment
+``lightning.fabric`` is loaded. Each entry is a factory that imports its strategy only when ``Fabric()`` builds it,
+so ``from lightning.fabric import Fabric`` stays as fast as without autoshard. Every entry goes into the one record of
+changes (``autoshard.install_record``), undone by ``uninstall``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """What a Fabric run needs, found where Fabric shows it: each ``fabric.setup`` / ``setup_module`` call, the optimizers it
 hands over (and which modules each trains), EMA teachers set up with or apart from their students.
 
-A Trainer run shows its method once, as one LightningModule; a Fabric run shows it piece by piece. Every setup call
-is recorded here, and the needs of the run so far are the same ``MethodNeeds`` the Trainer path gives the selector,
-so the same ``select_backend`` decides and refuses, with the same texts.
+A Fabric run shows its method piece by piece; the needs so far are the ``MethodNeeds`` the Trainer path gives the
+selector, so the same ``select_backend`` decides and refuses, with the same texts.
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ def optimizer_label(module: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 
 def run_needs(module: nn.Module, earlier: Sequence[Setup], arriving: Sequence[str], call: int) -> MethodNeeds:
-    """The needs of the run so far: ``module``'s own (EMA pairs inside it, root parameters, an ``autoshard_needs`` it
-    declares: autoshard.needs' detection, no user hook called) and every optimizer Fabric has been handed, by setup
-    call (``arriving``: this call's, described). A declared optimizer count wins, as in the Trainer path."""
+    """The needs of the run so far: ``module``'s own and every optimizer Fabric has been handed, by setup call
+    (``arriving``: this call's). A declared optimizer count wins, as in the Trainer path."""
     found = inspect_needs(module, callbacks=[], optimizers=[], call_hooks=False)
     declared = [s for s in found.optimizer_sources if s[0] == "declared"]
     if declared or isinstance(getattr(module, NEEDS_ATTRIBUTE, None), MethodNeeds):
@@ -75,8 +73,7 @@ def run_needs(module: nn.Module, earlier: Sequence[Setup], arriving: Sequence[st
 
 def cross_setup_pairs(modules: Sequence[tuple[int, nn.Module]]) -> list[tuple[int, str, int, str]]:
     """EMA pairs whose teacher and student were set up in different calls: (teacher's call, path inside it, student's
-    call, path inside it); "" is the whole module. autoshard.needs' detection, run over all set-up modules at once
-    (a frozen subtree mirroring a trainable one), so ``teacher = copy.deepcopy(student)`` set up apart is found."""
+    call, path inside it); "" is the whole module."""
     if len(modules) < 2:
         return []
     container = nn.Module()

@@ -1,8 +1,7 @@
 """Lightning integration: strategies registered by name, and the guards, installed once on ``import autoshard``.
 
-Every change this makes to Lightning is recorded in the one record of changes (``autoshard.install_record``, which
-holds Fabric's registry entries too: ``installed()`` lists them all), listed in docs/lightning-changes.md (generated
-from that record), and undone by ``uninstall()`` (the Trainer's part) or ``autoshard.uninstall()`` (everything).
+Every change this makes to Lightning is recorded in the one record of changes (``autoshard.install_record``) and
+undone by ``uninstall()`` (the Trainer's part) or ``autoshard.uninstall()`` (everything).
 """
 
 from __future__ import annotations
@@ -71,9 +70,8 @@ def register() -> None:
 
 
 def uninstall() -> list[Change]:
-    """Undo what ``import autoshard`` changed in the Trainer's Lightning: every registry entry and wrapped method is put
-    back as it was (by identity); returns the changes undone. ``register()`` installs them again. Fabric's registry
-    entries stay: ``autoshard.uninstall()`` undoes both."""
+    """Undo what ``import autoshard`` changed in the Trainer's Lightning, by identity; returns the changes undone.
+    Fabric's registry entries stay: ``autoshard.uninstall()`` undoes both."""
     return guards.uninstall()
 
 
