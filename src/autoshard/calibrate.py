@@ -116,11 +116,8 @@ def _host_bytes_per_s(device: torch.device) -> float | None:
 
 
 def calibrate(device: str | None = None, *, width: int | None = None, depth: int = 4, tokens: int | None = None, repeats: int = 5) -> dict[str, Any]:
-    """Measure the rates on ``device`` (default: CUDA when there is one); ``{"rates": Rates fields, "measured": ...}``.
-
-    A figure that comes out unusable (a difference within noise, on a small or busy machine) keeps the built-in
-    value, and ``kept`` names it with why.
-    """
+    """Measure the rates on ``device`` (default: CUDA when there is one); a figure within noise (a small or busy
+    machine) keeps the built-in value, and ``kept`` says why."""
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = where.type == "cuda"
     width = width or (2048 if gpu else 256)

@@ -1,15 +1,9 @@
 """``autoshard explain`` for a Fabric loop, which has no LightningModule: a plain ``nn.Module`` factory, an optimizer
 factory and a loss, turned into the TARGET explain already takes.
 
-``autoshard.explain.explain(fabric_target(build_model, build_optimizers, loss), batch=make_batch)`` (or, on the command
-line, ``autoshard explain train.py:target --batch train.py:make_batch`` with ``target = fabric_target(...)`` in the
-script) builds the model on the meta device, plans it exactly as ``Fabric(strategy="fsdp2")`` does at
-``fabric.setup`` (the same module, the same needs), counts the optimizers' states, and simulates one step on fake
-tensors that runs YOUR loss: ``loss(model, batch)``, backward, every optimizer's step.
-
-The factory's module gets the two methods explain calls on a LightningModule, ``configure_optimizers`` (your optimizer
-factory) and ``training_step`` (your loss), on a subclass of its own class made for the occasion (its name is kept):
-nothing of yours is changed, and the module lives only inside explain.
+The factory's module gets the two methods explain calls on a LightningModule (``configure_optimizers``: your optimizer
+factory; ``training_step``: your loss) on a subclass of its own class made for the occasion, so nothing of yours is
+changed, and the simulated step runs YOUR loss.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``Fabric(strategy="auto-shard")``: a registered factory that builds the Fabric strategy of the backend the intent
 needs, as ``autoshard.lightning.auto_shard`` does for the Trainer (the same choice: ``engine.auto_shard.needed_backend``).
 
-Fabric's registry calls it when ``Fabric()`` is built, before any model is known: the choice reads the intent alone
-(NVMe or optimizer-only offload need DeepSpeed; everything else is fsdp2), and each strategy checks the models again at
-``fabric.setup``. Code that wants auto-shard with an intent calls ``auto_shard(...)`` itself, with the same arguments.
+Code that wants auto-shard with an intent calls ``auto_shard(...)`` itself, with the same arguments.
 """
 
 from __future__ import annotations
@@ -29,9 +27,7 @@ def auto_shard(
     timeout: timedelta | None = default_pg_timeout,
     **intent_fields: Any,
 ) -> AutoShardStrategy | AutoShardDeepSpeedStrategy:
-    """The Fabric strategy ``"auto-shard"`` means for this intent: ``AutoShardStrategy`` (fsdp2), or
-    ``AutoShardDeepSpeedStrategy`` when only DeepSpeed can run the intent; that one's refusals name auto-shard as what
-    was asked."""
+    """The Fabric strategy ``"auto-shard"`` means for this intent; a DeepSpeed one's refusals name auto-shard."""
     wanted, needed = needed_backend(intent, parallelize_fn, **intent_fields)
     if needed != DEEPSPEED:
         return AutoShardStrategy(wanted, parallelize_fn, process_group_backend, timeout)  # refuses any other backend

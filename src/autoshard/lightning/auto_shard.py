@@ -1,9 +1,7 @@
 """``Trainer(strategy="auto-shard")``: a registered factory that builds the strategy of the backend the intent needs
 (``engine.auto_shard.needed_backend``, the choice Fabric's factory makes too).
 
-Lightning's StrategyRegistry stores a callable and calls it with the registered init params when the Trainer is
-built, before the LightningModule is known; each strategy checks the method again at setup. Code and configs that
-want auto-shard with an intent call ``auto_shard(...)`` themselves, with the same arguments.
+Code and configs that want auto-shard with an intent call ``auto_shard(...)`` themselves, with the same arguments.
 """
 
 from __future__ import annotations
