@@ -106,3 +106,27 @@ def test_the_simulated_step_of_compiled_blocks_peaks_lower_by_what_each_block_ke
     assert eager.peak - compiled.peak == eager.activations - compiled.activations == 2 * layer.saved > 0
     assert any(note.startswith("compile: 2 block(s) compiled in place") for note in compiled.notes)
     assert step(activation_checkpointing=True, compile=True).peak == step(activation_checkpointing=True).peak
+
+
+def test_compile_auto_compiles_when_the_defaults_do_not_fit_and_before_any_recomputation() -> None:
+    """compile='auto' under a memory budget: the run stays eager when the defaults fit (no start-up cost); when they
+    do not, compiled blocks (fewer activations, a faster step) come before recomputation or offload; under DeepSpeed,
+    which autoshard does not compile, the budget leaves compile alone. A Trainer's precision string is taken as the
+    run's precision."""
+    from autoshard import ShardingIntent
+    from autoshard.budget import DecideOptions, decide
+
+    module = tiny_llama_module()
+    batch = torch.zeros(4, 128, dtype=torch.long)
+    options = DecideOptions(precision="bf16-mixed")
+
+    def chosen(budget: int, **fields: object) -> dict[str, object]:
+        intent = ShardingIntent(memory_budget=budget, memory_headroom=0, compile="auto", **fields)
+        return decide(module, batch, intent, 1, options=options).chosen
+
+    eager = decide(module, batch, ShardingIntent(memory_budget=2**40, memory_headroom=0), 1, options=options).peak
+    compiled = decide(module, batch, ShardingIntent(memory_budget=2**40, memory_headroom=0, compile=True), 1, options=options).peak
+    assert compiled < eager
+    assert chosen(eager).get("compile") is False
+    assert chosen(compiled) == {"reshard_after_forward": True, "activation_checkpointing": False, "offload": "none", "compile": True}
+    assert "compile" not in decide(module, batch, ShardingIntent(memory_budget=2**40, compile="auto"), 1, backend="deepspeed", options=options).chosen

@@ -200,6 +200,7 @@ BUDGET = BudgetChoices(
     offload=("none", "params"),
     selective=True,
     host_bytes=host_bytes,
+    compile=True,
 )
 
 BACKEND = Backend(

@@ -153,12 +153,13 @@ def _limit(q: Question) -> _Limit:
 
 def _answer(q: Question) -> BudgetDecision:
     from autoshard.activations import describe_batch
-    from autoshard.precision import resolve_precision
+    from autoshard.precision import PrecisionPlan, resolve_precision
 
     limit, o = _limit(q), q.options
     make_batch = batch_function(q.batch)
     rates = o.rates or default_rates()
-    precision = o.precision or resolve_precision(None, q.intent)
+    # a resolved plan, or what a Trainer takes (precision="bf16-mixed"), resolved with the intent as a Trainer's is
+    precision = o.precision if isinstance(o.precision, PrecisionPlan) else resolve_precision(o.precision, q.intent)
     world_size, num_nodes, devices_per_node = q.world_size, o.num_nodes, o.devices_per_node
     check_num_nodes(world_size, num_nodes)
     if devices_per_node is None:  # larger world sizes come in whole nodes: of these ranks, or of a usual 8-GPU node

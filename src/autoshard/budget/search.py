@@ -9,7 +9,10 @@ whose simulated peak fits; when none does, the smallest world size or the larges
 #   - offload='params': host-device bytes per step (each rank's shard of the parameters copied in for every
 #     all-gather, its gradient shard copied out), at Rates.host_bytes_per_s;
 #   - a smaller shard group (shard_size='node'): more memory (states divide by fewer ranks), less cross-node traffic:
-#     its price is the traffic model's bytes at each link's rate, like resharding.
+#     its price is the traffic model's bytes at each link's rate, like resharding;
+#   - compile=True (only under compile='auto', fsdp2): each block compiled in place; a saving, not a cost: the step's
+#     FLOPs run Rates.compile_speedup times faster (its start-up, each block compiled once, is not priced), and the
+#     simulated step counts the compiled blocks' activations (activations.compiled).
 # A configuration's price is the sum. The cheapest configuration whose simulated peak fits the budget is chosen;
 # ties go to fewer changes. Every cheaper configuration is listed with its peak and why it does not fit.
 #
@@ -68,6 +71,8 @@ def _saves_at_least(a: dict[str, Any], b: dict[str, Any]) -> bool:
             return False
         if key == "activation_checkpointing" and not _ac_saves_at_least(va, vb):
             return False
+        if key == "compile" and not (va is True and vb is False):
+            return False
     return True
 
 
@@ -90,8 +95,9 @@ def config_cost(sim: Simulator, config: dict[str, Any], world_size: int, flops: 
     reshard = config.get("reshard_after_forward", sim.base.reshard_after_forward)
     host = _choices(sim.backend).host_bytes(states, offload, reshard)  # see the cost order above
     selective = ac == SELECTIVE and recompute > 0
-    cost = Cost(recompute, gathered_intra, gathered_inter, host, selective=selective)
-    return Cost(recompute, gathered_intra, gathered_inter, host, cost.at(rates), selective)
+    compiled = flops.get(ac, 0) if config.get("compile", sim.base.compile) is True else 0
+    cost = Cost(recompute, gathered_intra, gathered_inter, host, selective=selective, compiled_flops=compiled)
+    return Cost(recompute, gathered_intra, gathered_inter, host, cost.at(rates), selective, compiled)
 
 
 def price(
@@ -140,6 +146,7 @@ def _options(field_name: str, blocks: int, backend: str) -> list[Any]:
         "activation_checkpointing": _ac_options(blocks, backend),
         "offload": list(_choices(backend).offload),
         "shard_size": ["node", None],
+        "compile": [False, True] if blocks else [False],
     }[field_name]
 
 
