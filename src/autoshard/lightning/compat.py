@@ -38,6 +38,20 @@ _LEFT_DEEPSPEED = (
 _LEFT_FSDP2 = "strategy='fsdp2' and 'auto-shard' are refused (they could not set their mesh before Lightning does)"
 
 
+def _slurm_guard(connector: str, under: str) -> tuple[Private, Private]:
+    """The SLURM guard's members, on the Trainer's connector and on Fabric's alike."""
+    return (
+        Private(
+            connector,
+            "_choose_and_init_cluster_environment",
+            "lightning/guards.py",
+            "wrapped: under SLURM a task count or rank that is not a number is refused by name, before Lightning's bare int()",
+            without=f"{under}a SLURM number that is not one (SLURM_NTASKS=abc) gets Lightning's own ValueError",
+        ),
+        Private(connector, "_cluster_environment_flag", "lightning/guards.py", "read: a cluster environment the user passed", on_instance=True),
+    )
+
+
 PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         _CONNECTOR,
@@ -54,22 +68,8 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
         " 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
         without="16-mixed under fsdp2 is refused only once the strategy sees the Trainer's precision",
     ),
-    Private(
-        _CONNECTOR,
-        "_choose_and_init_cluster_environment",
-        "lightning/guards.py",
-        "wrapped: under SLURM a task count or rank that is not a number is refused by name, before Lightning's bare int()",
-        without="a SLURM number that is not one (SLURM_NTASKS=abc) gets Lightning's own ValueError",
-    ),
-    Private(_CONNECTOR, "_cluster_environment_flag", "lightning/guards.py", "read: a cluster environment the user passed", on_instance=True),
-    Private(
-        _FABRIC_CONNECTOR,
-        "_choose_and_init_cluster_environment",
-        "lightning/guards.py",
-        "wrapped as the Trainer's: Fabric(...) reads SLURM's numbers with the same bare int()",
-        without="under Fabric, a SLURM number that is not one (SLURM_NTASKS=abc) gets Lightning's own ValueError",
-    ),
-    Private(_FABRIC_CONNECTOR, "_cluster_environment_flag", "lightning/guards.py", "read: a cluster environment the user passed", on_instance=True),
+    *_slurm_guard(_CONNECTOR, ""),
+    *_slurm_guard(_FABRIC_CONNECTOR, "under Fabric, "),
     Private(_CONNECTOR, "_strategy_flag", "lightning/guards.py", "read: the strategy the user passed", on_instance=True),
     Private(_CONNECTOR, "_precision_flag", "lightning/guards.py", "read: the precision the user passed", on_instance=True),
     *engine_members("lightning.pytorch.strategies", _LEFT_FSDP2, _LEFT_DEEPSPEED),
