@@ -83,3 +83,15 @@ def _no_functional_linear_leak() -> object:
     if current is not original and getattr(current, "__module__", "") == "deepspeed.runtime.zero.linear":
         torch.nn.functional.linear = original
         pytest.fail("this test left torch.nn.functional.linear replaced by DeepSpeed's zero3_linear_wrap (zero.Init)")
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_only_rank_restored() -> object:
+    """Lightning sets ``rank_zero_only.rank`` (a process-wide value) to the rank a Trainer or Fabric finds, e.g. the
+    SLURM_PROCID a test sets: left at 1, every later rank-zero warning and log of this process was silent (tests of
+    warnings then failed after test_slurm only)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", 0)
+    yield
+    rank_zero_only.rank = rank
