@@ -5,6 +5,7 @@ shards on."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import os
 import sys
@@ -172,9 +173,13 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
 
     global _DETACHED, _INHERITED
     _DETACHED = True
+    # Nothing inherited is destroyed here: a destructor of the parent's objects (a gloo group, a store, an engine left
+    # to the garbage collector) joins threads fork did not copy, and the child hung in the step's gc.collect() (or
+    # died of SIGSEGV). gc.freeze() keeps every inherited object out of the child's collections; the registry
+    # replaced below stays referenced.
+    gc.freeze()
     try:
-        # An empty registry: the inherited live group is not this process's to use. The inherited one stays
-        # referenced, so no destructor of the parent's groups runs here, on threads fork did not copy.
+        # An empty registry: the inherited live group is not this process's to use.
         _INHERITED, c10d._world = c10d._world, c10d._World()
         torch.set_num_threads(1)
         payload: dict[str, Any] = {"result": fn()}
