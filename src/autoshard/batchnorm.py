@@ -79,6 +79,3 @@ def convert_sync_batchnorm(module: nn.Module, group: Any) -> int:
         m.process_group = group
         count += 1
     return count
-
-
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]

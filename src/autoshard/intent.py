@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.errors import IntentError, closest, did_you_mean
-from autoshard.precision import DEFAULT_PRECISION, PRECISIONS, Dtype, normalize_precision
+from autoshard.precision import Dtype, normalize_precision
 from autoshard.units import parse_size
 
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
@@ -372,6 +372,3 @@ def as_intent(value: ShardingIntent | Mapping[str, Any] | None, **fields: Any) -
         f"expected a ShardingIntent or a dict of its fields, got {type(value).__name__}."
         f" Fix: pass intent=ShardingIntent(...) or intent={{'offload': 'params'}}"
     )
-
-
-__all__ = ["ShardingIntent", "as_intent", "normalize_precision", "PRECISIONS", "DEFAULT_PRECISION"]

@@ -293,21 +293,3 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
 def dp_mesh(mesh: ParallelMesh | DeviceMesh) -> DeviceMesh:
     """Every data-parallel rank (sampler, buffers, unsharded gradients, SyncBatchNorm)."""
     return mesh.dp if isinstance(mesh, ParallelMesh) else ParallelMesh.of(mesh).dp
-
-
-__all__ = [
-    "DATA_PARALLEL",
-    "HYBRID_DIMS",
-    "MESH_DIMS",
-    "REPLICATE",
-    "SHARD",
-    "TENSOR_PARALLEL",
-    "ParallelDims",
-    "ParallelMesh",
-    "build_mesh",
-    "check_num_nodes",
-    "check_world_size",
-    "dp_mesh",
-    "hybrid_sizes",
-    "nodes_for",
-]

@@ -160,14 +160,3 @@ def resolve_precision(trainer_precision: object | None, intent: DtypeRequest) ->
         master=Dtype.FLOAT32 if precision.autocast else low,
         loss_scaling=precision is Precision.FP16_MIXED,
     )
-
-
-__all__ = [
-    "DEFAULT_PRECISION",
-    "PRECISIONS",
-    "Dtype",
-    "Precision",
-    "PrecisionPlan",
-    "normalize_precision",
-    "resolve_precision",
-]

@@ -152,6 +152,3 @@ def block_units(module: nn.Module, named: tuple[str, ...] | None, modules: dict[
         for name, m in modules.items()
         if name and (name in wanted or type(m).__name__ in wanted) and param_count(m)
     }
-
-
-__all__ = ["MIN_BLOCK_FRACTION", "STAGE_FRACTION", "block_units", "is_metric", "outermost", "param_count", "param_names", "subtree_roots", "within"]

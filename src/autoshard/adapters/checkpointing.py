@@ -255,16 +255,3 @@ def is_checkpointed(block: nn.Module) -> bool:
         return checkpoint.state(block) is not None
     except Exception:  # no state registered: not checkpointed
         return False
-
-
-__all__ = [
-    "CheckpointMode",
-    "is_checkpointed",
-    "Checkpointing",
-    "apply_checkpointing",
-    "checkpoint_blocks",
-    "checkpointable_blocks",
-    "describe_checkpointing",
-    "nothing_to_checkpoint",
-    "selective_context_fn",
-]

@@ -94,6 +94,3 @@ def nothing_to_compile(module: nn.Module, blocks: tuple[str, ...] | None) -> Int
         f" {type(module).__name__} has none{named}. Fix: name the blocks, ShardingIntent(blocks=['MyBlock']), or drop"
         f" compile and compile a submodule yourself (self.net = torch.compile(net): autoshard compiles it in place)"
     )
-
-
-__all__ = ["BACKEND_ENV", "Compile", "compile_in_place", "is_compiled_in_place", "nothing_to_compile", "unwrap_compiled"]

@@ -303,14 +303,3 @@ def _check_zero_keys(zero: Mapping[str, Any]) -> None:
                 f"must be a non-negative number of elements, got {value!r}",
                 f"remove it to use the default ({ZERO3_DEFAULTS[key]:,})",
             )
-
-
-__all__ = [
-    "ZERO3_DEFAULTS",
-    "check_intent",
-    "deepspeed_config",
-    "precision_config",
-    "provisional_config",
-    "validate_deepspeed_config",
-    "zero_config",
-]

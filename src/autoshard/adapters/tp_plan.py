@@ -971,20 +971,3 @@ def _next_linear(modules: dict[str, nn.Module], path: str, plan: TPPlan) -> str 
 
 def _split_words(dim: int | None) -> str:
     return "kept whole" if dim is None else f"split on dimension {dim}"
-
-
-__all__ = [
-    "SPLITTING",
-    "STYLES",
-    "MOE_STYLES",
-    "OTHER_STYLES",
-    "FirstInput",
-    "LocalParams",
-    "SharedInput",
-    "Style",
-    "StyleKind",
-    "TPCollective",
-    "TPEntry",
-    "TPPlan",
-    "find_tp_plan",
-]

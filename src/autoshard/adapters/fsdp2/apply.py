@@ -140,6 +140,3 @@ def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     if not any(is_view(t) for t in pytree.tree_leaves(output)):
         return output
     return pytree.tree_map(lambda t: t.clone() if is_view(t) else t, output)
-
-
-__all__ = ["HSDP_DIMS", "PlanToApply", "apply_plan", "clone_view_outputs", "hsdp_mesh", "policies"]

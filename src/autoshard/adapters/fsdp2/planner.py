@@ -334,6 +334,3 @@ def _tied(own: list[nn.Parameter], names_of: dict[int, list[str]]) -> str:
     """Parameters of this unit shared by several modules (tied embedding and head): all in this one unit."""
     ties = [" = ".join(names_of[id(p)]) for p in own if len(names_of[id(p)]) > 1]
     return f"; tied weights grouped in this unit: {'; '.join(ties)}" if ties else ""
-
-
-__all__ = ["plan_fsdp2", "tensor_parallel_plan"]

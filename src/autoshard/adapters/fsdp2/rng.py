@@ -56,6 +56,3 @@ def per_shard_random_init(mesh: DeviceMesh) -> Iterator[None]:
         yield
     finally:
         _random._rng_tracker = None
-
-
-__all__ = ["per_shard_random_init"]

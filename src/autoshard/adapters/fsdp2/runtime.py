@@ -336,18 +336,6 @@ def sync_buffers(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> None:
     _broadcast_from_first(plain, dp_mesh(mesh).get_group())
 
 
-__all__ = [
-    "BUFFER_RULE",
-    "GRAD_BUCKET_BYTES",
-    "UnshardedGradients",
-    "average_gradients",
-    "average_unsharded_gradients",
-    "broadcast_unsharded",
-    "grad_buckets",
-    "sync_buffers",
-]
-
-
 def init_sharded_units(module: nn.Module) -> int:
     """FSDP2's lazy init of every outermost unit now, with every parameter counted as trainable; returns how many.
 
