@@ -85,12 +85,8 @@ def _ema_pair(value: object) -> EMAPair:
 
 # The one place that knows where optimizers hide: needs, memory estimates and checkpoints all find them here.
 def returned_optimizers(configured: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers in any shape Lightning returns or accepts, in order.
-
-    ``configure_optimizers``'s shapes (one, a list, a dict with "optimizer", ``([optimizers], [schedulers])``), and
-    ``trainer.optimizers``: a LightningOptimizer is unwrapped, and Lightning's stand-in for ``None`` (its
-    ``_MockOptimizer``) is no optimizer.
-    """
+    """The torch optimizers in any shape ``configure_optimizers`` returns or ``trainer.optimizers`` holds, in order
+    (Lightning's ``_MockOptimizer`` stand-in for ``None`` is no optimizer)."""
     configured = getattr(configured, "_optimizer", configured)  # LightningOptimizer
     if configured is None or type(configured).__name__ == "_MockOptimizer":
         return []
@@ -352,13 +348,8 @@ def eager_name(name: str) -> str:
 
 
 def compiled_modules(module: nn.Module) -> tuple[str, ...]:
-    """The eager paths of the modules the user compiled, outermost first: ``torch.compile`` wrappers
-    (``OptimizedModule``), modules compiled in place (``module.compile()``) and those autoshard unwrapped from a wrapper
-    (``COMPILED_ATTRIBUTE``). A module inside a compiled one is not listed again.
-
-    Private torch members used (``autoshard.torch_compat``): ``torch._dynamo.OptimizedModule``,
-    ``torch.nn.Module._compiled_call_impl``.
-    """
+    """The eager paths of the modules the user compiled (wrapped, in place, or unwrapped by autoshard), outermost
+    first; a module inside a compiled one is not listed again."""
     dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (and importing it costs a second)
     wrapper = dynamo.OptimizedModule if dynamo is not None else ()
     found: list[str] = []
@@ -380,10 +371,8 @@ def inspect_needs(
 ) -> MethodNeeds:
     """Find what ``module`` needs; the callbacks (``callbacks``, else ``trainer``'s, else the attached Trainer's) add theirs.
 
-    A declared ``autoshard_needs`` wins: a MethodNeeds is returned as is, a dict overrides only the keys it names.
-    The optimizers of ``configure_optimizers`` are counted from ``optimizers`` when given (what Lightning's own,
-    single call returned); else by calling the hook once, unless ``call_hooks=False``: during fit no user hook is
-    ever called to inspect it, so before Lightning's call only declared and callback-held optimizers count.
+    A declared ``autoshard_needs`` wins (a dict overrides only the keys it names). ``configure_optimizers`` is called
+    once to count unless ``optimizers`` (Lightning's own call's result) is given or ``call_hooks=False`` (during fit).
     """
     declared = _declared(module)
     if isinstance(declared, MethodNeeds):
@@ -403,10 +392,8 @@ def inspect_needs(
 def recount_optimizers(
     needs: MethodNeeds, module: nn.Module, optimizers: Sequence[Any], trainer: Any = None, callbacks: Sequence[object] | None = None
 ) -> MethodNeeds:
-    """``needs`` with its optimizers counted from what Lightning's own configure_optimizers call returned.
-
-    Only the count changes: the EMA pairs and callback modules that shaped the sharding stay as they were found.
-    """
+    """``needs`` with its optimizers counted from what Lightning's own configure_optimizers call returned; only the
+    count changes."""
     declared = _declared(module)
     if isinstance(declared, MethodNeeds):
         return needs

@@ -1,9 +1,5 @@
-"""The repeated blocks of an architecture, the subtrees to shard, and module-path helpers.
-
-Pure functions of the module tree (no torch.distributed), for every backend: fsdp2's planner asks them which modules
-become ``fully_shard`` units, and activation checkpointing (``adapters.checkpointing``) which blocks it wraps, under
-fsdp2 and DeepSpeed alike.
-"""
+"""The repeated blocks of an architecture, the subtrees to shard, and module-path helpers: pure functions of the
+module tree, for every backend."""
 
 from __future__ import annotations
 

@@ -145,12 +145,8 @@ def deepspeed_config(
     gradient_clip_val: float | None = None,
     zero_overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The complete ZeRO-3 config for ``intent`` on ``world_size`` ranks; validated before it is returned.
-
-    ``needs`` (from ``inspect_needs``) lets the method be refused here too; ``zero_overrides`` replaces
-    individual ``zero_optimization`` keys (bucket sizes, thresholds) for tuning. ``precision`` is the run's
-    resolved plan (a strategy passes the Trainer's); None plans for the intent's precision.
-    """
+    """The complete ZeRO-3 config for ``intent`` on ``world_size`` ranks, validated; ``zero_overrides`` replaces
+    individual ``zero_optimization`` keys for tuning; ``precision=None`` plans for the intent's precision."""
     _positive(world_size=world_size, micro_batch_size=micro_batch_size, accumulate_grad_batches=accumulate_grad_batches)
     precision = precision or resolve_precision(None, intent)
     check_intent(intent, needs, world_size, precision)

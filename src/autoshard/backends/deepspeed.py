@@ -164,11 +164,8 @@ def zero3_model_states(
 
 def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam).
-
-    A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators
-    (``estimate_zero3_model_states_mem_needs`` and its ``_all_live`` / ``_all_cold`` forms) take no shard group,
-    and ZeRO-3's figures over every rank would describe a run that autoshard cannot start.
-    """
+    A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators take no shard
+    group."""
     from autoshard.errors import AutoShardError, IncompatibleBackendError
     from autoshard.memory_model import MemoryEstimate, numel
 
