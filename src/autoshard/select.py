@@ -18,10 +18,8 @@ AUTO = ("auto", "auto-shard", "auto_shard")
 def features_needed(
     needs: MethodNeeds, intent: ShardingIntent, accelerator: str | None = None, precision: PrecisionPlan | None = None
 ) -> dict[Feature, str]:
-    """Each feature this run needs, with the detail that shows where the need comes from.
-
-    ``precision``: the run's resolved plan (a strategy has the Trainer's); else the intent's, as ``explain`` plans.
-    """
+    """Each feature this run needs, with the detail that shows where the need comes from (``precision=None``: the
+    intent's, as ``explain`` plans)."""
     out: dict[Feature, str] = {}
     if needs.num_optimizers > 1:
         out[Feature.MULTIPLE_OPTIMIZERS] = f"{needs.num_optimizers} optimizers: {needs.describe_optimizers()}"
@@ -93,9 +91,8 @@ class Decision:
     ruled_out: Mapping[str, tuple[Conflict, ...]] = field(default_factory=dict)
 
     def describe(self, caveats: bool = True) -> str:
-        """The log lines. FSDP1 is never a candidate and a request for it is refused before any Decision exists, so
-        "ruled out fsdp1" would be noise on every decision; ``to_dict`` still lists it. ``caveats=False`` leaves the
-        caveats out, for a log that gives them as ``warnings()``."""
+        """The log lines; ``caveats=False`` for a log that gives them as ``warnings()``. A rejected backend (FSDP1) is
+        never a candidate, so "ruled out fsdp1" would be noise; ``to_dict`` still lists it."""
         lines = [f"autoshard chose {self.backend} (strategy='{self.strategy}')"]
         lines += [f"  {r}" for r in self.reasons]
         if caveats:

@@ -279,9 +279,8 @@ class TPPlan:
         return f"write the plan's keys as the module paths listed ({shape}), with the styles 'colwise' and 'rowwise'"
 
     def _check_pairs(self, modules: dict[str, nn.Module], tp_size: int) -> None:
-        """Megatron's pair: a colwise layer hands on this rank's slice of its output features, which only a rowwise
-        layer reading it can take; a rowwise layer takes only such a slice. A plan with one kind and not the other
-        fails in the first forward with a matmul shape error (swapped styles: ``FirstInput`` says so at that forward)."""
+        """Megatron's pair: only a rowwise layer takes the slice a colwise one hands on; a plan with one kind and not
+        the other fails in the first forward with a matmul shape error."""
         split = [e for e in self.entries if not e.is_param and e.spec is not None]
         colwise = [e for e in split if e.spec.kind is StyleKind.COLWISE and not e.spec.gather_output]  # type: ignore[union-attr]
         rowwise = [e for e in split if e.spec.kind is StyleKind.ROWWISE and not e.spec.split_input]  # type: ignore[union-attr]
