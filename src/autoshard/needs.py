@@ -29,11 +29,8 @@ class EMAPair:
 @dataclass(frozen=True)
 class MethodNeeds:
     """The method's requirements; a module may declare them (``autoshard_needs = {...}``) and that wins.
-
-    ``optimizer_sources`` lists (where, how many): ``("configure_optimizers", 1)``, ``("callback OnlineProbe", 1)``.
-    ``callback_modules`` are the module paths trained by callback-owned optimizers: kept unsharded.
-    ``compiled`` are the (eager) paths of modules the user compiled (``compiled_modules``): fsdp2 compiles their blocks.
-    """
+    ``callback_modules``: trained by callback-owned optimizers, kept unsharded; ``compiled``: the eager paths of
+    modules the user compiled."""
 
     optimizer_sources: tuple[tuple[str, int], ...] = (("configure_optimizers", 1),)
     ema_pairs: tuple[EMAPair, ...] = ()
@@ -289,11 +286,8 @@ def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> Metho
 
 
 def _configured_optimizers(module: nn.Module) -> int:
-    """Call the user's configure_optimizers once, only to count what it returns; the optimizers are dropped unused.
-
-    Offline only (``autoshard explain``, ``estimate_memory``): during fit autoshard never calls a user hook to
-    inspect it, because hooks may count their calls (stable-pretraining's probes assert a single one).
-    """
+    """Call the user's configure_optimizers once, only to count what it returns. Offline only: during fit no user
+    hook is called to inspect it, because hooks may count their calls (stable-pretraining's probes assert one)."""
     try:
         return count_optimizers(module.configure_optimizers())
     except Exception as exc:  # the user's hook may need state we do not have; say how to skip it

@@ -168,9 +168,8 @@ def deepspeed_config(
         config["zero_force_ds_cpu_optimizer"] = False
     if intent.offload_device == "nvme":
         config["aio"] = dict(AIO_DEFAULTS)
-    # No "activation_checkpointing" block: it only configures deepspeed.checkpointing for blocks that call it
-    # themselves. autoshard checkpoints the blocks the intent names with torch's checkpoint (adapters.checkpointing),
-    # under DeepSpeed as under fsdp2, when the strategy builds the engine.
+    # No "activation_checkpointing" block: it configures deepspeed.checkpointing for blocks that call it themselves;
+    # autoshard checkpoints the blocks with torch's checkpoint (adapters.checkpointing), as under fsdp2.
     # Always written: DeepSpeed (0.19) clips at norm 1.0 when the key is absent, silently, unlike the Trainer.
     config["gradient_clipping"] = float(gradient_clip_val or 0.0)
     validate_deepspeed_config(config, world_size=world_size)
@@ -261,9 +260,7 @@ def _check_zero_keys(zero: Mapping[str, Any]) -> None:
     """No MiCS, offload blocks DeepSpeed can run, non-negative bucket sizes."""
     for key in _MICS_KEYS:
         if key in zero:
-            # DeepSpeed >= 0.19.7 raises "MiCS ZeRO-3 sharding has been removed" only inside deepspeed.initialize, after
-            # every process started; older ones would partition over the MiCS group, which autoshard's memory
-            # estimate, consolidation and matrix (ZeRO-3 over every rank) do not describe.
+            # DeepSpeed >= 0.19.7 refuses MiCS only inside deepspeed.initialize, after every process started.
             _refuse(
                 f"zero_optimization.{key}",
                 "is MiCS, which DeepSpeed removed in 0.19.7 and autoshard does not drive (its estimate, checkpoints and"

@@ -33,8 +33,7 @@ ROW = {
         " teacher's EMA update would read and write placeholders; nothing upstream detects this",
         TO_FSDP2,
     ),
-    # Measured (tests/distributed/test_deepspeed_multi_forward.py): a raw ZeRO-3 engine, 2 gloo ranks, fp32, every
-    # parameter partitioned, 6 steps of two views summed, multi-crop (3 forwards) and a no_grad target forward.
+    # Measured by tests/distributed/test_deepspeed_multi_forward.py (a raw ZeRO-3 engine on 2 gloo ranks).
     Feature.MULTI_FORWARD: partial(
         "trains correctly: measured on 2 ranks (fp32, every parameter partitioned, 6 steps of two views, of"
         " multi-crop and of a no_grad target forward), the weights equal one process on the global batch to 4e-8;"
