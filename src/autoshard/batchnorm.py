@@ -1,8 +1,5 @@
-"""``Trainer(sync_batchnorm=True)`` for every backend: BatchNorm with the statistics of the global batch, on CPU too.
-
-Backend-neutral: fsdp2 converts after sharding (over its data-parallel group), DeepSpeed before its engine is
-built (over the world). torch's own SyncBatchNorm refuses CPU input, even on one rank.
-"""
+"""``Trainer(sync_batchnorm=True)`` for every backend: BatchNorm with the statistics of the global batch, on CPU too
+(torch's own SyncBatchNorm refuses CPU input, even on one rank)."""
 
 from __future__ import annotations
 
@@ -24,12 +21,8 @@ def _differentiable_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
-    """torch's SyncBatchNorm, plus a CPU path: torch refuses CPU input (its kernels are CUDA-only).
-
-    On CPU the batch mean and (biased) variance come from sums all-reduced over the group, through
-    torch.distributed.nn's differentiable all_reduce, so that gradients flow through the global statistics as in
-    torch's CUDA path; running statistics get the unbiased variance of the global batch, as torch's do.
-    """
+    """torch's SyncBatchNorm, plus a CPU path: sums all-reduced through torch.distributed.nn's differentiable
+    all_reduce, so gradients flow through the global statistics as in torch's CUDA path."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -60,12 +53,10 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, group: Any) -> int:
-    """``Trainer(sync_batchnorm=True)``: every BatchNorm layer normalizes with the statistics of the global batch.
-
-    Lightning's ModelParallelStrategy and DeepSpeedStrategy never apply the flag (their setup ignores the Trainer's
-    layer sync). ``group``: the data-parallel group (None: the whole world). Converted
-    in place, by class, not with torch's convert_sync_batchnorm, which builds new modules: fully_shard's state and
-    class, hooks and optimizer references survive, so it also works after sharding. Returns how many layers.
+    """Every BatchNorm layer normalizes with the statistics of the global batch over ``group`` (None: the world);
+    returns how many. Lightning's ModelParallelStrategy and DeepSpeedStrategy never apply the flag. Converted in
+    place, by class: torch's convert_sync_batchnorm builds new modules, losing fully_shard's state, hooks and
+    optimizer references.
     """
     from torch.distributed.fsdp import FSDPModule as fsdp_module
 
@@ -79,6 +70,3 @@ def convert_sync_batchnorm(module: nn.Module, group: Any) -> int:
         m.process_group = group
         count += 1
     return count
-
-
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]

@@ -1,8 +1,5 @@
-"""The capability matrix's data types: features, support levels, cells, checkpoint formats.
-
-Only types live here, so that ``backends/`` can build its rows from them without a cycle; each backend's row lives in
-``backends/<name>.py`` and the rendering that reads every row in ``backends/matrix.py``.
-"""
+"""The capability matrix's data types: features, support levels, cells, checkpoint formats (only types, so that
+``backends/`` builds its rows from them without a cycle)."""
 
 from __future__ import annotations
 
@@ -108,11 +105,8 @@ Row = Mapping[Feature, Cell]
 
 
 class Format(str, Enum):
-    """What a checkpoint path holds, as far as the files on disk tell (``checkpoint.detect_format``).
-
-    Here, not in ``checkpoint.py``, because each ``Backend`` states the formats it writes and resumes, and
-    ``autoshard.backends`` must not import torch.
-    """
+    """What a checkpoint path holds, as far as the files on disk tell; here because each torch-free ``Backend``
+    states the formats it writes and resumes."""
 
     DCP = "distributed"  # Lightning / autoshard DCP directory: .metadata + meta.pt
     DCP_RAW = "dcp-without-trainer-state"  # a torch.distributed.checkpoint directory without Lightning's meta.pt

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoshard.errors import IntentError, closest, did_you_mean
-from autoshard.precision import DEFAULT_PRECISION, PRECISIONS, Dtype, normalize_precision
+from autoshard.precision import Dtype, normalize_precision
 from autoshard.units import parse_size
 
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params")
@@ -209,37 +209,16 @@ def _shard_size(value: object) -> int | str | None:
 
 @dataclass(frozen=True)
 class ShardingIntent:
-    """What to shard and how, independent of FSDP2 or DeepSpeed; adapters translate it.
+    """What to shard and how, independent of FSDP2 or DeepSpeed; adapters translate it (docs/guide.md).
 
-    ``precision=None`` means "not stated": the Trainer's precision under Lightning, bf16-mixed elsewhere.
-    ``param_dtype`` / ``reduce_dtype`` replace the all-gather / gradient-reduce dtypes the precision implies
-    (``autoshard.precision.resolve_precision``); ``param_dtype='float32'`` opts out of the bf16 all-gather.
-    ``shard=None`` means every trainable child subtree (plus EMA teachers); ``exclude`` removes paths.
-    ``blocks`` names the per-block units (class names or module paths) instead of the repeated blocks the plan
-    finds; ``blocks=[]`` makes one unit per subtree.
-    ``shard_size`` turns on hybrid sharding (HSDP): parameters, gradients and optimizer state are sharded within
-    groups of ``shard_size`` data-parallel ranks (``'node'``: the devices of one node, divided by the tensor-parallel
-    size) and replicated across the data-parallel size / shard_size groups; None shards over every data-parallel rank.
-    With ``tensor_parallel_size > 1`` it is HSDP x TP on one (replicate, shard, tensor parallel) mesh (``autoshard.mesh``).
-    ``strict=True`` turns autoshard's fallbacks (replicating what it cannot shard) into errors.
-    ``init_from`` loads pretrained weights into the shards once they exist, each rank reading only its own slices
-    (``autoshard.init_from``): a path (safetensors file, Hugging Face model directory, torch state dict file, DCP
-    directory) for the whole LightningModule, or ``{module path: path}`` for submodules (``{'model': 'gpt2/'}``);
-    stored as a tuple of (module path, path) pairs then, so the intent stays immutable. The path is opened at setup,
-    on the machines that train, not here; ``Trainer.fit(ckpt_path=...)`` is restored after it and wins. fsdp2 only.
-    ``activation_checkpointing``: False, True (every block), k >= 2 (every k-th block, counted from the first), or
-    ``'selective'`` (op-level, torchtitan's policy); ``autoshard.adapters.checkpointing`` applies it.
-    ``memory_budget``: device bytes per rank (``'70GiB'`` or an int, stored as bytes); the fields left at their
-    defaults among reshard_after_forward, activation_checkpointing, offload and shard_size are then chosen by
-    ``autoshard.budget.decide``: the cheapest configuration whose simulated peak fits. None: as stated.
-    ``memory_headroom``: device bytes the budget keeps free beside the simulated peak (``'3GiB'``, or 0); None: the
-    device's measured default (CUDA: ``autoshard.budget.CUDA_HEADROOM``, the context, NCCL and allocator
-    fragmentation; CPU: none).
-    ``pinned`` names fields of those four that the budget must keep even at their defaults (``('offload',)``: never
-    offload); a field set to another value than its default is kept anyway.
-    ``compile``: True compiles each planned block in place (``block.compile()``: activation checkpointing, then
-    compile, then ``fully_shard``, torchtitan's order; ``autoshard.adapters.compile``), fsdp2 only; ``'auto'`` lets
-    ``memory_budget`` choose it (eager without a budget); False (default): eager, unless the user compiled the model.
+    ``precision=None``: not stated (the Trainer's precision under Lightning, bf16-mixed elsewhere); ``param_dtype`` /
+    ``reduce_dtype`` replace the all-gather / gradient-reduce dtypes it implies. ``shard=None``: every trainable child
+    subtree (plus EMA teachers). ``blocks=[]``: one unit per subtree. ``shard_size``: hybrid sharding within groups of
+    that many data-parallel ranks (``'node'``: one node's). ``strict=True`` turns fallbacks into errors. ``init_from``
+    (a path, or ``{module path: path}`` stored as pairs so the intent stays immutable) is opened at setup, on the
+    machines that train; ``Trainer.fit(ckpt_path=...)`` is restored after it and wins. ``memory_budget`` chooses the
+    fields left at their defaults among BUDGET_FIELDS (and ``compile='auto'``), keeping ``memory_headroom`` free;
+    ``pinned`` keeps some at their defaults.
     """
 
     shard: tuple[str, ...] | None = None
@@ -354,10 +333,8 @@ def _rename_or_drop(key: object, known: list[str]) -> str:
 def as_intent(value: ShardingIntent | Mapping[str, Any] | None, **fields: Any) -> ShardingIntent:
     """Accept an intent, a dict of its fields, or nothing (all defaults); ``fields`` given as keywords override it.
 
-    Strategies take intent fields as keywords too (``FSDP2Strategy(offload='params')``): a misspelt one is refused
-    by name here instead of surfacing as Python's bare TypeError. A keyword equal to the field's default asks for
-    nothing: LightningCLI passes every field it reads from this signature (so a YAML may put them straight under
-    ``init_args``), and those defaults must not undo what ``intent`` set.
+    A keyword equal to the field's default asks for nothing: LightningCLI passes every field it reads from a
+    strategy's signature, and those defaults must not undo what ``intent`` set.
     """
     if fields:
         ShardingIntent.from_dict(fields)  # unknown or invalid keywords are refused by name, with the fix
@@ -372,6 +349,3 @@ def as_intent(value: ShardingIntent | Mapping[str, Any] | None, **fields: Any) -
         f"expected a ShardingIntent or a dict of its fields, got {type(value).__name__}."
         f" Fix: pass intent=ShardingIntent(...) or intent={{'offload': 'params'}}"
     )
-
-
-__all__ = ["ShardingIntent", "as_intent", "normalize_precision", "PRECISIONS", "DEFAULT_PRECISION"]

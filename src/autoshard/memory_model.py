@@ -1,9 +1,5 @@
-"""What a backend's memory model reads and returns: the layout of a module under a plan (which parameters are
-sharded, their bytes while training and all-gathered), optimizer state sizes, and the per-rank estimate.
-
-Below ``backends/``: each engine's ``memory`` function (``backends/<b>.py``) computes its bytes from these, and
-``memory.py`` (above the backends) builds the layout from the engine's plan and renders the tables.
-"""
+"""What a backend's memory model reads and returns: the layout of a module under a plan, optimizer state sizes,
+and the per-rank estimate (below ``backends/``, whose ``memory`` functions compute from these)."""
 
 from __future__ import annotations
 
@@ -184,12 +180,8 @@ def local_shape(p: Param, world_size: int, rank: int) -> tuple[int, ...]:
 # -- the estimate ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Traffic:
-    """Bytes one rank sends in one collective kind per training step (ring algorithms: (g - 1) / g of the data).
-
-    ``group``: the ranks taking part; ``inter_node``: the group spans nodes, so these bytes cross the slower
-    inter-node links. Hybrid sharding moves the gathers and reduce-scatters inside a node and leaves only the
-    all-reduce of each rank's 1/shard_size gradient slice across nodes.
-    """
+    """Bytes one rank sends in one collective kind per training step (ring algorithms: (g - 1) / g of the data);
+    ``inter_node``: the group spans nodes, so these bytes cross the slower links."""
 
     collective: str
     group: int
@@ -199,11 +191,8 @@ class Traffic:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds, by category; ``offloaded`` names the categories that live in CPU memory.
-
-    ``total`` is everything at the step's peak (model states + the transient all-gather); ``device`` is the part
-    on the accelerator. For ZeRO-3, ``device`` and ``host`` are DeepSpeed's own estimator figures.
-    """
+    """Bytes one rank holds, by category; ``offloaded`` names the categories that live in CPU memory. For ZeRO-3,
+    ``device`` and ``host`` are DeepSpeed's own estimator figures."""
 
     backend: str
     world_size: int

@@ -1,26 +1,15 @@
 """The run's parallel layout, resolved once, and the one DeviceMesh that names it.
 
-``ParallelDims`` (data-parallel replicas x shard ranks x tensor-parallel ranks) is resolved from the intent, the world
-size and the number of nodes once, when the Trainer is built; every later question (the mesh, the sampler's ranks,
-the node groups, the plan's summary) reads it instead of resolving again.
+``ParallelDims`` (replicas x shard ranks x tensor-parallel ranks) is resolved from the intent and the world once,
+when the Trainer is built; everything later reads it.
 
-One DeviceMesh is built, with Lightning's names ``("data_parallel", "tensor_parallel")``: it is what Lightning's
-ModelParallelStrategy builds (the sampler reads ``["data_parallel"]``), and what a user's ``configure_model`` or
-``parallelize_fn`` indexes. Everything else is a view of that same mesh, taken by name (``ParallelMesh``):
-
-- ``dp``: every data-parallel rank (replicas x shard ranks, one tensor-parallel coordinate): the sampler, buffer
-  broadcasts, averaged unsharded gradients and SyncBatchNorm all use it, so the ranks of one tensor-parallel group
-  read the same batch;
-- ``tp``: the tensor-parallel ranks, where a tensor-parallel layout places its shards;
-- ``shard``: what ``fully_shard`` takes: ``dp`` itself (FSDP), or for hybrid sharding the ``("dp_replicate",
-  "dp_shard")`` dims of the 3-D view ``("dp_replicate", "dp_shard", "tensor_parallel")``, which splits the
-  ``data_parallel`` dim in place (``DeviceMesh._unflatten``): the same ranks, the same root mesh, so FSDP2 composes
-  its placements with tensor parallel's (``(Replicate(), Shard(0), <tp placement>)``).
+One DeviceMesh is built, with Lightning's names ``("data_parallel", "tensor_parallel")`` (what ModelParallelStrategy
+builds and a user's ``configure_model`` or ``parallelize_fn`` indexes); ``ParallelMesh`` takes views of it by name.
+For hybrid sharding ``DeviceMesh._unflatten`` splits the ``data_parallel`` dim in place, so FSDP2 composes its
+placements with tensor parallel's on the same root mesh.
 
 Ranks are numbered (replica, shard, tensor parallel), tensor parallel innermost: torchrun and SLURM number a node's
 ranks consecutively, so tensor-parallel groups, then shard groups, stay inside a node.
-
-Private torch member used (listed in ``autoshard.torch_compat``): ``DeviceMesh._unflatten``.
 """
 
 from __future__ import annotations
@@ -110,7 +99,7 @@ class ParallelDims:
         }
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -151,7 +140,7 @@ def _dp_tp(intent: ShardingIntent, world_size: int) -> tuple[int, int]:
     world = f"the world size {world_size} (nodes x devices)"
     if world_size % tp:
         raise IntentError(
-            f"tensor_parallel_size={tp} does not divide {world}. Fix: tensor_parallel_size= one of {', '.join(map(str, _divisors(world_size)))}"
+            f"tensor_parallel_size={tp} does not divide {world}. Fix: tensor_parallel_size= one of {', '.join(map(str, divisors(world_size)))}"
         )
     raise IntentError(
         f"data_parallel_size * tensor_parallel_size = {dp} * {tp} = {dp * tp} does not match {world}. Fix: set"
@@ -160,13 +149,8 @@ def _dp_tp(intent: ShardingIntent, world_size: int) -> tuple[int, int]:
 
 
 def hybrid_sizes(intent: ShardingIntent, world_size: int, num_nodes: int = 1) -> tuple[int, int] | None:
-    """(replicas, shard_size) of the hybrid-sharding split of the data-parallel ranks; None: pure FSDP. The data-parallel
-    split alone: what a model-states estimate and the budget's world-size search read (``resolve`` checks the rest).
-
-    ``'node'`` resolves to the devices of one node (world size / num_nodes; with tensor parallel, the data-parallel
-    ranks among them: that / tensor_parallel_size). A shard size equal to the data-parallel size is pure FSDP (one
-    replica), so it gives None too: a 1-D mesh, nothing replicated.
-    """
+    """(replicas, shard_size) of the hybrid-sharding split of the data-parallel ranks; None: pure FSDP (a shard size
+    equal to the data-parallel size included). ``'node'``: the data-parallel ranks of one node."""
     if intent.shard_size is None:
         return None
     dp, _ = _dp_tp(intent, world_size)
@@ -179,19 +163,19 @@ def hybrid_sizes(intent: ShardingIntent, world_size: int, num_nodes: int = 1) ->
             raise IntentError(
                 f"shard_size='node' with tensor_parallel_size={tp}: a node's {shard} devices cannot hold whole"
                 f" tensor-parallel groups of {tp}, so a group would span nodes. Fix: tensor_parallel_size= one of"
-                f" {', '.join(map(str, _divisors(shard)))}, or shard_size= a number of data-parallel ranks"
+                f" {', '.join(map(str, divisors(shard)))}, or shard_size= a number of data-parallel ranks"
             )
         shard //= tp
         stated = f"shard_size='node' (= {shard} data-parallel ranks per node of {shard * tp} devices)"
     if shard > dp:
         raise IntentError(
             f"{stated} exceeds the data-parallel size {dp} (world size {world_size}): a shard group cannot hold more"
-            f" ranks than there are. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}, or leave it unset"
+            f" ranks than there are. Fix: shard_size= one of {', '.join(map(str, divisors(dp)))}, or leave it unset"
         )
     if dp % shard:
         raise IntentError(
             f"{stated} does not divide the data-parallel size {dp}, so the ranks cannot form whole replicas of"
-            f" the shard group. Fix: shard_size= one of {', '.join(map(str, _divisors(dp)))}"
+            f" the shard group. Fix: shard_size= one of {', '.join(map(str, divisors(dp)))}"
         )
     return None if shard == dp else (dp // shard, shard)
 
@@ -202,11 +186,8 @@ def _names(mesh: DeviceMesh) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """The one DeviceMesh (``root``) and the views the run takes of it by name; see the module docstring.
-
-    ``root`` is 2-D ``("data_parallel", "tensor_parallel")`` (Lightning's), or 1-D data parallel (a mesh built
-    without tensor parallel: ``explain``, tests). ``hybrid_view`` exists under hybrid sharding only.
-    """
+    """The one DeviceMesh (``root``: 2-D with Lightning's names, or 1-D data parallel) and its views by name;
+    ``hybrid_view`` under hybrid sharding only."""
 
     dims: ParallelDims
     root: DeviceMesh
@@ -214,10 +195,7 @@ class ParallelMesh:
 
     @classmethod
     def of(cls, mesh: DeviceMesh, dims: ParallelDims | None = None, hsdp: tuple[int, int] | None = None) -> ParallelMesh:
-        """View ``mesh`` with ``dims`` (None: read from the mesh, split as ``hsdp``); refuses dims that do not fit it.
-
-        The hybrid view is made here, once per mesh: it creates the replica and shard process groups.
-        """
+        """View ``mesh`` with ``dims`` (None: read from the mesh, split as ``hsdp``); refuses dims that do not fit it."""
         names = _names(mesh)
         two_d = mesh.ndim == 2 and names == MESH_DIMS
         if mesh.ndim > 1 and not two_d:
@@ -254,11 +232,8 @@ _VIEWS = "_autoshard_hybrid_views"  # on a root DeviceMesh: {(replicas, shard): 
 
 
 def _hybrid_view(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The root with its data_parallel dim split into (dp_replicate, dp_shard): the same ranks and root mesh.
-
-    Made once per root mesh and split (it creates process groups, a collective call on every rank): a second plan
-    applied on the same mesh (Fabric's setup calls, a validate after fit) reuses it.
-    """
+    """The root with its data_parallel dim split into (dp_replicate, dp_shard), made once per root mesh and split:
+    it creates process groups (a collective on every rank), and a second setup on the same mesh reuses it."""
     views: dict[tuple[int, int], DeviceMesh] = vars(mesh).setdefault(_VIEWS, {})
     key = (dims.dp_replicate, dims.dp_shard)
     if key not in views:
@@ -282,8 +257,7 @@ def _split_data_parallel(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
-    """The one DeviceMesh for ``dims`` on ``device_type`` (what Lightning's ModelParallelStrategy builds, with the
-    same names), and its views. The process group must exist, with ``dims.world_size`` ranks."""
+    """The one DeviceMesh for ``dims`` on ``device_type``, and its views; the process group must exist."""
     from torch.distributed.device_mesh import init_device_mesh
 
     root = init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
@@ -293,21 +267,3 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
 def dp_mesh(mesh: ParallelMesh | DeviceMesh) -> DeviceMesh:
     """Every data-parallel rank (sampler, buffers, unsharded gradients, SyncBatchNorm)."""
     return mesh.dp if isinstance(mesh, ParallelMesh) else ParallelMesh.of(mesh).dp
-
-
-__all__ = [
-    "DATA_PARALLEL",
-    "HYBRID_DIMS",
-    "MESH_DIMS",
-    "REPLICATE",
-    "SHARD",
-    "TENSOR_PARALLEL",
-    "ParallelDims",
-    "ParallelMesh",
-    "build_mesh",
-    "check_num_nodes",
-    "check_world_size",
-    "dp_mesh",
-    "hybrid_sizes",
-    "nodes_for",
-]

@@ -29,11 +29,8 @@ class EMAPair:
 @dataclass(frozen=True)
 class MethodNeeds:
     """The method's requirements; a module may declare them (``autoshard_needs = {...}``) and that wins.
-
-    ``optimizer_sources`` lists (where, how many): ``("configure_optimizers", 1)``, ``("callback OnlineProbe", 1)``.
-    ``callback_modules`` are the module paths trained by callback-owned optimizers: kept unsharded.
-    ``compiled`` are the (eager) paths of modules the user compiled (``compiled_modules``): fsdp2 compiles their blocks.
-    """
+    ``callback_modules``: trained by callback-owned optimizers, kept unsharded; ``compiled``: the eager paths of
+    modules the user compiled."""
 
     optimizer_sources: tuple[tuple[str, int], ...] = (("configure_optimizers", 1),)
     ema_pairs: tuple[EMAPair, ...] = ()
@@ -85,12 +82,8 @@ def _ema_pair(value: object) -> EMAPair:
 
 # The one place that knows where optimizers hide: needs, memory estimates and checkpoints all find them here.
 def returned_optimizers(configured: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers in any shape Lightning returns or accepts, in order.
-
-    ``configure_optimizers``'s shapes (one, a list, a dict with "optimizer", ``([optimizers], [schedulers])``), and
-    ``trainer.optimizers``: a LightningOptimizer is unwrapped, and Lightning's stand-in for ``None`` (its
-    ``_MockOptimizer``) is no optimizer.
-    """
+    """The torch optimizers in any shape ``configure_optimizers`` returns or ``trainer.optimizers`` holds, in order
+    (Lightning's ``_MockOptimizer`` stand-in for ``None`` is no optimizer)."""
     configured = getattr(configured, "_optimizer", configured)  # LightningOptimizer
     if configured is None or type(configured).__name__ == "_MockOptimizer":
         return []
@@ -293,11 +286,8 @@ def _apply_declared(detected: MethodNeeds, declared: Mapping[str, Any]) -> Metho
 
 
 def _configured_optimizers(module: nn.Module) -> int:
-    """Call the user's configure_optimizers once, only to count what it returns; the optimizers are dropped unused.
-
-    Offline only (``autoshard explain``, ``estimate_memory``): during fit autoshard never calls a user hook to
-    inspect it, because hooks may count their calls (stable-pretraining's probes assert a single one).
-    """
+    """Call the user's configure_optimizers once, only to count what it returns. Offline only: during fit no user
+    hook is called to inspect it, because hooks may count their calls (stable-pretraining's probes assert one)."""
     try:
         return count_optimizers(module.configure_optimizers())
     except Exception as exc:  # the user's hook may need state we do not have; say how to skip it
@@ -352,13 +342,8 @@ def eager_name(name: str) -> str:
 
 
 def compiled_modules(module: nn.Module) -> tuple[str, ...]:
-    """The eager paths of the modules the user compiled, outermost first: ``torch.compile`` wrappers
-    (``OptimizedModule``), modules compiled in place (``module.compile()``) and those autoshard unwrapped from a wrapper
-    (``COMPILED_ATTRIBUTE``). A module inside a compiled one is not listed again.
-
-    Private torch members used (``autoshard.torch_compat``): ``torch._dynamo.OptimizedModule``,
-    ``torch.nn.Module._compiled_call_impl``.
-    """
+    """The eager paths of the modules the user compiled (wrapped, in place, or unwrapped by autoshard), outermost
+    first; a module inside a compiled one is not listed again."""
     dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (and importing it costs a second)
     wrapper = dynamo.OptimizedModule if dynamo is not None else ()
     found: list[str] = []
@@ -380,10 +365,8 @@ def inspect_needs(
 ) -> MethodNeeds:
     """Find what ``module`` needs; the callbacks (``callbacks``, else ``trainer``'s, else the attached Trainer's) add theirs.
 
-    A declared ``autoshard_needs`` wins: a MethodNeeds is returned as is, a dict overrides only the keys it names.
-    The optimizers of ``configure_optimizers`` are counted from ``optimizers`` when given (what Lightning's own,
-    single call returned); else by calling the hook once, unless ``call_hooks=False``: during fit no user hook is
-    ever called to inspect it, so before Lightning's call only declared and callback-held optimizers count.
+    A declared ``autoshard_needs`` wins (a dict overrides only the keys it names). ``configure_optimizers`` is called
+    once to count unless ``optimizers`` (Lightning's own call's result) is given or ``call_hooks=False`` (during fit).
     """
     declared = _declared(module)
     if isinstance(declared, MethodNeeds):
@@ -403,10 +386,8 @@ def inspect_needs(
 def recount_optimizers(
     needs: MethodNeeds, module: nn.Module, optimizers: Sequence[Any], trainer: Any = None, callbacks: Sequence[object] | None = None
 ) -> MethodNeeds:
-    """``needs`` with its optimizers counted from what Lightning's own configure_optimizers call returned.
-
-    Only the count changes: the EMA pairs and callback modules that shaped the sharding stay as they were found.
-    """
+    """``needs`` with its optimizers counted from what Lightning's own configure_optimizers call returned; only the
+    count changes."""
     declared = _declared(module)
     if isinstance(declared, MethodNeeds):
         return needs

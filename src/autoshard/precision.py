@@ -1,11 +1,9 @@
 """Precision, resolved once: the Trainer's precision string and the intent's dtypes -> one PrecisionPlan.
 
-A precision string ("bf16-mixed") stands for four dtypes a sharded run needs: what the layers compute in, what is
-all-gathered, what gradients are reduced in, and what the optimizer updates. ``resolve_precision`` is the one place
-that turns the one into the other, where both the Trainer's precision and the intent are known; each backend then
-translates the plan (``adapters.fsdp2.policies``: a MixedPrecisionPolicy; ``adapters.deepspeed.precision_config``:
-its bf16/fp16 blocks). ``on_backend`` says where a backend runs the plan differently, and ``precision_table``
-prints that for the docs (both in ``backends/``, above this module). Torch-free, like ``autoshard.intent``: ``import autoshard`` stays fast.
+A precision string ("bf16-mixed") stands for four dtypes: what the layers compute in, what is all-gathered, what
+gradients are reduced in, and what the optimizer updates. ``resolve_precision`` turns the one into the other where
+both the Trainer's precision and the intent are known; each backend translates the plan. Torch-free, so ``import
+autoshard`` stays fast.
 """
 
 from __future__ import annotations
@@ -27,15 +25,19 @@ class DtypeRequest(Protocol):
     reduce_dtype: str | None
 
 
-class Dtype(str, Enum):
+class _Spelling(str, Enum):
+    """An enum that prints as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Dtype(_Spelling):
     """The floating dtypes a plan names, spelt as torch spells them."""
 
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def bytes(self) -> int:
@@ -48,7 +50,7 @@ class Dtype(str, Enum):
         return getattr(torch, self.value)
 
 
-class Precision(str, Enum):
+class Precision(_Spelling):
     """Lightning's precision strings autoshard plans for, in the order its messages list them."""
 
     BF16_MIXED = "bf16-mixed"
@@ -56,9 +58,6 @@ class Precision(str, Enum):
     BF16_TRUE = "bf16-true"
     FP16_MIXED = "16-mixed"
     FP16_TRUE = "16-true"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def autocast(self) -> bool:
@@ -106,14 +105,9 @@ def normalize_precision(value: object) -> Precision:
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """The dtypes of one run. Every backend is handed this one value; none reads a precision string again.
-
-    ``compute``: what the layers compute in (under autocast: the ops autocast lowers). ``gather``: the dtype
-    parameters are all-gathered in, which is also the unsharded copy a forward sees. ``reduce``: the dtype
-    gradients are reduced in. ``master``: the dtype of the weights the optimizer updates; below float32, updates
-    smaller than the dtype's resolution are lost. ``loss_scaling``: fp16 gradients are scaled so they do not
-    underflow.
-    """
+    """The dtypes of one run: every backend is handed this one value, none reads a precision string again.
+    ``gather`` is also the unsharded copy a forward sees; a ``master`` below float32 loses updates smaller than its
+    resolution."""
 
     precision: Precision
     compute: Dtype
@@ -125,14 +119,11 @@ class PrecisionPlan:
 
 
 def resolve_precision(trainer_precision: object | None, intent: DtypeRequest) -> PrecisionPlan:
-    """The one precision of a run, from the Trainer's (the source of truth) and the intent's; then its dtypes.
+    """The one precision of a run, from the Trainer's (the source of truth; None: no Trainer) and the intent's.
 
-    ``trainer_precision=None`` means no Trainer (``autoshard explain``, a DeepSpeed config on its own): the
-    intent's precision, else bf16-mixed. An intent may repeat the Trainer's precision but not contradict it.
-    "-mixed" keeps fp32 weights, gathers in the low dtype (the unsharded copy autocast would cast to anyway:
-    half the all-gather bytes and gathered memory) and reduces in fp32 (sums of many low-precision gradients
-    lose bits): torchtitan's and Lightning's FSDP2 setting. "-true" converts the module: all four in the low
-    dtype. The intent's ``param_dtype`` / ``reduce_dtype`` replace the gather / reduce dtypes.
+    "-mixed" keeps fp32 weights, gathers in the low dtype (what autocast would cast to anyway: half the all-gather
+    bytes) and reduces in fp32 (sums of many low-precision gradients lose bits), as torchtitan and Lightning's FSDP2
+    do. "-true" converts the module: all four in the low dtype.
     """
     stated = None if intent.precision is None else normalize_precision(intent.precision)
     if trainer_precision is None:
@@ -160,14 +151,3 @@ def resolve_precision(trainer_precision: object | None, intent: DtypeRequest) ->
         master=Dtype.FLOAT32 if precision.autocast else low,
         loss_scaling=precision is Precision.FP16_MIXED,
     )
-
-
-__all__ = [
-    "DEFAULT_PRECISION",
-    "PRECISIONS",
-    "Dtype",
-    "Precision",
-    "PrecisionPlan",
-    "normalize_precision",
-    "resolve_precision",
-]

@@ -18,10 +18,8 @@ AUTO = ("auto", "auto-shard", "auto_shard")
 def features_needed(
     needs: MethodNeeds, intent: ShardingIntent, accelerator: str | None = None, precision: PrecisionPlan | None = None
 ) -> dict[Feature, str]:
-    """Each feature this run needs, with the detail that shows where the need comes from.
-
-    ``precision``: the run's resolved plan (a strategy has the Trainer's); else the intent's, as ``explain`` plans.
-    """
+    """Each feature this run needs, with the detail that shows where the need comes from (``precision=None``: the
+    intent's, as ``explain`` plans)."""
     out: dict[Feature, str] = {}
     if needs.num_optimizers > 1:
         out[Feature.MULTIPLE_OPTIMIZERS] = f"{needs.num_optimizers} optimizers: {needs.describe_optimizers()}"
@@ -93,9 +91,8 @@ class Decision:
     ruled_out: Mapping[str, tuple[Conflict, ...]] = field(default_factory=dict)
 
     def describe(self, caveats: bool = True) -> str:
-        """The log lines. FSDP1 is never a candidate and a request for it is refused before any Decision exists, so
-        "ruled out fsdp1" would be noise on every decision; ``to_dict`` still lists it. ``caveats=False`` leaves the
-        caveats out, for a log that gives them as ``warnings()``."""
+        """The log lines; ``caveats=False`` for a log that gives them as ``warnings()``. A rejected backend (FSDP1) is
+        never a candidate, so "ruled out fsdp1" would be noise; ``to_dict`` still lists it."""
         lines = [f"autoshard chose {self.backend} (strategy='{self.strategy}')"]
         lines += [f"  {r}" for r in self.reasons]
         if caveats:
@@ -110,10 +107,8 @@ class Decision:
     __str__ = describe
 
     def warnings(self) -> list[str]:
-        """One message per caveat: something this run needs that the chosen backend does only partly. A strategy
-        logs these as warnings, not with the decision's info lines: a user must not miss that part of what they
-        asked for is not done (offload='optimizer' under fsdp2 offloads the parameters too, bf16-true keeps no fp32
-        master copy)."""
+        """One message per caveat (what the chosen backend does only partly), logged as warnings: a user must not
+        miss that part of what they asked for is not done."""
         return [f"autoshard: partial support on {self.backend} for {c.feature.value} [{c.detail}]: {c.reason}. Fix: {c.remedy}" for c in self.caveats]
 
     def to_dict(self) -> dict[str, object]:
@@ -153,13 +148,8 @@ class _Verdict:
         return not self.all_conflicts
 
     def fixes(self, applied: str | None = None, dead: Sequence[str] = ()) -> list[str]:
-        """Feature fixes first: installing a backend that could not run the method anyway fixes nothing.
-
-        A fix the user already applied is no fix: under ``applied`` (the strategy string in use) its alternative
-        "(or strategy='auto-shard')" is dropped, and so is a fix that is only "use strategy='<applied>'". Nor is
-        switching to a backend that cannot run this either: alternatives ("..., or strategy='X' ...") naming a
-        strategy in ``dead`` are dropped, unless nothing else is left.
-        """
+        """Feature fixes first: installing a backend that could not run the method anyway fixes nothing. Alternatives
+        naming the strategy already ``applied``, or one in ``dead``, are dropped unless nothing else is left."""
         remedies = [c.remedy for c in (self.conflicts or self.all_conflicts)]
         if applied:
             remedies = [r.replace(f" (or strategy='{applied}')", "") for r in remedies if r != f"use strategy='{applied}'"]
@@ -232,10 +222,8 @@ def select_backend(
 ) -> Decision:
     """Return the backend to use, or raise IncompatibleBackendError naming the conflict, what works and the fix.
 
-    ``available`` overrides the installed-package checks by backend name (for ``autoshard explain`` of another
-    machine, and for tests). "auto" takes fsdp2 unless only another backend fully provides what the intent asks.
-    ``applied`` is the strategy string the user already runs, so that no refusal proposes it as the fix.
-    ``precision`` is the run's resolved precision (see ``features_needed``).
+    ``available`` overrides the install checks by backend name (``explain`` of another machine, tests); ``applied``
+    is the strategy the user already runs, so that no refusal proposes it as the fix.
     """
     intent = as_intent(intent)
     wanted = None if isinstance(prefer, str) and prefer.strip().lower() in AUTO else get_backend(prefer)

@@ -1,9 +1,5 @@
-"""The repeated blocks of an architecture, the subtrees to shard, and module-path helpers.
-
-Pure functions of the module tree (no torch.distributed), for every backend: fsdp2's planner asks them which modules
-become ``fully_shard`` units, and activation checkpointing (``adapters.checkpointing``) which blocks it wraps, under
-fsdp2 and DeepSpeed alike.
-"""
+"""The repeated blocks of an architecture, the subtrees to shard, and module-path helpers: pure functions of the
+module tree, for every backend."""
 
 from __future__ import annotations
 
@@ -152,6 +148,3 @@ def block_units(module: nn.Module, named: tuple[str, ...] | None, modules: dict[
         for name, m in modules.items()
         if name and (name in wanted or type(m).__name__ in wanted) and param_count(m)
     }
-
-
-__all__ = ["MIN_BLOCK_FRACTION", "STAGE_FRACTION", "block_units", "is_metric", "outermost", "param_count", "param_names", "subtree_roots", "within"]

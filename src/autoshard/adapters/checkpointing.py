@@ -1,23 +1,11 @@
 """Activation checkpointing of one block, in the modes ``ShardingIntent(activation_checkpointing=...)`` names.
 
-Four settings, so that a memory budget has steps between nothing recomputed and everything:
-
-- ``False``: nothing recomputed;
-- ``True``: every block (its forward runs again in backward; only its inputs are kept);
-- ``k >= 2``: every k-th block, counted from the first (blocks 0, k, 2k, ...). torchtitan counts from 1 (blocks
-  k-1, 2k-1, ...), which checkpoints the last block when k divides the depth; the last block's forward is
-  recomputed right away, while every other block's activations are still alive, so checkpointing it lowers no
-  peak. Counting from 0 never picks the last block unless it must (k >= depth picks block 0 only);
-- ``'selective'``: op-level, torchtitan's policy through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``:
-  the outputs of compute-heavy ops (matmuls, attention, convolutions, reduce-scatters, max) are saved, except every
-  second matmul, and everything else (norms, activations functions, dropout masks, views) is recomputed. autoshard
-  counts ``addmm`` (a Linear with a bias) as a matmul, and adds the CPU attention kernels and convolutions, which the
-  CUDA-only llama list does not need.
-
-``apply_checkpointing`` uses torch's composable ``checkpoint`` (non-reentrant, hooks on the module): unlike
-``checkpoint_wrapper`` it leaves module paths and state-dict keys as they are, and it composes with ``fully_shard``
-applied after it. Recomputation gives the same values: the RNG state is restored for the recomputed forward
-(dropout draws the same mask), so training is unchanged, only slower.
+``False``, ``True`` (every block), ``k`` (every k-th block) or ``'selective'`` (op-level): steps for a memory budget.
+Every k-th block counts from block 0, not from k-1 as torchtitan does: the last block's forward is recomputed right
+away, while every other block's activations are still alive, so checkpointing it lowers no peak. Selective is
+torchtitan's policy (compute-heavy outputs saved, every second matmul recomputed), with ``addmm``, the CPU attention
+kernels and convolutions added. torch's composable ``checkpoint`` leaves module paths and state-dict keys as they are,
+unlike ``checkpoint_wrapper``; the RNG state is restored for the recomputation, so training is unchanged, only slower.
 """
 
 from __future__ import annotations
@@ -124,10 +112,8 @@ def _save_list() -> tuple[frozenset[Any], frozenset[Any]]:
 
 
 def selective_context_fn() -> Any:
-    """A ``context_fn`` for ``checkpoint``: torchtitan's op-level policy, with a fresh matmul count per call.
-
-    The count is kept apart for the forward and the recomputation, so that both make the same choices.
-    """
+    """A ``context_fn`` for ``checkpoint``: torchtitan's op-level policy, with a fresh matmul count per call, kept
+    apart for the forward and the recomputation so that both make the same choices."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     saved, matmuls = _save_list()
@@ -145,11 +131,8 @@ def selective_context_fn() -> Any:
 
 # -- applying it --------------------------------------------------------------------------------------------------------
 def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMode, index: int) -> bool:
-    """Checkpoint ``block`` as ``mode`` says for the block at ``index`` (0-based, forward order among the blocks the
-    plan checkpoints); True when it did. Call it before ``fully_shard(block)``, as ``FSDP2Plan.apply`` does.
-
-    A block checkpointed twice is refused: torch's composable API would raise an opaque error on the second call.
-    """
+    """Checkpoint ``block`` (at ``index`` among the checkpointable blocks) as ``mode`` says, before ``fully_shard``;
+    True when it did. Twice is refused: torch's composable API would raise an opaque error."""
     mode = CheckpointMode.of(mode)
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise IntentError(f"apply_checkpointing: index must be the block's position (0, 1, ...), got {index!r}. Fix: count the blocks from 0")
@@ -170,14 +153,9 @@ def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMod
 
 
 def checkpointable_blocks(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds | None = None) -> list[str]:
-    """The blocks activation checkpointing wraps, in the order its modes count them (deepest first, then in
-    registration order): the repeated blocks (``adapters.blocks``, or those ``ShardingIntent(blocks=...)`` names) that
-    train, inside ``intent.shard``'s subtrees when it names some, outside ``intent.exclude``, the ``needs``' EMA
-    teachers and callback modules, and metrics, and sharing no parameter with anything outside them (tied weights).
-
-    One selection for every engine: fsdp2's plan marks these units ``checkpointed``, and DeepSpeed checkpoints the same
-    blocks, so a memory budget simulated on fsdp2's plan counts the activations a DeepSpeed run keeps.
-    """
+    """The repeated blocks that train and share no parameter outside themselves, inside ``intent.shard``, outside
+    ``intent.exclude``, EMA teachers, callback modules and metrics; deepest first. One selection for every engine, so a memory budget
+    simulated on fsdp2's plan counts the activations a DeepSpeed run keeps."""
     needs = needs or MethodNeeds()
     modules = dict(module.named_modules())
     names_of = param_names(module)
@@ -197,12 +175,8 @@ def checkpointable_blocks(module: nn.Module, intent: ShardingIntent, needs: Meth
 
 
 def checkpoint_blocks(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds | None = None) -> list[str]:
-    """Checkpoint ``module``'s blocks as ``intent.activation_checkpointing`` says, where no ``fully_shard`` plan does it
-    (DeepSpeed ZeRO-3, before its engine is built: its hooks then gather a block's parameters again for the
-    recomputation); the names of the blocks checkpointed. fsdp2's ``apply_plan`` checkpoints its own units.
-
-    Refused when checkpointing is asked for and no block trains: it would silently recompute nothing.
-    """
+    """Checkpoint ``module``'s blocks where no ``fully_shard`` plan does it (DeepSpeed, before its engine is built, so
+    its hooks gather a block again for the recomputation); the names checkpointed. Refused when no block trains."""
     mode = CheckpointMode.of(intent.activation_checkpointing)
     if mode.kind is Checkpointing.NONE:
         return []
@@ -225,14 +199,9 @@ def nothing_to_checkpoint(module: nn.Module, intent: ShardingIntent) -> IntentEr
 
 
 def _checkpoint_forward(block: nn.Module) -> None:
-    """Selective checkpointing of ``block.forward`` itself, inside its hooks.
-
-    Not the composable API: it re-runs the whole ``block(...)`` call in backward, hooks included, and the hooks
-    ``fully_shard`` adds (their ``record_function`` ops) then reach the selective cache, which knows only the ops of
-    the forward it saw, and stops the backward ("encountered during backward but not found in storage"). Wrapping
-    the forward is what torchtitan's ``checkpoint_wrapper`` + ``fully_shard(wrapper)`` amounts to, without renaming
-    the block's parameters (``_checkpoint_wrapped_module.``) in the state dict.
-    """
+    """Selective checkpointing of ``block.forward`` itself, inside its hooks. The composable API re-runs the whole
+    call, and the ops of ``fully_shard``'s hooks then miss the selective cache ("encountered during backward but not
+    found in storage"); torchtitan's ``checkpoint_wrapper`` would rename the parameters in the state dict."""
     from torch.utils.checkpoint import checkpoint
 
     inner = block.forward
@@ -255,16 +224,3 @@ def is_checkpointed(block: nn.Module) -> bool:
         return checkpoint.state(block) is not None
     except Exception:  # no state registered: not checkpointed
         return False
-
-
-__all__ = [
-    "CheckpointMode",
-    "is_checkpointed",
-    "Checkpointing",
-    "apply_checkpointing",
-    "checkpoint_blocks",
-    "checkpointable_blocks",
-    "describe_checkpointing",
-    "nothing_to_checkpoint",
-    "selective_context_fn",
-]

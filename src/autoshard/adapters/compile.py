@@ -1,25 +1,13 @@
 """``torch.compile`` with sharding: each planned block compiled in place, and a model the user compiled unwrapped.
 
-``ShardingIntent(compile=True)`` compiles each block of the fsdp2 plan in torchtitan's order: activation checkpointing,
-then compile, then ``fully_shard`` (``adapters.fsdp2.apply``). The block is compiled IN PLACE, ``block.compile()``:
-the module stays where it was, with its name and its hooks, and only its call is compiled. ``torch.compile(block)``
-instead returns an ``OptimizedModule`` wrapper, whose ``__call__`` bypassed the hooks ``fully_shard`` adds to it in
-the torch release Accelerate's first regional compile ran on (no per-block all-gather, 9.8% MFU instead of 23.4%),
-and whose parameters are named ``_orig_mod.`` in every state dict. (On torch 2.13, measured on 2 CPU ranks, the hooks
-do fire through the wrapper, fully_shard applied before or after it: same all-gathers and reduce-scatters, same losses;
-the names still change.)
+Each block of the fsdp2 plan is compiled in torchtitan's order (checkpointing, compile, ``fully_shard``) and IN PLACE,
+``block.compile()``: the module keeps its name and hooks. ``torch.compile(block)`` returns an ``OptimizedModule``
+wrapper whose parameters are named ``_orig_mod.`` in every state dict, and whose ``__call__`` bypassed fully_shard's
+hooks in the torch release Accelerate's first regional compile ran on (9.8% MFU instead of 23.4%; on torch 2.13 the
+hooks fire through it). A model the user compiled is unwrapped at setup (``unwrap_compiled``), so the plan and every
+checkpoint see the eager names, and its blocks are compiled in place as for ``compile=True``.
 
-A model the user compiled is understood the same way: at setup, before anything is planned, ``unwrap_compiled``
-replaces every ``OptimizedModule`` inside the module by the module it wraps and marks it (``COMPILED_ATTRIBUTE``),
-so the plan finds the blocks it finds in eager mode, and every checkpoint, ``convert``, ``consolidate`` and
-``init_from`` sees the eager names; the plan then compiles the blocks inside (``FSDP2Plan.compiled``), as for
-``compile=True``. Blocks the user compiled in place stay as they are.
-
-``AUTOSHARD_COMPILE_BACKEND`` (environment) names the ``torch.compile`` backend (default: torch's, inductor); tests use
-``aot_eager``, which traces and runs the same graphs without generating code.
-
-Private torch members used (``autoshard.torch_compat``): ``torch._dynamo.OptimizedModule`` (and its ``_orig_mod``),
-``torch.nn.Module._compiled_call_impl``.
+``AUTOSHARD_COMPILE_BACKEND`` names the ``torch.compile`` backend (default inductor); tests use ``aot_eager``.
 """
 
 from __future__ import annotations
@@ -94,6 +82,3 @@ def nothing_to_compile(module: nn.Module, blocks: tuple[str, ...] | None) -> Int
         f" {type(module).__name__} has none{named}. Fix: name the blocks, ShardingIntent(blocks=['MyBlock']), or drop"
         f" compile and compile a submodule yourself (self.net = torch.compile(net): autoshard compiles it in place)"
     )
-
-
-__all__ = ["BACKEND_ENV", "Compile", "compile_in_place", "is_compiled_in_place", "nothing_to_compile", "unwrap_compiled"]

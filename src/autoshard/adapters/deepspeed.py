@@ -145,12 +145,8 @@ def deepspeed_config(
     gradient_clip_val: float | None = None,
     zero_overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The complete ZeRO-3 config for ``intent`` on ``world_size`` ranks; validated before it is returned.
-
-    ``needs`` (from ``inspect_needs``) lets the method be refused here too; ``zero_overrides`` replaces
-    individual ``zero_optimization`` keys (bucket sizes, thresholds) for tuning. ``precision`` is the run's
-    resolved plan (a strategy passes the Trainer's); None plans for the intent's precision.
-    """
+    """The complete ZeRO-3 config for ``intent`` on ``world_size`` ranks, validated; ``zero_overrides`` replaces
+    individual ``zero_optimization`` keys for tuning; ``precision=None`` plans for the intent's precision."""
     _positive(world_size=world_size, micro_batch_size=micro_batch_size, accumulate_grad_batches=accumulate_grad_batches)
     precision = precision or resolve_precision(None, intent)
     check_intent(intent, needs, world_size, precision)
@@ -172,9 +168,8 @@ def deepspeed_config(
         config["zero_force_ds_cpu_optimizer"] = False
     if intent.offload_device == "nvme":
         config["aio"] = dict(AIO_DEFAULTS)
-    # No "activation_checkpointing" block: it only configures deepspeed.checkpointing for blocks that call it
-    # themselves. autoshard checkpoints the blocks the intent names with torch's checkpoint (adapters.checkpointing),
-    # under DeepSpeed as under fsdp2, when the strategy builds the engine.
+    # No "activation_checkpointing" block: it configures deepspeed.checkpointing for blocks that call it themselves;
+    # autoshard checkpoints the blocks with torch's checkpoint (adapters.checkpointing), as under fsdp2.
     # Always written: DeepSpeed (0.19) clips at norm 1.0 when the key is absent, silently, unlike the Trainer.
     config["gradient_clipping"] = float(gradient_clip_val or 0.0)
     validate_deepspeed_config(config, world_size=world_size)
@@ -265,9 +260,7 @@ def _check_zero_keys(zero: Mapping[str, Any]) -> None:
     """No MiCS, offload blocks DeepSpeed can run, non-negative bucket sizes."""
     for key in _MICS_KEYS:
         if key in zero:
-            # DeepSpeed >= 0.19.7 raises "MiCS ZeRO-3 sharding has been removed" only inside deepspeed.initialize, after
-            # every process started; older ones would partition over the MiCS group, which autoshard's memory
-            # estimate, consolidation and matrix (ZeRO-3 over every rank) do not describe.
+            # DeepSpeed >= 0.19.7 refuses MiCS only inside deepspeed.initialize, after every process started.
             _refuse(
                 f"zero_optimization.{key}",
                 "is MiCS, which DeepSpeed removed in 0.19.7 and autoshard does not drive (its estimate, checkpoints and"
@@ -303,14 +296,3 @@ def _check_zero_keys(zero: Mapping[str, Any]) -> None:
                 f"must be a non-negative number of elements, got {value!r}",
                 f"remove it to use the default ({ZERO3_DEFAULTS[key]:,})",
             )
-
-
-__all__ = [
-    "ZERO3_DEFAULTS",
-    "check_intent",
-    "deepspeed_config",
-    "precision_config",
-    "provisional_config",
-    "validate_deepspeed_config",
-    "zero_config",
-]

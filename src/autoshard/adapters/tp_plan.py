@@ -1,12 +1,6 @@
-"""Tensor parallel from the model's own plan: transformers' ``base_model_tp_plan`` / ``_tp_plan``, checked, then applied.
-
-Most models users train already say how to split them across tensor-parallel ranks: a transformers config holds
-``base_model_tp_plan`` (``layers.*.self_attn.q_proj: colwise``, ...), the model class ``_tp_plan`` (``lm_head:
-colwise_gather_output``), and a small model of one's own may carry a plain ``_tp_plan`` dict. ``find_tp_plan`` reads
-them into concrete module paths; ``TPPlan.check`` refuses, before any process trains, what would go wrong later
-(heads split mid-head, styles autoshard does not apply, a tied tensor split two ways); ``TPPlan.apply`` lays the
-module out on the tensor-parallel mesh with torch's own ``parallelize_module`` and turns every parameter the plan
-leaves alone into a ``Replicate()`` DTensor, which ``fully_shard`` over the data-parallel ranks then needs.
+"""Tensor parallel from the model's own plan: transformers' ``base_model_tp_plan`` / ``_tp_plan``, or a plain
+``_tp_plan`` dict, checked before any process trains, then applied with torch's ``parallelize_module``; every parameter
+the plan leaves alone becomes a ``Replicate()`` DTensor, which ``fully_shard`` over the data-parallel ranks needs.
 
 Only the Megatron layout (no sequence parallelism) is built: between a rowwise layer and the next colwise one every
 activation is whole on every tensor-parallel rank, so a parameter the plan leaves alone sees the same input and the
@@ -27,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from autoshard.errors import IncompatibleBackendError, IntentError
+from autoshard.mesh import divisors
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,7 +101,6 @@ STYLES: dict[str, Style] = {
         ),
     )
 }
-REPLICATED = Style("(not in the plan)", StyleKind.REPLICATE, "whole on every rank")
 
 # Styles transformers defines that autoshard does not apply, and why; mixture-of-experts ones are reported first.
 MOE_STYLES: dict[str, str] = {
@@ -176,10 +170,9 @@ class TPCollective:
 class TPPlan:
     """The tensor-parallel layout of one module: concrete entries in module order, and where the plans came from.
 
-    ``roots``: paths of the modules that carry a plan (``''``: the module itself); the parameters inside them that
-    no entry splits become ``Replicate()`` DTensors on the tensor-parallel mesh. ``unmatched``: plan keys that name
-    no module of this model (transformers' generic plans name modules some configurations lack; those of a plain
-    ``_tp_plan`` dict, ``unmatched_own``, are warned about: a misspelt key leaves its modules whole).
+    ``roots``: the modules that carry a plan; the parameters inside them no entry splits become ``Replicate()``
+    DTensors. ``unmatched``: plan keys that name no module (transformers' generic plans name modules some
+    configurations lack); only those of a plain ``_tp_plan`` dict (``unmatched_own``) are warned about.
     """
 
     entries: tuple[TPEntry, ...]
@@ -254,7 +247,7 @@ class TPPlan:
         raise IntentError(
             f"the tensor-parallel plan of {', '.join(self.sources)} {what}, so nothing would be split across the"
             f" {tp_size} tensor-parallel ranks and they would all train on the same batch. {owner}'s Linear and Embedding"
-            f" layers: {_listed(_layers_under(modules, root))}. Fix: {self._rename_fix(modules)}, or set tensor_parallel_size=1"
+            f" layers: {_some(_layers_under(modules, root), _MOST_LISTED) or 'none'}. Fix: {self._rename_fix(modules)}, or set tensor_parallel_size=1"
         )
 
     def _root_of(self, key: str) -> tuple[str, str]:
@@ -286,9 +279,8 @@ class TPPlan:
         return f"write the plan's keys as the module paths listed ({shape}), with the styles 'colwise' and 'rowwise'"
 
     def _check_pairs(self, modules: dict[str, nn.Module], tp_size: int) -> None:
-        """Megatron's pair: a colwise layer hands on this rank's slice of its output features, which only a rowwise
-        layer reading it can take; a rowwise layer takes only such a slice. A plan with one kind and not the other
-        fails in the first forward with a matmul shape error (swapped styles: ``FirstInput`` says so at that forward)."""
+        """Megatron's pair: only a rowwise layer takes the slice a colwise one hands on; a plan with one kind and not
+        the other fails in the first forward with a matmul shape error."""
         split = [e for e in self.entries if not e.is_param and e.spec is not None]
         colwise = [e for e in split if e.spec.kind is StyleKind.COLWISE and not e.spec.gather_output]  # type: ignore[union-attr]
         rowwise = [e for e in split if e.spec.kind is StyleKind.ROWWISE and not e.spec.split_input]  # type: ignore[union-attr]
@@ -368,7 +360,7 @@ class TPPlan:
                 if dim is not None and p.dim() > dim:
                     dims.append((f"'{e.path}.{attr}' dimension {dim} ({e.style})", int(p.shape[dim])))
         every = [n for _, counts in heads for _, n in counts] + [n for _, n in dims]
-        works = _divisors(math.gcd(*every)) if every else [1]
+        works = divisors(math.gcd(*every)) if every else [1]
         fix = f"Fix: tensor_parallel_size= one of {', '.join(map(str, works))}"
         for path, counts in heads:
             if any(n % tp_size for _, n in counts):
@@ -415,11 +407,7 @@ class TPPlan:
         """{parameter name: the dimension the layout splits across tensor-parallel ranks}, names as
         ``module.named_parameters()`` gives them (a tied tensor once); parameters not listed are whole on each rank."""
         modules = dict(module.named_modules())
-        homes: dict[int, list[tuple[str, str]]] = {}
-        for path, sub in modules.items():
-            for attr, p in sub._parameters.items():
-                if p is not None:
-                    homes.setdefault(id(p), []).append((path, attr))
+        homes = _homes(module)
         out: dict[str, int] = {}
         for name, p in module.named_parameters():
             dims = {self._split_of(modules, home) for home in homes.get(id(p), [])} - {None}
@@ -428,11 +416,8 @@ class TPPlan:
         return out
 
     def collectives(self, module: nn.Module) -> list[TPCollective]:
-        """The collectives the layout adds to one training step, per module (torch's styles, no sequence parallel):
-        a colwise layer all-reduces its input's gradient in backward, once for siblings that read the same input
-        (``SharedInput``: q/k/v, gate/up), and all-gathers its output when it gathers; a
-        rowwise one all-reduces its output in forward (and all-gathers its input's gradient when its input arrived
-        whole), an embedding sums or gathers its lookups; gradient-summing parameters are all-reduced once per step."""
+        """The collectives the layout adds to one training step, per module (torch's styles, no sequence parallel);
+        colwise siblings that read one input (``SharedInput``) all-reduce its gradient once."""
         modules = dict(module.named_modules())
         out: list[TPCollective] = []
         shared = {c: parent for parent, children in self.colwise_siblings().items() for c in children}
@@ -464,8 +449,7 @@ class TPPlan:
         return out
 
     def describe(self, module: nn.Module, tp: int) -> list[str]:
-        """The layout on ``tp`` ranks in words, one line per plan key (its modules counted): style, what each rank
-        holds of the split weight, the collectives; then the plan's sources and notes. For ``autoshard explain``."""
+        """The layout on ``tp`` ranks in words, one line per plan key, for ``autoshard explain``."""
         modules = dict(module.named_modules())
         groups: dict[tuple[str, str], list[TPEntry]] = {}
         for e in self.entries:
@@ -491,13 +475,8 @@ class TPPlan:
 
     # -- the layout -----------------------------------------------------------------------------------------------
     def apply(self, module: nn.Module, tp_mesh: DeviceMesh) -> None:
-        """Lay ``module`` out on ``tp_mesh`` (1-D): the plan's modules through torch's ``parallelize_module``, every
-        other parameter inside the plan's roots as a ``Replicate()`` DTensor; tied tensors stay one Parameter.
-
-        The module's own direct parameters (a LightningModule's) stay plain tensors: the FSDP2 plan keeps those
-        whole and averages their gradients over the data-parallel ranks itself. Idempotent: a second call on the same
-        module (a second setup) changes nothing.
-        """
+        """Lay ``module`` out on ``tp_mesh`` (1-D); tied tensors stay one Parameter. The module's own direct parameters
+        stay plain tensors: the FSDP2 plan keeps those whole and averages their gradients itself. Idempotent."""
         from torch.distributed.tensor import Replicate, distribute_tensor
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -559,13 +538,10 @@ class TPPlan:
 
 @dataclass(frozen=True)
 class LocalParams:
-    """Run one module's forward on the local tensors of its ``Replicate()`` DTensor parameters.
-
-    The module's inputs are plain tensors (every parallel style hands back local tensors), so its parameters must be
-    plain while it runs: a forward pre-hook puts ``param.to_local()`` in their place (differentiable: the gradient
-    arrives on the DTensor as ``Replicate()``, or as ``Partial()`` where each rank saw only its own heads, which
-    ``fully_shard`` then sums over the tensor-parallel ranks) and a forward hook, run even when the forward raises,
-    puts the DTensors back, before fully_shard's own post-forward hook (registered later) reshards them.
+    """Run one module's forward on the local tensors of its ``Replicate()`` DTensor parameters: its inputs are plain
+    tensors (every parallel style hands back local ones). ``to_local`` is differentiable: the gradient arrives as
+    ``Replicate()``, or ``Partial()`` where each rank saw only its own heads. The DTensors are put back even when the
+    forward raises, before fully_shard's own post-forward hook (registered later) reshards them.
     """
 
     params: tuple[tuple[str, bool], ...]  # (attribute, gradient is a partial sum)
@@ -599,13 +575,9 @@ class LocalParams:
 @dataclass
 class FirstInput:
     """The first forward of a Linear layer inside the plan's roots checks the input features it receives against
-    its layout, then removes itself (no cost after).
-
-    A colwise layer hands on this rank's slice of its output features; only a rowwise layer takes such a slice. A
-    plan that pairs them wrongly (a colwise layer read by a whole or colwise one, a rowwise layer fed a whole input,
-    styles swapped) fails in torch's matmul with bare shapes in the first forward: here it is refused there, before
-    any optimizer step, naming the layer, its style and the plan key to change. An input of any other width is left
-    to fail as it would without tensor parallel (the model's own error, not the layout's).
+    its layout, then removes itself. A plan that pairs colwise and rowwise layers wrongly would fail in torch's matmul
+    with bare shapes; here it is refused naming the layer and the plan key to change. Any other width is left to
+    fail as it would without tensor parallel.
     """
 
     path: str
@@ -706,15 +678,10 @@ class FirstInput:
 
 
 class SharedInput:
-    """Colwise siblings (q/k/v of an attention, gate/up of an MLP) that read one tensor get one DTensor of it.
-
-    torch's ColwiseParallel wraps each layer's plain input in its own DTensor, so each layer's backward all-reduces its
-    own share of the input's gradient: five all-reduces per Llama layer where a hand-written plan (torchtitan's
-    ``PrepareModuleInput`` on the attention and the MLP) issues two. Here a forward pre-hook on each sibling, run before
-    torch's own, hands every sibling that receives the same tensor (same object, unmodified) the same ``Replicate()``
-    DTensor: their gradients add up on it, and its backward all-reduces the sum once. Siblings fed different tensors
-    (cross-attention) get one DTensor each, as before. The parent's forward hook empties the cache, so no activation
-    outlives its forward (a checkpointed block's recomputation included).
+    """Colwise siblings (q/k/v, gate/up) that read one tensor (same object, unmodified) get one ``Replicate()``
+    DTensor of it, so its backward all-reduces the summed gradient once: torch's ColwiseParallel wraps each input
+    separately, five all-reduces per Llama layer where torchtitan's ``PrepareModuleInput`` issues two. The parent's
+    forward hook empties the cache, so no activation outlives its forward.
     """
 
     def __init__(self, mesh: DeviceMesh) -> None:
@@ -743,11 +710,8 @@ class SharedInput:
 
 
 def _sum_partial_grad(param: Any) -> None:
-    """A ``Replicate()`` parameter whose gradient arrived as ``Partial()``: summed over the tensor-parallel ranks.
-
-    Under ``fully_shard`` this hook never runs (FSDP2 assigns the sharded gradient itself, after redistributing the
-    unsharded one to the parameter's placements, which is this same sum).
-    """
+    """A ``Replicate()`` parameter whose gradient arrived as ``Partial()``: summed over the tensor-parallel ranks
+    (under ``fully_shard`` FSDP2 does this same sum itself)."""
     grad = param.grad
     if _is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
@@ -757,12 +721,9 @@ def _sum_partial_grad(param: Any) -> None:
 def find_tp_plan(module: nn.Module) -> TPPlan | None:
     """The tensor-parallel plan ``module`` or its submodules carry, with wildcards resolved; None when there is none.
 
-    Looked for, outermost first (a plan's module is not searched further): a transformers model's resolved plan
-    (its instance ``_tp_plan``, which transformers builds from the class ``_tp_plan``, ``config.base_model_tp_plan``
-    under the base model's prefix, the children's plans, and the input embeddings' ``embedding_rowwise``); failing
-    that, that plan built here the same way; or a plain ``_tp_plan`` dict on any module. A tied tensor that one side
-    of the plan splits and an ``nn.Embedding`` on the other side would keep whole gets the split that keeps it one
-    tensor (``embedding_rowwise`` under a colwise head), as transformers does.
+    Outermost first: a transformers model's resolved instance ``_tp_plan``, else that plan built here the same way,
+    or a plain ``_tp_plan`` dict on any module. A tied embedding the plan leaves whole gets the split that keeps it one
+    tensor, as transformers does.
     """
     modules = dict(module.named_modules())
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -869,14 +830,18 @@ def _tie_fixes(module: nn.Module, plan: TPPlan, modules: dict[str, nn.Module]) -
     return added
 
 
-def _tied(module: nn.Module) -> dict[int, list[tuple[str, str]]]:
-    """Parameters held by more than one (module path, attribute): id -> homes, in module order."""
+def _homes(module: nn.Module) -> dict[int, list[tuple[str, str]]]:
+    """Every (module path, attribute) that holds each parameter: id -> homes, in module order."""
     homes: dict[int, list[tuple[str, str]]] = {}
     for path, sub in module.named_modules():
         for attr, p in sub._parameters.items():
             if p is not None:
                 homes.setdefault(id(p), []).append((path, attr))
-    return {pid: h for pid, h in homes.items() if len(h) > 1}
+    return homes
+
+
+def _tied(module: nn.Module) -> dict[int, list[tuple[str, str]]]:
+    return {pid: h for pid, h in _homes(module).items() if len(h) > 1}
 
 
 def _heads_of(owner: nn.Module) -> list[tuple[str, int]]:
@@ -929,13 +894,9 @@ def _within(path: str, root: str) -> bool:
     return not root or path == root or path.startswith(root + ".")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _some(paths: list[str]) -> str:
-    shown = ", ".join(f"'{p}'" for p in paths[:_MOST_NAMED])
-    return shown + (f" (+{len(paths) - _MOST_NAMED} more)" if len(paths) > _MOST_NAMED else "")
+def _some(paths: list[str], most: int = _MOST_NAMED) -> str:
+    shown = ", ".join(f"'{p}'" for p in paths[:most])
+    return shown + (f" (+{len(paths) - most} more)" if len(paths) > most else "")
 
 
 def _key_of(path: str) -> str:
@@ -953,11 +914,6 @@ def _layers_under(modules: dict[str, nn.Module], root: str) -> list[str]:
     return list(dict.fromkeys(_key_of(p[len(root) + 1 :] if root else p) for p in inside))
 
 
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:_MOST_LISTED])
-    return (shown + (f" (+{len(names) - _MOST_LISTED} more)" if len(names) > _MOST_LISTED else "")) or "none"
-
-
 def _next_linear(modules: dict[str, nn.Module], path: str, plan: TPPlan) -> str | None:
     """The first nn.Linear after ``path`` in module order under the same parent that the plan leaves whole: the
     likely reader of its output (a guess, offered as one in a Fix)."""
@@ -971,20 +927,3 @@ def _next_linear(modules: dict[str, nn.Module], path: str, plan: TPPlan) -> str 
 
 def _split_words(dim: int | None) -> str:
     return "kept whole" if dim is None else f"split on dimension {dim}"
-
-
-__all__ = [
-    "SPLITTING",
-    "STYLES",
-    "MOE_STYLES",
-    "OTHER_STYLES",
-    "FirstInput",
-    "LocalParams",
-    "SharedInput",
-    "Style",
-    "StyleKind",
-    "TPCollective",
-    "TPEntry",
-    "TPPlan",
-    "find_tp_plan",
-]

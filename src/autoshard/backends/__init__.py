@@ -1,9 +1,6 @@
-"""The backends autoshard knows, each in its own module: everything that differs between engines.
-
-A ``Backend`` holds its matrix row, its install check, its adapter (plan or config), its precision and memory rules,
-its checkpoint formats and its Lightning strategy, so code outside ``backends/`` and ``adapters/`` asks the Backend
-and never compares backend names. Adapters and strategies import torch or Lightning: they are dotted paths, loaded
-on use, so ``import autoshard.backends`` (and ``autoshard matrix``) stays free of both.
+"""The backends autoshard knows, each in its own module: everything that differs between engines, so code outside
+``backends/`` and ``adapters/`` asks the Backend and never compares backend names. Adapters and strategies are dotted
+paths, loaded on use, so ``import autoshard.backends`` stays free of torch and Lightning.
 """
 
 from __future__ import annotations

@@ -57,12 +57,10 @@ def require_all(*checks: Availability) -> Availability:
 class BudgetChoices:
     """What ``memory_budget`` may choose on a backend and how it prices it (``autoshard.budget.search``'s cost order).
 
-    ``fields``: the ShardingIntent fields a decision sets there; ``offload``: its offload options, least saving first;
-    ``selective``: whether selective activation checkpointing is an option; ``compile``: whether ``compile='auto'``
-    lets it compile the blocks; ``host_bytes(states, offload, reshard)``:
-    host-device bytes per step of an offload on a model-states estimate; ``peaks``: what its peaks are, in the
-    decision's words ("" when they are the simulated step's own); ``limits``: what a decision there cannot change,
-    said in a refusal; ``check``: "module:function" (intent) refusing an intent the backend cannot run ("" none).
+    ``offload``: least saving first; ``compile``: whether ``compile='auto'`` lets it compile the blocks; ``host_bytes``:
+    host-device bytes per step of an offload; ``peaks``: what its peaks are, in the decision's words ("" the simulated
+    step's own); ``limits``: what a decision there cannot change; ``check``: "module:function" refusing an intent the
+    backend cannot run ("" none).
     """
 
     fields: tuple[str, ...]

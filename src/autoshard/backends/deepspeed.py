@@ -33,8 +33,7 @@ ROW = {
         " teacher's EMA update would read and write placeholders; nothing upstream detects this",
         TO_FSDP2,
     ),
-    # Measured (tests/distributed/test_deepspeed_multi_forward.py): a raw ZeRO-3 engine, 2 gloo ranks, fp32, every
-    # parameter partitioned, 6 steps of two views summed, multi-crop (3 forwards) and a no_grad target forward.
+    # Measured by tests/distributed/test_deepspeed_multi_forward.py (a raw ZeRO-3 engine on 2 gloo ranks).
     Feature.MULTI_FORWARD: partial(
         "trains correctly: measured on 2 ranks (fp32, every parameter partitioned, 6 steps of two views, of"
         " multi-crop and of a no_grad target forward), the weights equal one process on the global batch to 4e-8;"
@@ -164,11 +163,8 @@ def zero3_model_states(
 
 def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam).
-
-    A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators
-    (``estimate_zero3_model_states_mem_needs`` and its ``_all_live`` / ``_all_cold`` forms) take no shard group,
-    and ZeRO-3's figures over every rank would describe a run that autoshard cannot start.
-    """
+    A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators take no shard
+    group."""
     from autoshard.errors import AutoShardError, IncompatibleBackendError
     from autoshard.memory_model import MemoryEstimate, numel
 

@@ -161,13 +161,8 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
 
 
 def traffic(layout: Layout, params: Mapping[int, Any], world_size: int, group: int, num_nodes: int) -> tuple[Traffic, ...]:
-    """Bytes each rank sends per step, ring model: a unit is all-gathered in forward and again in backward unless
-    it stays gathered (teachers: forward only), its gradients are reduce-scattered within the shard group, and
-    under hybrid sharding each rank's 1/group slice is all-reduced across the replicas; parameters left whole
-    are all-reduced over every data-parallel rank. Ranks fill nodes in order, as Lightning numbers them. One forward
-    per unit per step: a method that forwards a unit k times (two views) gathers it k times. Uneven dim-0 shards are
-    padded by fully_shard, which this leaves out (a fraction of a percent).
-    """
+    """Bytes each rank sends per step, ring model, one forward per unit (a method that forwards a unit k times
+    gathers it k times); fully_shard's padding of uneven shards is left out (a fraction of a percent)."""
     from autoshard.memory_model import Traffic, numel
 
     per_node = world_size // num_nodes

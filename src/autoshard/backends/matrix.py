@@ -1,9 +1,5 @@
 """The capability matrix rendered from every backend's row: ``autoshard matrix``, the JSON, and ``docs/matrix.md``
-(``python -m autoshard.explain --write-matrix docs/matrix.md`` calls ``write_matrix``).
-
-Here rather than in ``capability.py``, which holds only the types the rows are made of: rendering reads
-``BACKENDS``, and ``backends/`` builds its rows from ``capability``, so living there made a cycle.
-"""
+(here, not in ``capability.py``: rendering reads ``BACKENDS``, which is built from ``capability``)."""
 
 from __future__ import annotations
 
@@ -70,10 +66,8 @@ def matrix_data() -> dict[str, dict[str, object]]:
 
 
 def render_matrix(fmt: str = "text", details: bool = False) -> str:
-    """The matrix as a plain-text or Markdown table (the docs embed the Markdown one); ``details`` adds the notes.
-
-    "json" is ``matrix_data()``, details always included: a script has no use for a table without its reasons.
-    """
+    """The matrix as a plain-text or Markdown table; ``details`` adds the notes. "json" is ``matrix_data()``, details
+    always included: a script has no use for a table without its reasons."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(map(repr, FORMATS))}")
     if fmt == "json":

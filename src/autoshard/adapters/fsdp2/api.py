@@ -26,6 +26,3 @@ def is_sharded(module: nn.Module) -> bool:
     """True when someone (the user's configure_model, or a previous setup) already applied fully_shard."""
     fsdp_module = fsdp2_api()[1]
     return any(isinstance(m, fsdp_module) for m in module.modules())
-
-
-__all__ = ["fsdp2_api", "is_sharded"]

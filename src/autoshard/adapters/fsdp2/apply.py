@@ -18,7 +18,7 @@ from autoshard.adapters.fsdp2.ema import check_ema_alignment
 from autoshard.adapters.fsdp2.runtime import average_unsharded_gradients
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.mesh import HYBRID_DIMS, ParallelMesh
+from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair
 from autoshard.precision import PrecisionPlan
 
@@ -29,11 +29,8 @@ if TYPE_CHECKING:
 def policies(precision: PrecisionPlan, intent: ShardingIntent, device_type: str) -> tuple[Any, Any]:
     """FSDP2 MixedPrecisionPolicy for the precision and offload policy for the intent (offload 'optimizer' offloads params too).
 
-    Offloaded shards are pinned only for a CUDA mesh (``device_type``: the mesh's): pinning speeds host-to-device
-    copies and nothing else, and a simulated step (a CPU mesh under fake tensors, also on a CUDA machine) cannot pin.
-
-    fully_shard keeps the weights in ``precision.master`` (Lightning converts the module for "-true"); a dtype
-    that needs no cast is passed as None, so that FSDP2 does not cast every unit's inputs to the dtype they have.
+    Offloaded shards are pinned only for a CUDA mesh: a simulated step (a CPU mesh under fake tensors) cannot pin. A
+    dtype that needs no cast is passed as None, so that FSDP2 does not cast every unit's inputs to the dtype they have.
     """
     _, _, mixed_precision_policy, cpu_offload_policy, offload_policy = fsdp2_api()
     gather = None if precision.gather is precision.master else precision.gather
@@ -44,19 +41,6 @@ def policies(precision: PrecisionPlan, intent: ShardingIntent, device_type: str)
     if intent.offload_device != "cpu":
         raise IntentError("fsdp2 can offload to CPU memory only. Fix: use offload_device='cpu', or strategy='autoshard-deepspeed' for NVMe")
     return mp, cpu_offload_policy(pin_memory=device_type == "cuda")
-
-
-HSDP_DIMS = HYBRID_DIMS
-
-
-def hsdp_mesh(mesh: DeviceMesh, sizes: tuple[int, int] | None) -> DeviceMesh:
-    """The mesh ``fully_shard`` shards on (``ParallelMesh.shard``): the data-parallel ranks of ``mesh`` (FSDP), or for
-    ``sizes`` = (replicas, shard_size) the same ranks as the ``("dp_replicate", "dp_shard")`` dims of a view of the
-    same mesh, on which fully_shard places parameters ``(Replicate(), Shard(0))``. Shard groups are consecutive
-    data-parallel ranks (one node's under torchrun), replicas every shard_size-th."""
-    if isinstance(mesh, ParallelMesh):
-        return mesh.shard
-    return ParallelMesh.of(mesh, hsdp=sizes).shard
 
 
 class PlanToApply(Protocol):
@@ -77,14 +61,9 @@ class PlanToApply(Protocol):
 
 
 def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> ParallelMesh:
-    """Shard ``module`` in place as ``plan`` says, on ``mesh`` (a ParallelMesh, or a DeviceMesh viewed with the
-    plan's ``hsdp``); returns the ParallelMesh used.
-
-    Tensor parallel first, when the plan has a layout (``tp_plan``, the model's own): on the mesh's tensor-parallel
-    dim. Then each unit is checkpointed as the intent says and ``fully_shard``-ed on the data-parallel dims of the SAME
-    mesh (``ParallelMesh.shard``), where FSDP2 composes its placements with the tensor-parallel ones. Unsharded
-    trainable parameters get their gradients averaged over every data-parallel rank (never one shard group, or the
-    replicas would drift apart); EMA pairs are checked to be sharded alike.
+    """Shard ``module`` in place as ``plan`` says, on ``mesh`` (a DeviceMesh is viewed with the plan's ``hsdp``);
+    returns the ParallelMesh used. Tensor parallel first, then each unit ``fully_shard``-ed on the data-parallel dims
+    of the same mesh, so FSDP2 composes its placements with the tensor-parallel ones.
     """
     from autoshard.adapters.checkpointing import apply_checkpointing
 
@@ -125,12 +104,9 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
 
 
 def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
-    """Inner units hand their outputs to the next unit: one that is a view (T5's position bias) would lose
-    fully_shard's pre-backward hook on an in-place op downstream, so FSDP2 warns; a copy has no such hazard.
-
-    Only inner units: their view outputs seen so far are small (T5: heads x tokens x tokens, independent of the
-    batch). An outermost unit's view output (BERT's logits) would cost a full copy at the peak, so FSDP2's warning
-    stands there: do not modify those outputs in place.
+    """An inner unit's output that is a view (T5's position bias) would lose fully_shard's pre-backward hook on an
+    in-place op downstream: it is copied. Inner units only: theirs are small (T5: heads x tokens x tokens); an
+    outermost unit's view (BERT's logits) would cost a full copy at the peak, so FSDP2's warning stands there.
     """
     if not torch.is_grad_enabled():
         return output
@@ -140,6 +116,3 @@ def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     if not any(is_view(t) for t in pytree.tree_leaves(output)):
         return output
     return pytree.tree_map(lambda t: t.clone() if is_view(t) else t, output)
-
-
-__all__ = ["HSDP_DIMS", "PlanToApply", "apply_plan", "clone_view_outputs", "hsdp_mesh", "policies"]

@@ -47,6 +47,3 @@ def _compare(module: nn.Module, pair: EMAPair, keys: tuple[str, ...], when: str)
         for key in keys:
             if t.get(key) != s.get(key):
                 raise AutoShardError(f"{head}: parameter #{i} ('{tn}' vs '{sn}') has {key} {t.get(key)} vs {s.get(key)}. {fix}")
-
-
-__all__ = ["check_ema_alignment", "check_ema_structure"]

@@ -269,19 +269,3 @@ def settings_in_words(mesh: dict[str, Any], settings: dict[str, Any]) -> str:
         f" {settings['offload']}; activation checkpointing: {describe_checkpointing(settings['activation_checkpointing'])};"
         f" checkpoint: {settings['checkpoint']}"
     )
-
-
-__all__ = [
-    "PARALLELIZE_FN_HINT",
-    "PREFETCH",
-    "FSDP2Plan",
-    "ParallelizeFn",
-    "Replicated",
-    "Reshard",
-    "Role",
-    "ShardUnit",
-    "UnitKind",
-    "Unsharded",
-    "plan_settings",
-    "settings_in_words",
-]

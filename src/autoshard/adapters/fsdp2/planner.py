@@ -34,12 +34,8 @@ def plan_fsdp2(
     sync_batchnorm: bool = False,
 ) -> FSDP2Plan:
     """Decide what to ``fully_shard``: every parameter-owning block, then every trainable subtree; never the root.
-
-    ``precision``: the run's resolved plan (the strategy's, from the Trainer); None plans for the intent's.
-    ``dims``: the run's resolved layout (its hybrid split and tensor-parallel ranks); None before a world is known
-    (explain, the memory estimate): the intent's tensor_parallel_size, pure FSDP. ``sync_batchnorm``:
-    Trainer(sync_batchnorm=True), which the plan's summary states.
-    """
+    ``precision=None`` plans for the intent's; ``dims=None`` (no world yet) for the intent's tensor_parallel_size,
+    pure FSDP."""
     intent = intent or ShardingIntent()
     needs = needs or MethodNeeds()
     modules = dict(module.named_modules())
@@ -141,29 +137,25 @@ def _left_whole(
     covered = {id(p) for u in units for p in modules[u.name].parameters() if p.dim() > 0}
     unit_names = {u.name for u in units}
     replicated_names = {r.name for r in replicated}
+
+    def add(name: str, params: Iterable[nn.Parameter], why: Unsharded) -> None:
+        replicated.append(_replicated(name, params, why))
+        replicated_names.add(name)
+
     for name, p in module.named_parameters():
-        if within(name, replicated_names):
-            continue
-        if id(p) in kept_whole and within(name, unit_names):
-            replicated.append(_replicated(name, [p], Unsharded.NORM))
-            replicated_names.add(name)
-            continue
-        if id(p) in covered:
-            continue
-        if p.dim() == 0 and within(name, unit_names):
-            replicated.append(_replicated(name, [p], Unsharded.SCALAR))
-            replicated_names.add(name)
+        if within(name, replicated_names):  # an excluded module, once added, covers all its parameters
             continue
         owner = outermost(name, excluded)
-        if owner is not None:
-            if owner not in replicated_names:
-                replicated_names.add(owner)
-                why = Unsharded.CALLBACK if owner in needs.callback_modules else Unsharded.EXCLUDED
-                replicated.append(_replicated(owner, modules[owner].parameters(), why))
+        if id(p) in kept_whole and within(name, unit_names):
+            add(name, [p], Unsharded.NORM)
+        elif id(p) in covered:
+            continue
+        elif p.dim() == 0 and within(name, unit_names):
+            add(name, [p], Unsharded.SCALAR)
+        elif owner is not None:
+            add(owner, modules[owner].parameters(), Unsharded.CALLBACK if owner in needs.callback_modules else Unsharded.EXCLUDED)
         else:
-            why = Unsharded.ROOT if "." not in name else Unsharded.OUTSIDE
-            replicated.append(_replicated(name, [p], why))
-            replicated_names.add(name)
+            add(name, [p], Unsharded.ROOT if "." not in name else Unsharded.OUTSIDE)
 
 
 def _refuse_or_note(module: nn.Module, intent: ShardingIntent, units: list[ShardUnit], replicated: list[Replicated], notes: list[str]) -> None:
@@ -216,11 +208,8 @@ def batchnorm_parameters(module: nn.Module) -> set[int]:
 
 
 def tensor_parallel_plan(module: nn.Module, tp: int) -> TPPlan | None:
-    """The model's own tensor-parallel layout for ``tp`` ranks (``adapters.tp_plan``), checked; None for tp = 1.
-
-    Refused when the model carries none: the tensor-parallel ranks would hold whole copies and read the same batch,
-    so ``tensor_parallel_size`` would buy nothing but idle devices.
-    """
+    """The model's own tensor-parallel layout for ``tp`` ranks, checked; None for tp = 1. Refused when the model
+    carries none: the ranks would hold whole copies and read the same batch."""
     if tp <= 1:
         return None
     plan = find_tp_plan(module)
@@ -291,11 +280,8 @@ def _ending_forward(
     found: list[tuple[str, list[nn.Parameter]]], candidates: dict[str, tuple[UnitKind, str]], teachers: set[str], order: dict[str, int]
 ) -> dict[str, Reshard]:
     """The trainable units that end the forward, which backward needs first: the outermost unit registered last, and
-    the one before it when it holds blocks (a ``model`` + ``head`` split: the final norm runs just before the head).
-
-    Units nested in another end their forward before it; among the outermost ones, registration order is the
-    forward order of every model we know (HF, timm, torchvision, Lightning examples). A wrong guess costs the
-    memory of a unit kept gathered, never correctness.
+    the one before it when it holds blocks (``model`` + ``head``). Registration order is the forward order of every
+    model we know; a wrong guess costs the memory of a unit kept gathered, never correctness.
     """
     names = {name for name, _ in found}
     top = sorted(
@@ -334,6 +320,3 @@ def _tied(own: list[nn.Parameter], names_of: dict[int, list[str]]) -> str:
     """Parameters of this unit shared by several modules (tied embedding and head): all in this one unit."""
     ties = [" = ".join(names_of[id(p)]) for p in own if len(names_of[id(p)]) > 1]
     return f"; tied weights grouped in this unit: {'; '.join(ties)}" if ties else ""
-
-
-__all__ = ["plan_fsdp2", "tensor_parallel_plan"]

@@ -1,8 +1,4 @@
-"""Random init of meta-device shards on CPU meshes: each shard its own values, replicas of a shard equal.
-
-Private torch members used (listed in ``autoshard.torch_compat``): ``torch.distributed.tensor._random._rng_tracker``
-and the ``_distribute_region`` method DTensor dispatch calls on it.
-"""
+"""Random init of meta-device shards on CPU meshes: each shard its own values, replicas of a shard equal."""
 
 from __future__ import annotations
 
@@ -37,14 +33,9 @@ class _PerShardCPURandom:
 def per_shard_random_init(mesh: DeviceMesh) -> Iterator[None]:
     """While meta shards are materialized on CPU, give each shard its own random values, as the whole parameter has.
 
-    DTensor offsets its random stream per shard only on CUDA-like devices: torch's OffsetBasedRNGTracker refuses
-    CPU, whose Mersenne-Twister generator has no Philox offset to advance. So on CPU ``reset_parameters()`` runs on
-    each local shard with the rank's own generator, and ranks that share a seed (seed_everything) get identical
-    shards: rows 0-15 of a weight equal rows 16-31. Here each DTensor random op draws one seed from the generator
-    and runs on a generator seeded with it plus the shard's index: distinct shards differ, replicas of one shard
-    agree, and every rank's generator advances alike. The values are not a single-process init's, but each shard
-    is an independent draw from the same distribution. Installed only for CPU meshes and removed after; CUDA keeps
-    torch's own tracker.
+    torch offsets DTensor's random stream per shard on CUDA-like devices only (CPU's generator has no Philox offset),
+    so ranks sharing a seed would get identical shards. Each random op here draws one seed and runs on a generator
+    seeded with it plus the shard's index: shards differ, replicas agree, every rank's generator advances alike.
     """
     from torch.distributed.tensor import _random
 
@@ -56,6 +47,3 @@ def per_shard_random_init(mesh: DeviceMesh) -> Iterator[None]:
         yield
     finally:
         _random._rng_tracker = None
-
-
-__all__ = ["per_shard_random_init"]

@@ -1,11 +1,6 @@
-"""What keeps the ranks equal while training, for whatever the plan (or the user) left unsharded: gradients
-averaged across the data-parallel ranks at the end of each backward, and rank 0's copy broadcast at setup and for
-buffers (BUFFER_RULE).
-
-Private torch members used (listed in ``autoshard.torch_compat``): ``torch._C._current_graph_task_id``, the autograd
-engine's ``queue_callback``, ``torch._utils._flatten_dense_tensors`` / ``_unflatten_dense_tensors``,
-``torch._foreach_copy_``, ``torch.distributed._broadcast_coalesced``, ``torch.utils._pytree``, and
-``Tensor._post_accumulate_grad_hooks`` (reset on a parameter whose contents ``torch.utils.swap_tensors`` replaced).
+"""What keeps the ranks equal for whatever the plan (or the user) left unsharded: gradients averaged across the
+data-parallel ranks at the end of each backward, rank 0's copy broadcast at setup and for buffers (BUFFER_RULE).
+The torch privates used here are listed in ``autoshard.torch_compat``.
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ _ARMS = "_autoshard_arms_grad_average"  # on an FSDP unit: its forward hook queu
 
 
 def spans_data_parallel(t: torch.Tensor, dp_ranks: AbstractSet[int]) -> bool:
-    """A DTensor over more than one of the data-parallel ranks (FSDP2's placements, a user's fully_shard): its own
-    collectives keep it equal across them. A plain tensor, or a DTensor on the tensor-parallel ranks alone (a layout's
-    ``Replicate()`` parameters), is one copy per data-parallel rank, which autoshard keeps equal."""
+    """A DTensor over several data-parallel ranks keeps itself equal across them; a plain tensor, or a DTensor on the
+    tensor-parallel ranks alone (a layout's ``Replicate()`` parameters), is one copy per rank that autoshard keeps equal."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor) and len(dp_ranks.intersection(t.device_mesh.mesh.flatten().tolist())) > 1
@@ -52,15 +46,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh | ParallelMesh, bucket_bytes: int = GRAD_BUCKET_BYTES) -> int:
-    """Keep every trainable parameter left unsharded (probes, root or 0-dim parameters) identical across ranks.
+    """Keep every trainable parameter left unsharded (probes, root or 0-dim parameters) identical across ranks;
+    returns how many parameters got their first hook.
 
-    Their gradients are averaged over the data-parallel ranks of ``mesh`` (``autoshard.mesh``: every replica and shard
-    rank, never one shard group, or the replicas would drift apart), once per backward, coalesced into buckets of
-    ``bucket_bytes`` as DDP does (see UnshardedGradients). Under tensor parallel that includes the ``Replicate()``
-    DTensors of the layout (``spans_data_parallel``): their local tensors are averaged. Hooks, not ``replicate()``:
-    callback optimizers already hold these very Parameter objects. Idempotent (a second setup adds no second hook, and
-    the hooks reduce over the newest mesh); called again once Lightning has moved or materialized the parameters, it
-    hooks what the module holds now (``UnshardedGradients.refresh``). Returns how many parameters got their first hook.
+    Averaged over every data-parallel rank (replicas and shard ranks: over one shard group the replicas would drift
+    apart). Hooks, not ``replicate()``: callback optimizers already hold these very Parameter objects. Idempotent; called
+    again once Lightning has moved or materialized the parameters, it hooks what the module holds now.
     """
     import torch.distributed as dist
 
@@ -104,18 +95,12 @@ def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh | ParallelMe
 class UnshardedGradients:
     """One module's unsharded trainable parameters, whose gradients are averaged at the end of each backward.
 
-    The backward's first gradient of one of them, or of an FSDP unit's output, queues one reduction at its end (the
-    autograd engine's final callback, where DDP and FSDP2 finish too): it sees every gradient of that backward, once.
-    Every registered parameter goes into the same buckets in the same order on every rank, whether this rank's
-    backward reached it or not (zeros then), with one flag per parameter riding in the bucket: every rank issues the
-    same all_reduces (one per bucket), so a parameter only some ranks used (a data-dependent branch) neither hangs the
-    others nor gets paired with the wrong tensor, and gets the average of what the ranks computed (DDP's
-    find_unused_parameters); one no rank reached keeps its gradient as it was (None stays None: optimizers still skip
-    it). The unit outputs make a rank whose backward reached none of these parameters reduce too, whenever it reached
-    the sharded model (as FSDP2 itself needs every rank to); a backward that reaches neither on any rank issues nothing.
-
-    Each backward of an accumulated step is reduced (Lightning's per-micro-batch rule for the sharded units too): the
-    sum of averaged micro-batches is the average of the sums, and the gradients agree across ranks at every point.
+    The backward's first gradient of one of them, or of an FSDP unit's output, queues one reduction at the engine's
+    final callback (where DDP and FSDP2 finish too). Every parameter goes into the same buckets on every rank, reached
+    or not (zeros and a flag then), so all ranks issue the same all_reduces: a parameter only some ranks used neither
+    hangs the others nor gets paired with the wrong tensor (DDP's find_unused_parameters); one no rank reached keeps
+    its gradient (None stays None). The unit outputs make a rank that reached only the sharded model reduce too. Each
+    micro-batch's backward is reduced: the sum of averages is the average of the sums.
     """
 
     group: Any
@@ -166,12 +151,9 @@ class UnshardedGradients:
     def refresh(self) -> set[int]:
         """The parameters the module holds now; returns the ids of those it did not hold at registration.
 
-        Materializing meta parameters (``to_empty``, in Lightning's setup after sharding) or ``load_state_dict(assign=
-        True)`` puts new Parameter objects in the module, without the hooks: each gets one here, at its home, so the
-        order stays the same on every rank. ``Module.to`` keeps a DTensor parameter's identity but swaps its contents
-        (``torch.utils.swap_tensors``: Lightning's ``model_to_device``), hooks and attributes included: one whose
-        mark is gone is hooked again too. Its gradient so far was never averaged: it counts as reached. A home that
-        now holds a sharded parameter leaves the buckets, on every rank alike.
+        ``to_empty`` and ``load_state_dict(assign=True)`` put new Parameters in the module without the hooks; ``Module.to``
+        swaps a DTensor's contents (``swap_tensors``), hooks and marks included. Each is hooked again at its home, so the
+        order stays the same on every rank; a home that now holds a sharded parameter leaves the buckets.
         """
         adopted: set[int] = set()
         for i, (owner, attr) in enumerate(self.homes):
@@ -200,8 +182,8 @@ class UnshardedGradients:
 
 
 def grad_buckets(params: Iterable[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """``params`` in order, by dtype and device, cut into buckets of at most ``bucket_bytes`` (a larger parameter gets
-    one of its own): a layout that depends on the parameters only, so every rank builds the same one."""
+    """``params`` by dtype and device, in buckets of at most ``bucket_bytes``: it depends on the parameters only, so
+    every rank builds the same one."""
     buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
     filled: dict[tuple[torch.dtype, torch.device], int] = {}
     for p in params:
@@ -216,15 +198,12 @@ def grad_buckets(params: Iterable[torch.Tensor], bucket_bytes: int) -> list[list
 
 
 def average_gradients(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group: Any) -> int:
-    """Average the gradients of the parameters in ``buckets`` (grad_buckets) over ``group`` (``touched``: ids of those
-    this rank's backward reached), one all_reduce per bucket; returns how many. Two buckets in flight at most: bucket
-    k+1 is flattened while k is reduced.
+    """Average the gradients in ``buckets`` over ``group``, one all_reduce per bucket (``touched``: ids this rank's
+    backward reached); returns how many. Bucket k+1 is flattened while k is reduced.
 
-    Each rank contributes its gradient, or zeros where it has none, so the result is the average whatever each rank
-    accumulated before (the earlier micro-batches are already equal on every rank), plus a 1.0 flag where its backward
-    reached the parameter: a flag sum above 0 means some rank did, and only those gradients are written back.
-    Flattening, unflattening and the copies back are one call each (torch's own, as DDP's coalesced helpers use): with
-    hundreds of small parameters a Python loop of tensor ops costs more than the all_reduce saved.
+    A 1.0 flag per parameter rides in the bucket: only gradients some rank reached are written back. Flattening and
+    the copies back are one call each (DDP's coalesced helpers): with hundreds of small parameters a Python loop of
+    tensor ops costs more than the all_reduce saved.
     """
     with torch.no_grad():  # local() of a DTensor gradient is then the very tensor it holds, written back in place
         return _average(buckets, touched, group)
@@ -235,10 +214,7 @@ def _average(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group
     from torch._utils import _flatten_dense_tensors
 
     size = dist.get_world_size(group)
-
-    # A fake process group (activations/step.py's simulated step) has no other ranks and its fake tensors no values to read:
-    # every rank is this one there.
-    fake = dist.get_backend(group) == "fake"
+    fake = dist.get_backend(group) == "fake"  # the simulated step's group: no other ranks, no values to read
     pending: tuple[list[nn.Parameter], list[torch.Tensor], torch.Tensor, Any] | None = None
     for bucket in buckets:
         flags = torch.tensor([1.0 if id(p) in touched else 0.0 for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
@@ -297,14 +273,10 @@ def _broadcast_from_first(tensors: list[torch.Tensor], group: Any) -> None:
 def broadcast_unsharded(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> None:
     """Every rank starts from rank 0's copy of whatever is not sharded, as DDP does at construction.
 
-    Without a common seed each rank initialized its own random values, and nothing reconciles them later: what the
-    plan keeps whole (root, tied, excluded, 0-dim parameters) only gets averaged gradients, buffers get nothing.
-    Plain tensors go from the data-parallel group's first rank; a DTensor along each mesh dimension it is replicated
-    on (HSDP or tensor-parallel replicas), and across the data-parallel ranks too when its mesh does not span them (a
-    tensor-parallel layout's ``Replicate()`` parameters: ``spans_data_parallel``). Shard placements need nothing: fully_shard keeps chunk r of rank r's own
-    init, so without a seed the whole parameter is rank 0's rows, then rank 1's, ...: independent draws from the
-    same distribution, hence still a valid init of the whole parameter (and an EMA teacher's chunk r is cut from
-    the same rank's copy of its student, so the pair still agrees).
+    Without a common seed nothing else reconciles what the plan keeps whole, nor buffers. A DTensor is broadcast
+    along each mesh dimension it is replicated on. Shard placements need nothing: chunk r is rank r's own init, an
+    independent draw from the same distribution, so still a valid init (and an EMA teacher's chunk r is cut from the
+    same rank's student, so the pair agrees).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -325,39 +297,20 @@ def broadcast_unsharded(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> N
 
 
 def sync_buffers(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> None:
-    """Rank 0's buffers on every data-parallel rank: BUFFER_RULE, DDP's ``broadcast_buffers=True``.
-
-    Buffers updated in forward (BatchNorm running statistics, a centering buffer) drift apart per rank, and a
-    checkpoint would keep whichever rank's copy it happened to write. One coalesced broadcast: buffers are small.
-    """
+    """Rank 0's buffers on every data-parallel rank (BUFFER_RULE): buffers updated in forward (BatchNorm statistics)
+    drift apart per rank, and a checkpoint would keep whichever rank's copy it wrote."""
     from torch.distributed.tensor import DTensor
 
     plain = [b.detach() for b in module.buffers() if not isinstance(b, DTensor)]
     _broadcast_from_first(plain, dp_mesh(mesh).get_group())
 
 
-__all__ = [
-    "BUFFER_RULE",
-    "GRAD_BUCKET_BYTES",
-    "UnshardedGradients",
-    "average_gradients",
-    "average_unsharded_gradients",
-    "broadcast_unsharded",
-    "grad_buckets",
-    "sync_buffers",
-]
-
-
 def init_sharded_units(module: nn.Module) -> int:
     """FSDP2's lazy init of every outermost unit now, with every parameter counted as trainable; returns how many.
 
-    FSDP2 fixes each unit's reduce dtype at its first forward, from the parameters that require grad at that moment,
-    and a unit with none gets no reduce dtype: its later gradients are reduced in the gather dtype. Lightning's
-    ``toggle_optimizer`` (GANs: the discriminator is frozen while the generator steps) and freeze-then-unfreeze
-    schedules make exactly that happen, and under bf16-mixed the first backward of such a unit then fails in
-    ``foreach_reduce`` ("a gradient with dtype BFloat16 to a tensor with grad_dtype Float"). Initializing here, after
-    the parameters are materialized and before any forward, gives every unit the plan's reduce dtype whatever is
-    frozen at the first step. Private torch member: ``FSDPState._lazy_init`` (``autoshard.torch_compat``).
+    FSDP2 fixes a unit's reduce dtype at its first forward from the parameters that require grad then; a unit frozen
+    at that moment (``toggle_optimizer`` in GANs, freeze-then-unfreeze) later fails under bf16-mixed in
+    ``foreach_reduce`` ("a gradient with dtype BFloat16 to a tensor with grad_dtype Float").
     """
     fully_shard, fsdp_module, _, _, _ = fsdp2_api()
     units = [m for m in module.modules() if isinstance(m, fsdp_module)]
@@ -376,11 +329,9 @@ def init_sharded_units(module: nn.Module) -> int:
 
 
 def to_device_keeping_offloaded(module: nn.Module, device: torch.device) -> None:
-    """``module.to(device)`` for a module whose units offload parameters (``offload='params'``): the sharded
-    parameters (DTensors) stay on the host, or go back there when they were materialized on the device, since FSDP2
-    copies them in for each all-gather and refuses them elsewhere ("FSDP parameters should be materialized on CPU",
-    measured on an H200 after Lightning's ``model_to_device``); buffers and parameters left whole go to ``device``.
-    Through ``Module._apply``, as ``Module.to``: a parameter keeps its identity wherever torch can swap its data."""
+    """``module.to(device)`` under ``offload='params'``: the sharded parameters stay on (or go back to) the host, since
+    FSDP2 refuses them elsewhere ("FSDP parameters should be materialized on CPU", measured on an H200 after
+    Lightning's ``model_to_device``). Through ``Module._apply``, so a parameter keeps its identity."""
     from torch.distributed.tensor import DTensor
 
     module._apply(lambda t: t.to("cpu") if isinstance(t, DTensor) else t.to(device))
