@@ -38,13 +38,7 @@ from autoshard.budget import (
 )
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import (
-    MemoryEstimate,
-    fmt_bytes,
-    memory_table,
-    parse_size,
-    with_step,
-)
+from autoshard.memory import ACTIVATIONS_HINT, MemoryEstimate, fmt_bytes, memory_table, parse_size, with_step
 from autoshard.mesh import ParallelDims, nodes_for
 from autoshard.needs import MethodNeeds
 from autoshard.precision import resolve_precision
@@ -52,8 +46,6 @@ from autoshard.select import Decision, features_needed, select_backend
 from autoshard.target import load_target
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
-# memory_table's line when no step ran; explain replaces it when the user did pass --batch (see Report.text).
-ACTIVATIONS_HINT = "activations are not counted: pass --batch FILE.py:make_batch (or set example_input_array) to simulate a step"
 DEFAULT_DEVICES_PER_NODE = 8
 BACKEND_CHOICES = ("auto", "fsdp2", "deepspeed")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")  # Trainer(accelerator=...): only "cpu" changes the verdict
@@ -151,8 +143,8 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """1 when autoshard refuses the run, or when what was asked (a simulated step, a budget verdict) could not be
-        estimated in full; 0 otherwise ("does NOT fit" included: that is an answer)."""
+        """1 when autoshard refuses the run, or what was asked could not be estimated in full; 0 otherwise ("does NOT
+        fit" included: that is an answer)."""
         return 1 if self.error or self.incomplete or any("error" in entry for entry in self.auto or ()) else 0
 
     def _feature_rows(self) -> list[dict[str, Any]]:
@@ -297,12 +289,9 @@ class Report:
 
 @dataclass(frozen=True)
 class ExplainOptions:
-    """How ``explain`` works beyond what it explains: ``accelerator`` (as Trainer(accelerator=...): only "cpu" changes
-    the verdict), ``micro_batch_size`` (for the DeepSpeed config), ``devices_per_node`` (for shard_size='node' and
-    inter-node traffic), ``simulate`` (False: model states only, no simulated step), ``progress`` (called with a line
-    before each simulated step, seconds each on big models; the CLI prints it), ``auto`` (with a budget, also decide
-    what ``ShardingIntent(memory_budget=budget)`` would choose at each world size, ``report.auto``; False skips those
-    simulated steps)."""
+    """How ``explain`` works beyond what it explains. ``simulate=False``: model states only; ``progress`` is called
+    before each simulated step (seconds each on big models); ``auto``: with a budget, also what ``memory_budget``
+    would choose at each world size (``report.auto``)."""
 
     accelerator: str | None = None
     micro_batch_size: int = 1
@@ -324,16 +313,10 @@ def explain(
 ) -> Report:
     """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``.
 
-    ``batch`` (``FILE.py:make_batch`` or a callable): one micro-batch per rank; one training step is then
-    simulated on fake tensors per world size, so the peak includes activations. Without it the module's
-    ``example_input_array`` is forwarded (no backward); ``ExplainOptions(simulate=False)`` skips the simulation.
-    ``budget``: device bytes per rank (``80GiB``); the report says whether the largest world size fits and what
-    would, and (``ExplainOptions.auto``) what ``memory_budget`` would choose.
-
-    When a batch or a budget was asked for and the peak lacks part of the step (the step could not run on the
-    batch, or there is nothing to simulate), ``report.incomplete`` says what and why, with a Fix, the budget
-    verdict is "cannot tell" rather than "fits", and ``exit_code`` is 1. A ``batch`` function that raises is
-    refused (AutoShardError) before any step runs.
+    ``batch`` (``FILE.py:make_batch`` or a callable): one micro-batch per rank, for a simulated step per world size
+    (without it, ``example_input_array`` is forwarded). ``budget``: device bytes per rank (``80GiB``): whether the
+    largest world size fits, and what would. When either was asked for and the peak lacks part of the step,
+    ``report.incomplete`` says what and why, and the budget verdict is "cannot tell" rather than "fits".
     """
     o = options or ExplainOptions()
     accelerator, devices_per_node, simulate, progress = o.accelerator, o.devices_per_node, o.simulate, o.progress
@@ -374,8 +357,8 @@ def explain(
 
 
 def _decide_and_plan(report: Report, backend: str, accelerator: str | None, world_size: int, micro_batch_size: int) -> bool:
-    """The backend decision, then its plan (fsdp2) or its config (DeepSpeed, for ``world_size``), into ``report``;
-    False when autoshard refuses the run (``report.error`` says why)."""
+    """The backend decision, then its plan or its config (for ``world_size``), into ``report``; False when autoshard
+    refuses the run (``report.error`` says why)."""
     intent, needs, module = report.intent, report.needs, report.module
     try:
         report.decision = select_backend(needs, intent, prefer=backend, accelerator=accelerator)
@@ -408,9 +391,8 @@ def _decide_and_plan(report: Report, backend: str, accelerator: str | None, worl
 
 class _Estimates:
     """Every estimate explain makes (the table's, then the ``--budget`` advice's candidates), cached by option: model
-    states (``budget.ModelStates``, the estimator decide's search uses too), plus a simulated step where one can run.
-    A simulated step costs seconds, and building the plan grows with the module: the table's world sizes share one
-    plan, and the budget search reuses every estimate made before it."""
+    states (``budget.ModelStates``) plus a simulated step where one can run. A step costs seconds: the budget search
+    reuses every estimate made before it."""
 
     def __init__(
         self,
@@ -435,8 +417,7 @@ class _Estimates:
         self.done: dict[str, MemoryEstimate] = {}
 
     def prepare(self, simulate: bool) -> None:
-        """Whether steps are simulated (asked, and a batch or an example input to run), why not, and the table's
-        model states."""
+        """Whether steps are simulated (asked, and a batch or an example input to run), and why not."""
         has_example = getattr(self.module, "example_input_array", None) is not None
         self.asked_step = simulate  # the user did not pass --no-step
         if not simulate:
@@ -494,7 +475,7 @@ class _Estimates:
 
 def _say_what_is_missing(report: Report, estimates: _Estimates, asked: bool) -> None:
     """A partial estimate is said once, with its Fix: as the answer's failure when --batch or --budget asked for the
-    whole step (``asked``), else as a note (explain without them is the documented model-states view)."""
+    whole step (``asked``), else as a note."""
     partial = [e for e in report.memory if _lacks(e)]
     if partial and asked:
         e = max(partial, key=lambda e: e.world_size)  # the largest world size: the one the budget verdict is for
@@ -522,9 +503,8 @@ def _auto(
     devices_per_node: int,
     progress: Callable[[str], None] | None,
 ) -> list[dict[str, Any]]:
-    """What ``ShardingIntent(memory_budget=budget)`` would choose at each world size on ``backend`` (``budget.auto_entries``:
-    fsdp2's fields, or DeepSpeed's offload); an entry says why there is no decision when the step cannot be simulated
-    (no --batch, --no-step)."""
+    """What ``ShardingIntent(memory_budget=budget)`` would choose at each world size (``budget.auto_entries``), or
+    why there is no decision when the step cannot be simulated."""
     why = ""
     if not simulate:
         why = "memory_budget is decided on simulated steps, and --no-step skips them. Fix: drop --no-step"
@@ -606,12 +586,9 @@ def _positive(text: str) -> int:
 def world_sizes_for(
     world_sizes: Sequence[int] | None, devices: int | None, num_nodes: int | None, devices_per_node: int | None
 ) -> tuple[tuple[int, ...], int]:
-    """The table's world sizes and the ranks per node, from explain's options or from the Trainer's words.
-
-    ``--devices N [--num-nodes M]`` mean what ``Trainer(devices=N, num_nodes=M)`` means: N processes per node, so one
-    world size, N x M, with N ranks per node. ``--world-sizes`` lists several for the table instead; giving both
-    (or a --devices-per-node that disagrees with --devices) is refused rather than one silently winning.
-    """
+    """The table's world sizes and the ranks per node: ``--devices N [--num-nodes M]`` mean what
+    ``Trainer(devices=N, num_nodes=M)`` means (one world size, N x M); ``--world-sizes`` lists several instead.
+    Both, or a --devices-per-node that disagrees with --devices, are refused rather than one silently winning."""
     trainer_words = " ".join(f"--{k} {v}" for k, v in (("devices", devices), ("num-nodes", num_nodes)) if v is not None)
     if trainer_words and world_sizes is not None:
         raise AutoShardError(
@@ -690,12 +667,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
-    """Run explain for parsed arguments; 0 when a backend can run it, 1 when autoshard refuses it or the estimate
-    asked for is incomplete (Report.exit_code).
-
-    With --json a failure is JSON too (``{"error": {"type", "message"}}`` and the parts computed before it), also
-    one before the model is built, so that a script reads one object on stdout whatever happened.
-    """
+    """Run explain for parsed arguments; the exit status is ``Report.exit_code``. With --json a failure is JSON too,
+    even one before the model is built: a script reads one object on stdout whatever happened."""
     stream = stream or sys.stdout
     if args.write_matrix:
         try:
@@ -781,9 +754,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AutoShardError as exc:
         print(f"autoshard: error: {exc}", file=sys.stderr)
         return 1
-
-
-__all__ = ["ExplainOptions", "Report", "build_intent", "explain", "main", "register_cli"]
 
 
 if __name__ == "__main__":

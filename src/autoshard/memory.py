@@ -1,8 +1,5 @@
-"""Per-rank memory of a sharded run, before it runs: parameters, gradients, optimizer states, teacher, what stays whole.
-
-Works on a module built on the meta device (no memory used): only shapes, dtypes, the FSDP2 plan and the
-optimizers' settings are read. FSDP2 figures are exact per rank (uneven dim-0 shards included); ZeRO-3 figures
-are DeepSpeed's own estimator formulas, so the two tools never disagree.
+"""Per-rank memory of a sharded run, before it runs, from shapes alone (a module on meta): FSDP2 figures are exact per
+rank (uneven dim-0 shards included); ZeRO-3 figures are DeepSpeed's own estimator formulas, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -41,18 +38,20 @@ from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import AUTO, select_backend
 from autoshard.units import fmt_bytes, parse_size
 
+# memory_table's line when no step ran (explain replaces it when --batch was passed but no step ran).
+ACTIVATIONS_HINT = "activations are not counted: pass --batch FILE.py:make_batch (or set example_input_array) to simulate a step"
+
 
 # -- which optimizers (found by autoshard.needs' rules) ---------------------------------------------------------
-def _sharded_parameter(module: nn.Module) -> str | None:
+def sharded_parameter(module: nn.Module) -> str | None:
+    """The first parameter already sharded (a DTensor, or DeepSpeed's), None when none is."""
     return next((n for n, p in module.named_parameters() if hasattr(p, "placements") or hasattr(p, "ds_id")), None)
 
 
 def collect_optimizers(module: nn.Module, callbacks: Sequence[object] | None = None) -> list[tuple[str, torch.optim.Optimizer]]:
-    """(source, optimizer) for the module's ``configure_optimizers`` and every callback-owned optimizer.
-
-    Built on the unsharded (possibly meta) module: optimizers over sharded parameters would count shards twice.
-    """
-    sharded = _sharded_parameter(module)
+    """(source, optimizer) for the module's ``configure_optimizers`` and every callback-owned optimizer, built on the
+    unsharded module: optimizers over sharded parameters would count shards twice."""
+    sharded = sharded_parameter(module)
     if sharded is not None:
         raise AutoShardError(
             f"estimate_memory reads optimizers of the unsharded module, but {type(module).__name__}.{sharded} is"
@@ -92,9 +91,8 @@ def _gather_elsize(p: torch.Tensor, precision: PrecisionPlan, elsize: int) -> in
 
 @dataclass(frozen=True)
 class TensorParallelCost:
-    """What a model's own tensor-parallel plan changes in the estimate: ``layout`` holds each parameter's shape on one
-    tensor-parallel rank (what fully_shard then splits over the data-parallel ranks); ``full`` the same parameters
-    whole (for the unsharded figures); ``collectives`` the plan's per-step collectives (``TPPlan.collectives``)."""
+    """What a model's own tensor-parallel plan changes in the estimate: ``full``, the parameters whole (for the
+    unsharded figures), and the plan's per-step collectives."""
 
     size: int
     full: Layout
@@ -172,12 +170,9 @@ def _layout(
 def _with_tensor_parallel(estimator: Any, layout: Layout, tp: TensorParallelCost, inputs: RankInputs, tokens: int | None) -> MemoryEstimate:
     """The estimate of one rank of a data-parallel x tensor-parallel run, from the backend's own estimator.
 
-    Ranks are numbered tensor parallel innermost (``autoshard.mesh``): the ranks of one tensor-parallel coordinate form
-    the data-parallel world fully_shard shards over, so the estimator sees that world (``inputs.dims`` without its
-    tensor-parallel ranks, its nodes' share of them) and parameters already cut to one tensor-parallel rank's slice.
-    Its states are exact per rank; the whole parameters' states (the same at every world size) are the unsharded
-    figure; the plan's collectives join the traffic rows, over the tp ranks of one node, for ``tokens`` tokens per
-    micro-batch (a note gives bytes per token without them).
+    Ranks are numbered tensor parallel innermost (``autoshard.mesh``), so the estimator sees the data-parallel world
+    fully_shard shards over and parameters already cut to one tensor-parallel rank's slice. The plan's collectives
+    join the traffic rows for ``tokens`` tokens per micro-batch (without them, a note gives bytes per token).
     """
     world_size, num_nodes, dims = inputs.world_size, inputs.num_nodes, inputs.dims
     dp = dims.dp
@@ -220,20 +215,12 @@ def _with_tensor_parallel(estimator: Any, layout: Layout, tp: TensorParallelCost
 
 
 def with_step(estimate: MemoryEstimate, step: Any, whole_step: bool) -> MemoryEstimate:
-    """The estimate with a simulated step's figures (``autoshard.activations.StepMemory``).
-
-    ``whole_step``: the step ran this backend's own sharding, so its peak is the run's peak; otherwise (DeepSpeed)
-    only its activations are added to the backend's own estimate.
-    """
+    """The estimate with a simulated step's figures (``activations.StepMemory``). ``whole_step``: the step ran this
+    backend's own sharding, so its peak is the run's; otherwise (DeepSpeed) only its activations are added."""
     if not whole_step:
         return replace(estimate, activations=step.activations, forward_only=step.forward_only)
     return replace(
-        estimate,
-        activations=step.activations,
-        step_peak=step.peak,
-        step_gathered=step.gathered,
-        step_at=step.at,
-        forward_only=step.forward_only,
+        estimate, activations=step.activations, step_peak=step.peak, step_gathered=step.gathered, step_at=step.at, forward_only=step.forward_only
     )
 
 
@@ -293,7 +280,7 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
         if e.step_at:
             lines.append(f"  world size {e.world_size}: the peak is at {e.step_at}")
     if not any(e.step_peak or e.activations for e in estimates):
-        lines.append("  activations are not counted: pass --batch FILE.py:make_batch (or set example_input_array) to simulate a step")
+        lines.append(f"  {ACTIVATIONS_HINT}")
     lines += [f"  optimizer {o}" for o in first.optimizers]
     if first.unsharded_parts:
         lines.append("  whole on every rank (params + grads + optimizer states):")
@@ -316,13 +303,10 @@ def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent,
 class EstimateOptions:
     """How ``estimate_memory`` counts, beyond the module, the intent, the world size and the optimizers.
 
-    ``rank``: the rank estimated (0 holds the largest FSDP2 shard). ``num_nodes`` (or ``devices_per_node``, which
-    derives it from each world size: one node when smaller) places ranks on nodes: DeepSpeed's estimator,
-    ``shard_size='node'`` and the inter-node traffic read it. ``precision``: the run's resolved plan; None plans for
-    the intent's. ``zero_init``: a DeepSpeed estimator input. ``state_tensors``: the state count per optimizer class
-    name, overriding the built-in one. ``sourced``: (source, optimizer) pairs ``collect_optimizers`` already made, so
-    that the user's ``configure_optimizers`` runs once (hooks may assert a single call). ``tokens``: tokens per
-    micro-batch, to count a tensor-parallel plan's activation traffic.
+    ``rank`` 0 holds the largest FSDP2 shard. ``devices_per_node`` derives ``num_nodes`` from each world size.
+    ``precision`` None plans for the intent's. ``state_tensors`` overrides the state count per optimizer class name.
+    ``sourced``: pairs ``collect_optimizers`` already made, so that ``configure_optimizers`` runs once (hooks may
+    assert a single call). ``tokens`` per micro-batch count a tensor-parallel plan's activation traffic.
     """
 
     rank: int = 0
@@ -346,11 +330,8 @@ def estimate_memory(
     callbacks: Sequence[object] | None = None,
     options: EstimateOptions | None = None,
 ) -> MemoryEstimate:
-    """Per-rank bytes of ``module`` trained on ``world_size`` ranks (``estimate_memory_many`` for one world size).
-
-    ``optimizers`` default to ``configure_optimizers()`` plus the callbacks' own (built here, on the unsharded
-    module); ``options`` says which rank, on how many nodes, in which precision (``EstimateOptions``).
-    """
+    """Per-rank bytes of ``module`` trained on ``world_size`` ranks; ``optimizers`` default to
+    ``configure_optimizers()`` plus the callbacks' own (built here, on the unsharded module)."""
     return estimate_memory_many(module, intent, needs, [world_size], backend, optimizers=optimizers, callbacks=callbacks, options=options)[0]
 
 
@@ -365,11 +346,7 @@ def estimate_memory_many(
     callbacks: Sequence[object] | None = None,
     options: EstimateOptions | None = None,
 ) -> list[MemoryEstimate]:
-    """One estimate per world size; the plan and the optimizers are built once.
-
-    ``tensor_parallel_size > 1`` (fsdp2, the model's own plan): each rank holds its tensor-parallel slice, sharded
-    over the data-parallel ranks.
-    """
+    """One estimate per world size; the plan and the optimizers are built once."""
     o = options or EstimateOptions()
     intent = as_intent(intent)
     precision = o.precision or resolve_precision(None, intent)

@@ -1,10 +1,7 @@
-"""Every private torch member autoshard touches: where, and why. The one list for torch.
+"""Every private torch member autoshard touches, with the module using it and why: torch may move one in any release.
 
-torch may move a private member in any release. Each one autoshard uses is listed here once, with the module that
-uses it; tests/test_torch_compat.py checks every entry on the installed torch (an upgrade that moves one fails that
-test by name, not deep inside a training step), and reads src/ to fail when code uses a torch private this list does
-not name. Lightning's privates are listed in ``autoshard.lightning.compat``, DeepSpeed's with autoshard's knowledge
-of its files. Importing this module imports no torch.
+tests/test_torch_compat.py checks each on the installed torch (an upgrade fails there by name, not deep inside a
+training step) and fails when src/ uses a torch private not listed here. Importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -146,16 +143,12 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member("torch.utils._pytree", "tree_map_only", _ACT, "fake tensors made from the example batch"),
     Member("torch.distributed.distributed_c10d", "_World", _ACT, "an empty group registry while a live one is parked (parked_registry)"),
     Member("torch.distributed.distributed_c10d", "_world", _ACT, "parked and put back, so the live group is never touched"),
-    Member("torch.distributed.distributed_c10d", "_pg_map", _ACT, "part of the group registry that _world reads: parked and put back"),
-    Member("torch.distributed.distributed_c10d", "_pg_names", _ACT, "part of the group registry that _world reads: parked and put back"),
-    Member("torch.distributed.distributed_c10d", "_pg_group_ranks", _ACT, "part of the group registry that _world reads: parked and put back"),
-    Member("torch.distributed.distributed_c10d", "_pg_backend_config", _ACT, "part of the group registry that _world reads: parked and put back"),
-    Member("torch.distributed.distributed_c10d", "_tags_to_pg", _ACT, "part of the group registry that _world reads: parked and put back"),
-    Member("torch.distributed.distributed_c10d", "_pg_to_tag", _ACT, "part of the group registry that _world reads: parked and put back"),
-    Member("torch.distributed.distributed_c10d", "_group_count", _ACT, "part of the group registry that _world reads: parked and put back"),
-    Member("torch.distributed.distributed_c10d", "_backend", _ACT, "part of the group registry that _world reads: parked and put back"),
     Member(
         "torch.distributed.distributed_c10d", "_default_pg_init_method", _ACT, "part of the group registry that _world reads: parked and put back"
+    ),
+    *(
+        Member("torch.distributed.distributed_c10d", name, _ACT, "part of the group registry that _world reads: parked and put back")
+        for name in ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag", "_group_count", "_backend")
     ),
     Member("torch.distributed.distributed_c10d", "_unregister_process_group", _ACT, "the fake groups' names leave torch's C++ registry"),
     Member("torch.distributed.distributed_c10d", "_register_process_group", _ACT, "the live groups' names registered again after"),
@@ -177,6 +170,3 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
 def missing() -> list[Member]:
     """The listed members the installed torch lacks."""
     return [m for m in PRIVATE_MEMBERS if not m.exists()]
-
-
-__all__ = ["PRIVATE_MEMBERS", "VERIFIED_TORCH", "Member", "missing"]

@@ -1,26 +1,13 @@
 """Activation memory of one training step, measured by running that step on fake tensors (no memory, no GPU).
 
-``memory.py`` counts model states exactly from shapes alone; activations depend on what ``training_step`` does with
-a batch, so here the step itself runs: the module is built on meta, sharded with the real FSDP2 plan (activation
-checkpointing, ``reshard_after_forward``, MixedPrecisionPolicy, offload policy) on a fake process group of
-``world_size`` ranks in this one process, materialized as fake CPU tensors, and one warm-up step then one measured
-step run in Lightning's order (``training_step`` under autocast as its precision plugin runs it, zero_grad, backward,
-optimizer step, then ``on_train_batch_end`` of the callbacks and the module; under manual optimization
-``training_step`` is the step, with ``self.optimizers()`` and ``manual_backward`` served by a stand-in Trainer as in
-fit), the measured one under torch's FSDPMemTracker, which sees every tensor storage created and freed. The peak is
-the bytes of live tensors at the step's highest point on this rank. ``benchmarks/activation_accuracy.py`` compares
-it with real 2-rank runs.
+Model states follow from shapes (``memory.py``); activations depend on what ``training_step`` does with a batch, so
+the step itself runs: built on meta, sharded with the real FSDP2 plan on a fake process group of ``world_size``
+ranks in this process, as fake CPU tensors; a warm-up step, then one measured under torch's FSDPMemTracker, in
+Lightning's order. ``benchmarks/activation_accuracy.py`` compares it with real 2-rank runs.
 
-Not modelled: the CUDA caching allocator (block rounding, fragmentation, reserved-but-free memory), CUDA/cuBLAS/NCCL
-workspaces and the CUDA context, and tensors created outside torch's dispatcher. The figures are tensor bytes, the
-quantity ``torch.cuda.max_memory_allocated`` approaches from below; leave headroom for the rest.
-
-The step's FLOPs (torch's FlopCounterMode, counted in the warm-up step) price activation checkpointing for
-``autoshard.budget``: its recomputation is the FLOPs it adds. Beside a live process group the fake one runs in
-this process too, the live registry parked meanwhile (``fake_world``): no child process, so CUDA keeps working.
-
-It leans on private torch members (FSDPMemTracker's hooks, the "fake" process group): tests/test_torch_compat.py
-lists each, with what it is for, so a torch upgrade that moves one fails there by name.
+The figures are tensor bytes, what ``torch.cuda.max_memory_allocated`` approaches from below: the caching
+allocator, CUDA/NCCL workspaces and the CUDA context are not modelled. The warm-up step's FLOPs price activation
+checkpointing for ``autoshard.budget``.
 
 One module per concern, bottom to top (the import-linter contract in pyproject.toml keeps this order):
 

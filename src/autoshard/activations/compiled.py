@@ -90,6 +90,3 @@ def block_saving(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def _is_tensor(node: object) -> bool:
     return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
-
-
-__all__ = ["BlockSaving", "block_saving"]

@@ -99,11 +99,7 @@ def prepare_run(
     rank: int = 0,
 ) -> Run:
     """Build on meta, make every tensor fake, shard as FSDP2Strategy.setup does with autoshard's plan, build the
-    optimizers and the batch.
-
-    The plan makes EMA teacher units reshard after forward itself; the strategy adds the guarantees of
-    ``autoshard.engine.guarantees`` only to modules the user sharded, which measure_step refuses (below).
-    """
+    optimizers and the batch. (``engine.guarantees`` apply only to modules the user sharded, refused here.)"""
     from autoshard.adapters.fsdp2 import is_sharded, plan_fsdp2
     from autoshard.target import build_on_meta
 

@@ -11,10 +11,9 @@ from torch import nn
 
 
 class _StandInStrategy:
-    """What a manual-optimization step reaches through ``self.trainer.strategy``, doing what Lightning's strategy does
-    with its precision plugin: ``manual_backward`` calls the module's ``backward`` hook (``loss.backward()``), and a
-    LightningOptimizer's ``step`` runs ``optimizer.step(closure=...)``. No Fabric: the module stays a plain
-    LightningModule, so ``self.optimizers()`` takes Lightning's own Trainer path."""
+    """What a manual-optimization step reaches through ``self.trainer.strategy``: ``manual_backward`` and a
+    LightningOptimizer's ``step`` do what Lightning's strategy does. No Fabric: ``self.optimizers()`` takes Lightning's
+    own Trainer path."""
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -30,9 +29,8 @@ class _StandInStrategy:
 
 
 class StandInTrainer:
-    """``self.trainer`` of the module copy a manual-optimization step runs on: its optimizers (``self.optimizers()``
-    returns them wrapped in LightningOptimizer, as in fit), its LR schedulers, step 0 of epoch 0 on the measured rank, and
-    ``barebones`` so that ``self.log`` returns at once. Anything else is not there, and says so by name."""
+    """``self.trainer`` of the module copy a manual-optimization step runs on: its optimizers and LR schedulers, step 0
+    on the measured rank, ``barebones`` so that ``self.log`` returns at once; anything else says so by name."""
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], world_size: int, rank: int) -> None:
         from lightning.pytorch.plugins.precision import Precision

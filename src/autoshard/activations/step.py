@@ -25,10 +25,9 @@ from autoshard.precision import Dtype, PrecisionPlan
 
 
 def _train_step(run: Run, precision: PrecisionPlan) -> None:
-    """One step in the order of Lightning's automatic optimization (its Closure): training_step, then zero_grad
-    (so the previous step's gradients are still alive during the forward), backward, optimizer step; then the
-    batch-end hooks (callbacks', then the module's: EMA updates, probes). Under manual optimization training_step
-    is the whole step (its zero_grad, manual_backward and step), as in Lightning's manual loop."""
+    """One step in Lightning's order (its Closure): training_step, zero_grad (the previous gradients are alive during
+    the forward), backward, optimizer step, then the batch-end hooks (callbacks', then the module's). Under manual
+    optimization training_step is the whole step."""
     module, batch = run.module, run.batch
     with _autocast(precision):
         out = module.training_step(batch, 0)
@@ -117,9 +116,8 @@ def _forward(run: Run, precision: PrecisionPlan) -> None:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Lightning's "self.log without a Trainer" warnings and torch's fake-mode chatter are not the user's: FakeTensorMode
-    logs the full traceback of every op that fails (a wrong-shaped batch: 20 lines per op, each prefixed with the
-    rank), and the error reported afterwards says it in one line. Only for the simulation: restored after."""
+    """Silence Lightning's "self.log without a Trainer" warnings and FakeTensorMode's traceback of every failing op (20
+    lines per op; the error reported afterwards says it in one line)."""
     import logging
 
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -145,15 +143,10 @@ def measure_step(
 ) -> StepMemory:
     """Peak bytes of live tensors on ``rank`` during one training step on ``world_size`` ranks, by kind.
 
-    ``factory`` is what ``autoshard.target.build_on_meta`` takes; it is called afresh (``fully_shard`` mutates the
-    module), twice if ``training_step`` cannot run without a Trainer and the step falls back to
-    ``forward(example_input_array)``. ``make_batch()`` returns one micro-batch as ``training_step`` receives it; it
-    runs under FakeTensorMode, so a batch of any size costs no memory. Without it, only the forward of
-    ``example_input_array`` runs (``forward_only``: no backward, no optimizer step, so the peak is a lower bound).
-
-    ``num_nodes``: the nodes the ranks fill, for ``shard_size='node'``.
-
-    CPU tensors only: CUDA allocator rounding and fragmentation, and CUDA/NCCL workspaces, are not modelled.
+    ``factory`` (what ``target.build_on_meta`` takes) is called afresh for each attempt: ``fully_shard`` mutates the
+    module. ``make_batch()`` returns one micro-batch as ``training_step`` receives it, under FakeTensorMode (any size
+    costs no memory). Without it, or when the step cannot run on it, only ``forward(example_input_array)`` runs
+    (``forward_only``: a lower bound). ``num_nodes``: the nodes the ranks fill, for ``shard_size='node'``.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise AutoShardError(f"world size must be a positive integer, got {world_size!r}. Fix: e.g. world_size=8")
@@ -173,7 +166,7 @@ def measure_step(
 
 @dataclass(frozen=True)
 class _Step:
-    """The step ``measure_step`` measures: what each attempt prepares its run from."""
+    """What each attempt of ``measure_step`` prepares its run from."""
 
     factory: Any
     intent: ShardingIntent
@@ -209,7 +202,7 @@ def _whole_step(step: _Step, make_batch: Callable[[], Any], extra: dict[str, Any
     except AutoShardError:
         raise
     except Exception as exc:
-        failed = _step_failed(exc, make_batch, run.batch)  # said once, in ``incomplete`` (or refused below)
+        failed = step_failure(exc, make_batch, run.batch)  # said once, in ``incomplete`` (or refused below)
     del run
     gc.collect()
     return None, failed
@@ -261,8 +254,7 @@ def _forward_only(step: _Step, make_batch: Callable[[], Any] | None, extra: dict
 
 @contextlib.contextmanager
 def _flop_counter() -> Iterator[Any]:
-    """torch's FlopCounterMode (matmuls, convolutions, attention: the ops that cost time) around one step; None
-    where this torch lacks it. Activation checkpointing's price is the FLOPs its recomputation adds to the step."""
+    """torch's FlopCounterMode around one step (None where this torch lacks it): activation checkpointing's price."""
     try:
         from torch.utils.flop_counter import FlopCounterMode
     except ImportError:
@@ -271,8 +263,3 @@ def _flop_counter() -> Iterator[Any]:
     counter = FlopCounterMode(display=False)
     with counter:
         yield counter
-
-
-def _step_failed(exc: BaseException, make_batch: Callable[[], Any], batch: Any) -> str:
-    """Why training_step did not run on the user's batch: ``activations.batch.step_failure``."""
-    return step_failure(exc, make_batch, batch)

@@ -14,16 +14,10 @@ ACTIVATIONS = ("Activation", "Temp")
 
 @dataclass(frozen=True)
 class StepMemory:
-    """Bytes of live tensors on one rank at the peak of one training step, by what they are.
-
-    ``peak = model_states + gathered + activations``: ``model_states`` are sharded parameters, their gradients,
-    optimizer states, buffers and the batch; ``gathered`` the all-gathered parameters, all-gather and
-    reduce-scatter buffers and gradients not yet reduce-scattered; ``activations`` everything else (saved for
-    backward, outputs, gradients of activations, the optimizer step's temporaries). ``by_kind`` keeps
-    FSDPMemTracker's own categories at the peak; ``at`` says where the peak happened. ``incomplete`` says why a
-    ``forward_only`` peak lacks the backward and the optimizer step, with a Fix, so that no caller presents a lower
-    bound as the whole step's peak.
-    """
+    """Bytes of live tensors on one rank at the peak of one training step: ``peak = model_states + gathered +
+    activations`` (the groups of FSDPMemTracker's categories above; ``by_kind`` keeps them). ``incomplete`` says
+    why a ``forward_only`` peak lacks the backward and the optimizer step, so no caller presents a lower bound as the
+    whole step's peak."""
 
     world_size: int
     rank: int

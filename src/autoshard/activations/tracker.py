@@ -112,13 +112,8 @@ def _make_tracker_class() -> type:
     base = tracker_base()
 
     class StepTracker(_StepParts, base):  # type: ignore[misc, valid-type]
-        """FSDPMemTracker for a LightningModule whose root is not sharded (autoshard shards its children), with any
-        number of optimizers, Lightning's closure-style ``optimizer.step(closure)``, units called twice in one step
-        (two views through a student), parameters left unsharded, and the place of the peak in words.
-
-        torch's tracker insists on an FSDP root and one optimizer, and refuses a unit called twice at top level;
-        those are its bookkeeping limits, not the memory it sees, which is unchanged here.
-        """
+        """FSDPMemTracker for a LightningModule whose root is not sharded, with any number of optimizers, units called
+        twice in one step and parameters left unsharded: torch's bookkeeping limits, not the memory it sees."""
 
         def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
             MemTracker.__init__(self)
@@ -185,11 +180,7 @@ _TRACKER: type | None = None
 
 def step_tracker(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Any:
     """A tracker of every tensor of ``module``'s training step (real or fake tensors): enter it around one step.
-
-    Tensors alive before entering count only if they are the module's parameters, gradients and buffers, the
-    optimizers' states, or inputs given to ``track_inputs``. The real-run benchmark uses this very class, so the
-    estimate and the measurement count the same things.
-    """
+    Tensors alive before count only as parameters, gradients, buffers, optimizer states or ``track_inputs``."""
     global _TRACKER
     if _TRACKER is None:
         _TRACKER = _make_tracker_class()
@@ -197,12 +188,9 @@ def step_tracker(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] 
 
 
 def measuring_callback(batch_index: int = 1) -> Any:
-    """A Lightning callback measuring a real run's training batch ``batch_index`` (0-based; the default, step 2,
-    follows the step that creates the optimizer states) with the tracker ``measure_step`` uses: to check an
-    estimate against a real run. After fit, its ``result`` is that step's StepMemory on this rank (None before).
-
-    The window opens at ``on_train_batch_start`` and closes at ``on_train_batch_end``: place it last among the
-    callbacks, so that earlier callbacks' batch-end work (a probe's step) is inside it.
+    """A Lightning callback measuring a real run's batch ``batch_index`` (0-based; the default follows the step that
+    creates the optimizer states) with ``measure_step``'s tracker; after fit, ``result`` is its StepMemory. Place it
+    last among the callbacks, so that earlier callbacks' batch-end work is inside the window.
     """
     import lightning.pytorch as pl
 

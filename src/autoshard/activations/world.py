@@ -20,45 +20,29 @@ from autoshard.mesh import ParallelDims
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks in this process (no communication), gone after, always.
-
-    Three cases: no live group (made and destroyed as usual); the child of ``in_detached_world`` (its registry is its
-    own); beside a live process group in this process (a strategy's setup on CUDA, where a forked child cannot use
-    CUDA): the live registry is parked for the duration (``parked_registry``) and put back.
-    """
+    """A fake process group of ``world_size`` ranks in this process (no communication), gone after, always. Beside a
+    live group (a strategy's setup on CUDA, where a forked child cannot use CUDA) the live registry is parked."""
     import torch.distributed as dist
 
     if not dist.is_available():
         raise AutoShardError(
             "measuring a sharded step needs torch.distributed, which this torch build lacks. Fix: install a torch build with distributed support"
         )
+    import torch.distributed.distributed_c10d as c10d
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     excepthook = sys.excepthook  # init_process_group wraps it with a "[rank0]:" prefix, once per call
-    if _DETACHED:  # the child of in_detached_world: its registry is its own, and it never tears down
+    live = not _DETACHED and dist.is_initialized()
+    with parked_registry() if live else contextlib.nullcontext():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             yield
         finally:
-            import torch.distributed.distributed_c10d as c10d
-
-            c10d._world = c10d._World()
-            sys.excepthook = excepthook
-        return
-    if not dist.is_initialized():  # nothing live to keep: the fake group is made and destroyed as usual
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-            sys.excepthook = excepthook
-        return
-    with parked_registry():
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            yield
-        finally:
+            if _DETACHED:  # the child of in_detached_world: its registry is its own, and it never tears down
+                c10d._world = c10d._World()
+            elif not live:
+                dist.destroy_process_group()
             sys.excepthook = excepthook
 
 
@@ -75,12 +59,9 @@ _FAKE_NAMES = itertools.count(10**9, 10**4)
 def parked_registry() -> Iterator[None]:
     """An empty torch.distributed group registry inside, the one from before (live groups and all) after.
 
-    The groups made inside are shut down and dropped from torch's C++ name registry one by one (never
-    ``destroy_process_group()``, which would unregister the live groups' names too). Fake groups are named far above
-    any live count (``_FAKE_NAMES``), the live groups' names are registered again after, and the live group count is
-    put back: ranks that ran no fake world must name their next groups alike (gloo meets in its store under the
-    group's name). DTensor's random-state tracker is parked too: one made for the fake
-    mesh must not serve the live run.
+    The fake groups are shut down and unregistered one by one: ``destroy_process_group()`` would unregister the live
+    groups' names too. The live group count is put back: ranks that ran no fake world must name their next groups
+    alike (gloo meets in its store under the group's name). DTensor's random-state tracker is parked too.
     """
     import torch.distributed.distributed_c10d as c10d
     import torch.distributed.tensor._random as dtensor_random
@@ -133,11 +114,9 @@ def in_detached_world(fn: Callable[[], Any]) -> dict[str, Any]:
     """``{"result": fn()}`` (JSON data), computed in a forked child whose torch.distributed world starts empty, or
     ``{"error": {"type", "message", ...}}`` with the attributes of the AutoShardError it raised.
 
-    For simulated steps in a process whose process group is already live (a strategy's setup): the fake group of
-    ``fake_world`` cannot coexist with it. The child inherits the module and the batch (no pickling, no imports:
-    about as fast as in-process), replaces torch's group registry by an empty one (``distributed_c10d._world``,
-    private), never tears anything down, and exits with ``os._exit``; the parent's group is untouched. Its answer
-    comes back as JSON text: nothing is unpickled.
+    For simulated steps beside a live process group, which the fake one cannot coexist with. The child inherits the
+    module and the batch (no pickling: about as fast as in-process), never tears anything down and exits with
+    ``os._exit``; its answer comes back as JSON text, so nothing is unpickled.
     """
     import json
     import multiprocessing

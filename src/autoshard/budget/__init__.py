@@ -1,11 +1,6 @@
 """Memory budgets: ``autoshard explain --budget 80GiB`` (does the run fit, and if not, the fewest changes that would),
 and ``ShardingIntent(memory_budget=...)`` (``decide``: the cheapest configuration whose simulated peak fits).
 
-Each candidate is estimated again in full (a simulated step where one can run), never scaled from the first
-estimate: activation checkpointing, offload and a smaller micro-batch change activations and states in ways a ratio
-would get wrong. Changes are listed cheapest first, by what they cost the run, not by memory saved. The decision's
-cost order is documented at the head of ``autoshard.budget.search`` and in docs/guide.md ("Memory budget").
-
 One module per concern, bottom to top (the import-linter contract in pyproject.toml keeps this order):
 
 - ``ranks``: the world sizes a run can have, and the part of an estimate that shrinks with them;

@@ -20,10 +20,7 @@ from autoshard.memory import MemoryEstimate, fmt_bytes
 @dataclass(frozen=True)
 class Option:
     """One way to run: the intent, the world size and the micro-batch (a fraction of the given one).
-
-    ``simulate=False`` asks for the model states only (no simulated step): fast, used to search before one
-    simulation confirms.
-    """
+    ``simulate=False``: model states only, fast, to search before one simulation confirms."""
 
     intent: ShardingIntent
     world_size: int
@@ -31,14 +28,11 @@ class Option:
     simulate: bool = True
 
 
-Evaluate = Callable[[Option], MemoryEstimate]
-"""Estimate one option (explain builds it: the memory table's maths plus a simulated step)."""
+Evaluate = Callable[[Option], MemoryEstimate]  # explain's: the memory table's maths plus a simulated step
 
 
 @dataclass(frozen=True)
 class Change:
-    """A change to the run that was estimated: what to set, what it costs, the new device peak per rank."""
-
     change: str  # what to set, as the user writes it
     cost: str  # what the run pays for it
     peak: int  # device bytes per rank with the change
@@ -48,9 +42,8 @@ class Change:
 
 @dataclass(frozen=True)
 class BudgetReport:
-    """The verdict. ``missing`` names the part of the step the peak lacks ("" when the whole step was simulated):
-    then the peak is a lower bound, so ``fits`` is None ("cannot tell") unless even that bound is over the budget,
-    and no change is estimated (each would lack the same part)."""
+    """The verdict. ``missing`` names the part of the step the peak lacks: then the peak is a lower bound, so ``fits``
+    is None ("cannot tell") unless even that bound is over the budget."""
 
     budget: int
     world_size: int
@@ -96,17 +89,8 @@ class BudgetReport:
 
 
 def check_budget(evaluate: Evaluate, intent: ShardingIntent, world_size: int, budget: int, *, ask: Ask) -> BudgetReport:
-    """The verdict for ``world_size`` and, when it does not fit, the fewest changes that do.
-
-    Never more ranks or more changes than needed: each single change first (the smallest world size that fits,
-    found by search over world sizes from model states, then confirmed by a simulated step; activation
-    checkpointing; the largest micro-batch that fits; offload); only when none fits alone, pairs of them on these
-    ranks, then all three; only when nothing fits on these ranks, the smallest world size for each combination,
-    fewest changes first. Every combination tried is listed, the ones that fit and the smaller ones that did not.
-
-    A partial estimate (``ask.lacks``) is never "fits": for the run itself the verdict is then "cannot tell" (unless
-    the lower bound is already over the budget) and no change is tried; a change estimated in part is listed as such.
-    """
+    """The verdict for ``world_size`` and, when it does not fit, the fewest changes that do (``_Advisor.advise``).
+    A partial estimate (``ask.lacks``) is never "fits": a lower bound under the budget proves nothing."""
     current = evaluate(Option(intent, world_size))
     missing = ask.lacks(current)
     if missing:
@@ -122,10 +106,8 @@ def check_budget(evaluate: Evaluate, intent: ShardingIntent, world_size: int, bu
 
 @dataclass(frozen=True)
 class Ask:
-    """What ``check_budget`` may propose: ``devices_per_node`` (larger worlds come in whole nodes), ``batch_rows``
-    (the micro-batch's size when it can be cut along dim 0; None: it cannot, or no batch given), ``checkpointable``
-    (the model has a block activation checkpointing can wrap; else it is never proposed), and ``lacks`` (the part of
-    the step an estimate's simulated step could not cover, "activations"; "" when whole)."""
+    """What ``check_budget`` may propose: ``batch_rows`` None when the batch cannot be cut along dim 0,
+    ``checkpointable`` False when no block can be checkpointed; ``lacks``: the part of the step an estimate lacks."""
 
     devices_per_node: int
     batch_rows: int | None
@@ -179,8 +161,7 @@ class _Advisor:
 
     def micro_batch(self, asked: ShardingIntent, ranks: int) -> int:
         """The divisor of the largest micro-batch (rows / 2, / 4, ...) that fits with ``asked``: predicted from the
-        activations (about linear in the rows), confirmed by a simulated step. When none fits, where the search
-        stopped: one row, or the first micro-batch whose step could not be simulated (listed as such)."""
+        activations (about linear in the rows), confirmed by a simulated step; else where the search stopped."""
         rows = self.rows or 0
         base = self.evaluate(Option(asked, ranks))
         divisor = 2
@@ -234,7 +215,7 @@ class _Advisor:
 
     def advise(self) -> None:
         """Each change alone, cheapest first; then the fewest changes together, first on these ranks, then with the
-        fewest ranks."""
+        fewest ranks. Every combination tried is listed, the ones that fit and those that did not."""
         self.more_ranks()
         if "ac" in self.singles:
             self.try_combo(("ac",), self.world_size)

@@ -1,5 +1,5 @@
-"""The one micro-batch a decision is made on: a function returning it (never its values: empty tensors of its
-shapes), its rows when it can be cut along dim 0, and a smaller micro-batch of it."""
+"""The one micro-batch a decision is made on: a function returning it (never its values), its rows and tokens, and a
+smaller micro-batch of it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from autoshard.errors import IntentError
 
 
 class BatchOfShapes:
-    """A function of no arguments returning empty tensors of a batch's shapes and dtypes on the current device (meta,
-    or fake under the simulated step), in the batch's structure (other leaves as they are). ``origin`` says where the
-    batch came from, in the user's words, for messages (a failure names it, never this function)."""
+    """Empty tensors of a batch's shapes and dtypes on the current device (meta, or fake under the simulated step), in
+    the batch's structure. ``origin``: where the batch came from, as messages name it (never this function)."""
 
     def __init__(self, batch: Any, origin: str) -> None:
         self.batch, self.origin = batch, origin
@@ -27,9 +26,8 @@ class BatchOfShapes:
 
 
 def batch_function(batch: Any, origin: str = "the batch given to decide") -> Callable[[], Any]:
-    """A function of no arguments returning one micro-batch of ``batch``'s shapes: ``batch`` itself when it is one
-    (a batch function), else a ``BatchOfShapes`` (empty tensors of the batch's shapes and dtypes): the decision
-    never copies or reads the batch's values. ``origin``: where the batch came from, as messages name it."""
+    """A function returning one micro-batch of ``batch``'s shapes: ``batch`` itself when it is a function, else a
+    ``BatchOfShapes``: the decision never copies or reads the batch's values."""
     if batch is None:
         raise IntentError(
             "memory_budget is decided on one micro-batch, and none was given: autoshard never decides from model states"
@@ -65,11 +63,8 @@ def batch_tokens(make_batch: Callable[[], Any]) -> int | None:
 
 
 def cut_batch(make_batch: Callable[[], Any], divisor: int) -> Callable[[], Any]:
-    """``make_batch`` with every tensor's dim 0 divided by ``divisor`` (a smaller micro-batch of the same samples).
-
-    Each cut tensor is a copy of its first rows, never a view: a view keeps the whole original batch's storage alive,
-    and the simulated step would count it (the batch is in the peak), so a micro-batch cut from a larger one would
-    peak higher than the same micro-batch given directly. Under the simulated step the copy is fake: it costs nothing.
+    """``make_batch`` with every tensor's dim 0 divided by ``divisor``. Each cut tensor is a copy, never a view: a view
+    keeps the whole batch's storage alive, and the simulated step would count it in the peak (the copy is fake: free).
     """
     if divisor == 1:
         return make_batch
@@ -77,7 +72,7 @@ def cut_batch(make_batch: Callable[[], Any], divisor: int) -> Callable[[], Any]:
 
 
 class CutBatch:
-    """``cut_batch``'s function: ``make_batch()`` with the first ``rows // divisor`` rows of every tensor, copied."""
+    """``make_batch()`` with the first ``rows // divisor`` rows of every tensor, copied."""
 
     def __init__(self, make_batch: Callable[[], Any], divisor: int) -> None:
         from autoshard.activations.batch import batch_origin

@@ -18,16 +18,7 @@ import torch
 
 from autoshard.backends import get_backend, load
 from autoshard.budget.batch import batch_function, batch_rows
-from autoshard.budget.decision import (
-    BudgetDecision,
-    BudgetRefusedError,
-    Headroom,
-    Rates,
-    default_rates,
-    describe_config,
-    free_fields,
-    headroom_for,
-)
+from autoshard.budget.decision import BudgetDecision, BudgetRefusedError, Headroom, Rates, default_rates, describe_config, free_fields, headroom_for
 from autoshard.budget.meta import meta_factory
 from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_RANKS
 from autoshard.budget.search import largest_micro_batch, search_configs, smallest_world_size
@@ -50,32 +41,20 @@ def decide(
     options: DecideOptions | None = None,
 ) -> BudgetDecision:
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
-    ``world_size`` ranks: a pure function of the module's shapes, the batch's shapes, the intent and the world.
+    ``world_size`` ranks, on ``backend`` (fsdp2 or 'deepspeed'): a pure function of the module's and the batch's
+    shapes, the intent and the world. The free fields are chosen in the cost order of ``autoshard.budget.search``;
+    fields the user set are kept.
 
-    ``backend``: fsdp2, or DeepSpeed ZeRO-3 ('deepspeed'), where offload and activation checkpointing are the fields
-    chosen and each peak is DeepSpeed's estimator plus the simulated activations (the cost order in ``autoshard.budget.search`` says why).
+    ``module``: a LightningModule (copied to meta for each simulated step, never changed) or a function building
+    one. ``batch``: one micro-batch as ``training_step`` receives it (read for shapes only), or a function returning
+    one. ``device_type`` (None: CUDA when this machine has it): on CUDA the peak leaves ``CUDA_HEADROOM`` free unless
+    ``intent.memory_headroom`` says otherwise. Refuses (``BudgetRefusedError``) when nothing fits, naming the
+    smallest world size at which something does, else the largest micro-batch that fits here.
 
-    ``module``: a LightningModule (real or on meta; copied to meta for each simulated step, never changed) or a
-    function building one. ``batch``: one micro-batch as ``training_step`` receives it (tensors are read for shapes
-    only), or a function returning one. Fields the user set (not at their defaults) are kept; the free ones among
-    reshard_after_forward, activation_checkpointing, offload and (with several nodes) shard_size are chosen, in the
-    cost order of ``autoshard.budget.search``'s header. ``options`` (``DecideOptions``): the nodes, the devices per node
-    (larger world sizes come in whole nodes), the precision, the callbacks holding optimizers, the rates, progress.
-
-    Refuses (``BudgetRefusedError``, before anything is sharded) when nothing fits, naming the smallest world size at
-    which something does (a search: states shrink with ranks, activations do not), or, when none does, the largest
-    micro-batch that fits here.
-
-    ``device_type``: the device the run trains on ('cuda', 'cpu'; None: CUDA when this machine has it). On CUDA the
-    peak must leave ``CUDA_HEADROOM`` of the budget free (the context, NCCL, allocator fragmentation), unless
-    ``intent.memory_headroom`` says how much; the table shows it.
-
-    In a process whose process group is already live (a strategy's setup), the simulated steps run in a forked child
-    (their fake group cannot coexist with the live one), or, once CUDA is initialised (a forked child cannot use it),
-    in this process with the live registry parked meanwhile (``activations.fake_world``). Not in this process on a CPU
-    run: DTensor's strategy caches compare meshes by ranks, dims and device type, so a fake CPU mesh equal to the live
-    one served the live run its fake groups (2 gloo ranks: the trained parameters ended on the fake mesh); a CUDA
-    run's meshes never equal the simulation's CPU ones.
+    Beside a live process group the simulated steps run in a forked child, or, once CUDA is initialised (a forked
+    child cannot use it), in this process with the live registry parked. Never in this process on a CPU run:
+    DTensor's caches compare meshes by ranks, dims and device type, so a fake CPU mesh equal to the live one served
+    the live run its fake groups (2 gloo ranks: the trained parameters ended on the fake mesh).
     """
     import torch.distributed as dist
 
@@ -87,10 +66,8 @@ def decide(
 
 @dataclass(frozen=True)
 class DecideOptions:
-    """How ``decide`` places and prices the run beyond its world size: ``num_nodes`` (the nodes the ranks fill),
-    ``devices_per_node`` (larger world sizes come in whole nodes of it), ``precision`` (the run's resolved plan; None:
-    the intent's), ``callbacks`` (those holding optimizers, built with the module), ``rates`` (None:
-    ``default_rates()``), ``progress`` (called with a line before each simulated step)."""
+    """How ``decide`` places and prices the run beyond its world size (None: the intent's precision, ``default_rates()``);
+    larger world sizes come in whole nodes of ``devices_per_node``."""
 
     num_nodes: int = 1
     devices_per_node: int | None = None
@@ -253,9 +230,7 @@ def _kept(intent: ShardingIntent, free: list[str], backend: str) -> tuple[str, .
 
 
 def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:
-    """``run()`` in a forked child (``activations.in_detached_world``): a live process group (a strategy's setup, a
-    Trainer that ran before) and the simulated steps' fake one cannot coexist in one process. Errors come back as
-    the same types."""
+    """``run()`` in a forked child (``activations.in_detached_world``); errors come back as the same types."""
     from autoshard.activations import in_detached_world
 
     answer = in_detached_world(lambda: run().to_dict())
@@ -270,9 +245,8 @@ def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:
 def auto_entries(
     factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, *, backend: str, options: DecideOptions
 ) -> list[dict[str, Any]]:
-    """``explain --budget B --json``'s "auto": per world size, ``BudgetDecision.to_dict()`` (``chosen``, ``peak``,
-    ``cheaper``: each with its ``config`` and ``peak``), or ``{"world_size", "budget", "error": {"type", "message",
-    "min_world_size"}}`` when there is no decision (``min_world_size``: None when no world size fits)."""
+    """``explain --budget B --json``'s "auto": per world size, ``BudgetDecision.to_dict()``, or
+    ``{"world_size", "budget", "error": {"type", "message", "min_world_size"}}`` when there is no decision."""
     out: list[dict[str, Any]] = []
     for n in world_sizes:
         try:

@@ -1,6 +1,5 @@
-"""What ``memory_budget`` decides, as values: the fields it chooses and their defaults, the price of a configuration
-(``Rates``, ``Cost``), each configuration tried (``Tried``), the decision (``BudgetDecision``: stored in checkpoints,
-printed by explain), and the refusal when nothing fits (``BudgetRefusedError``)."""
+"""What ``memory_budget`` decides, as values: the price of a configuration (``Rates``, ``Cost``), each configuration
+tried (``Tried``), the decision (``BudgetDecision``, stored in checkpoints) and the refusal (``BudgetRefusedError``)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from autoshard.errors import IntentError
 from autoshard.intent import BUDGET_FIELDS, COMPILE_AUTO, ShardingIntent
 from autoshard.memory import fmt_bytes
 
-FREE_FIELDS = BUDGET_FIELDS
 DEFAULTS: dict[str, Any] = {"reshard_after_forward": True, "activation_checkpointing": False, "offload": "none", "shard_size": None, "compile": False}
 OFFLOAD_SAVING = {"none": 0, "optimizer": 1, "params": 2}  # what each offload leaves off the device, least first
 
@@ -119,7 +117,7 @@ NO_HEADROOM = Headroom()
 
 
 def headroom_for(intent: ShardingIntent, device_type: str) -> Headroom:
-    """The headroom a run on ``device_type`` keeps: the user's (``memory_headroom``, bytes kept free) or the device's."""
+    """The user's ``memory_headroom`` (bytes kept free), else the device's."""
     if intent.memory_headroom is not None:
         return Headroom(fixed=intent.memory_headroom)
     return CUDA_HEADROOM if device_type == "cuda" else NO_HEADROOM
@@ -167,15 +165,9 @@ class Tried:
     runs: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": dict(self.config),
-            "peak": self.peak,
-            "fits": self.fits,
-            "why": self.why,
-            "simulated": self.simulated,
-            "runs": self.runs,
-            "cost": self.cost.to_dict(),
-        }
+        out = asdict(self)
+        out["cost"] = out.pop("cost")  # last, as stored before
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Tried:
@@ -192,10 +184,8 @@ class Tried:
 
 @dataclass(frozen=True)
 class BudgetDecision:
-    """What ``memory_budget`` chose at one world size: ``chosen`` holds ShardingIntent field names and values (paste
-    them: ``ShardingIntent(**chosen)``), ``peak`` its simulated device bytes per rank, ``cheaper`` every cheaper
-    configuration with its peak and why it does not fit, cheapest first. ``kept`` names the fields the user set,
-    which the decision did not touch."""
+    """What ``memory_budget`` chose at one world size: ``chosen`` holds ShardingIntent fields (``ShardingIntent(**chosen)``),
+    ``cheaper`` every cheaper configuration with its peak and why it does not fit, ``kept`` the fields the user set."""
 
     budget: int
     world_size: int
@@ -215,8 +205,7 @@ class BudgetDecision:
         return base.replace(**self.chosen)
 
     def table(self) -> str:
-        """The decision table a strategy logs on rank 0 at fit: the choice with its peak, then every cheaper
-        configuration with its peak and why it does not fit."""
+        """The decision table a strategy logs on rank 0 at fit."""
         head = (
             f"autoshard memory budget: {fmt_bytes(self.budget)} per rank, world size {self.world_size}"
             + (f" on {self.num_nodes} nodes" if self.num_nodes > 1 else "")
@@ -243,20 +232,7 @@ class BudgetDecision:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types: stored in the checkpoint, printed by ``autoshard explain --budget --json``."""
-        return {
-            "world_size": self.world_size,
-            "budget": self.budget,
-            "chosen": dict(self.chosen),
-            "peak": self.peak,
-            "cost": self.cost.to_dict(),
-            "cheaper": [t.to_dict() for t in self.cheaper],
-            "batch": self.batch,
-            "kept": list(self.kept),
-            "rates": self.rates.to_dict(),
-            "num_nodes": self.num_nodes,
-            "backend": self.backend,
-            "headroom": self.headroom.to_dict(),
-        }
+        return {"world_size": self.world_size, **asdict(self), "cheaper": [t.to_dict() for t in self.cheaper], "kept": list(self.kept)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BudgetDecision:
@@ -299,9 +275,11 @@ def _cost_words(cost: Cost) -> str:
 
 
 def free_fields(intent: ShardingIntent, num_nodes: int, backend: str = "fsdp2") -> list[str]:
-    """The fields the user left at their defaults among those the backend's budget sets (``BudgetChoices.fields``),
-    shard_size only when there are several nodes to group by."""
+    """The fields the user left at their defaults among those the backend's budget sets, shard_size only when there
+    are several nodes to group by."""
     fields = get_backend(backend).budget.fields  # type: ignore[union-attr]
-    free = [f for f in FREE_FIELDS if getattr(intent, f) == DEFAULTS[f] and type(getattr(intent, f)) is type(DEFAULTS[f]) and f not in intent.pinned]
+    free = [
+        f for f in BUDGET_FIELDS if getattr(intent, f) == DEFAULTS[f] and type(getattr(intent, f)) is type(DEFAULTS[f]) and f not in intent.pinned
+    ]
     auto = ["compile"] if intent.compile == COMPILE_AUTO and get_backend(backend).budget.compile else []  # type: ignore[union-attr]
     return [f for f in free if f in fields and (f != "shard_size" or num_nodes > 1)] + auto

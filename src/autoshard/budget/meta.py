@@ -11,19 +11,18 @@ import torch
 from torch import nn
 
 from autoshard.errors import IntentError
+from autoshard.memory import sharded_parameter
 
 
 def meta_factory(module: Any, callbacks: Sequence[Any] = ()) -> Callable[[], Any]:
-    """A factory for the simulated steps: a class or function is called afresh each time; a module instance (real or
-    meta) is copied to the meta device each time (``fully_shard`` mutates what it shards), weights never copied,
-    the Trainer it may be attached to left out."""
+    """A factory for the simulated steps: a class or function is called afresh each time, a module instance copied."""
     if callable(module) and not isinstance(module, nn.Module):
         return module
     if not isinstance(module, nn.Module):
         raise IntentError(
             f"memory_budget decides for a LightningModule, got {type(module).__name__}. Fix: pass the module, or a function building it"
         )
-    sharded = next((n for n, p in module.named_parameters() if hasattr(p, "placements") or hasattr(p, "ds_id")), None)
+    sharded = sharded_parameter(module)
     if sharded is not None:
         raise IntentError(
             f"memory_budget is decided before sharding, but {type(module).__name__}.{sharded} is already sharded."

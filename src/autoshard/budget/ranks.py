@@ -1,6 +1,5 @@
-"""More ranks: which world sizes a run can have (any up to one node, whole nodes beyond), and the part of an
-estimate that shrinks with them (the model states left on the device). Shared by the ``--budget`` advice and the
-decision's search."""
+"""More ranks: which world sizes a run can have, and the search for the smallest that fits, shared by the
+``--budget`` advice and the decision's search."""
 
 from __future__ import annotations
 
@@ -43,9 +42,8 @@ def world_sizes_after(world_size: int, devices_per_node: int | None, intent: Sha
 
 def smallest_fitting_world(sizes: list[int], rest: int, states_at: Callable[[int], int], fits: Callable[[int], bool], budget: int) -> int | None:
     """The first of ``sizes`` at which a run fits: predicted by bisection as ``rest`` (what does not shrink with ranks:
-    activations, what stays whole) plus ``states_at(n)`` (the model states on the device at n ranks, which shrink
-    monotonically), then confirmed with ``fits`` on that size and the next two. The one world-size search of the
-    ``--budget`` advice and of the decision's refusal."""
+    activations, what stays whole) plus ``states_at(n)`` (which shrink monotonically), then confirmed with ``fits``
+    on that size and the next two."""
     predict = lambda n: rest + states_at(n)  # noqa: E731
     if not sizes or predict(sizes[-1]) > budget:
         return None

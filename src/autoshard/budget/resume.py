@@ -14,11 +14,9 @@ from autoshard.memory import fmt_bytes
 def resume_decision(
     stored: dict[str, Any] | None, intent: ShardingIntent, world_size: int, backend: str = "fsdp2", *, batch: str | None = None
 ) -> tuple[BudgetDecision | None, str]:
-    """At resume: the stored decision when the budget and the world are the same (so the run trains as before), else
-    None and the sentence to log saying why it is decided again ("" when nothing was stored). A decision for another
-    backend, or whose chosen fields you have set by hand since, is decided again too (it would override them), and so
-    is one made on another micro-batch: ``batch`` is this run's first batch described (``describe_batch``: dtypes and
-    shapes), compared with the one the decision was made on (a peak is for one micro-batch's activations)."""
+    """At resume: the stored decision when the run is the same (budget, world, backend, free fields and micro-batch
+    ``batch``, as ``describe_batch`` says it), so it trains as before; else None and the sentence to log saying why
+    it is decided again ("" when nothing was stored)."""
     if not stored:
         return None, ""
     decision = BudgetDecision.from_dict(stored)
@@ -44,10 +42,8 @@ def resume_decision(
 
 
 def stored_differs(stored: dict[str, Any] | None, current: BudgetDecision | None) -> str:
-    """When a checkpoint loads: the warning to give when it holds a decision for this same budget, world and backend
-    that differs from the one this run trains with ("" otherwise). It happens only when the stored decision could not
-    be read before sharding (``resume_decision``) and the fresh one came out otherwise (another batch shape, another
-    autoshard): the values train the same (these fields change memory and speed, not the maths), the peak does not."""
+    """When a checkpoint loads: the warning when it holds a decision for this same run that differs from the one this
+    run trains with ("" otherwise): it could not be read before sharding, and the fresh one came out otherwise."""
     if not stored or current is None:
         return ""
     before = BudgetDecision.from_dict(stored)

@@ -1,6 +1,5 @@
 """Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached: ``ModelStates``
-is the one estimator of model states (explain's table, the ``--budget`` advice, the decision's search), ``Simulator``
-adds the decision's simulated steps (what its search and ``price`` evaluate configurations with)."""
+is the one estimator of model states (explain, the ``--budget`` advice, the decision), ``Simulator`` adds the steps."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ class Subject:
 
 
 class ModelStates:
-    """The model states of one ``Subject`` on ``backend``, for any intent at any world size, cached (fast, from shapes:
-    ``memory.estimate_memory_many``). World sizes fill whole nodes of ``devices_per_node`` ranks, or (None) run on
-    ``num_nodes``; ``tokens`` per micro-batch count a tensor-parallel plan's traffic."""
+    """The model states of one ``Subject`` on ``backend``, for any intent at any world size, cached
+    (``memory.estimate_memory_many``)."""
 
     def __init__(
         self, subject: Subject, backend: str, precision: Any, devices_per_node: int | None, num_nodes: int = 1, tokens: int | None = None
@@ -76,11 +74,8 @@ class ModelStates:
 
 
 class Simulator:
-    """Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached.
-
-    ``backend``: fsdp2 (the step runs fsdp2's own plan: its peak is the run's), or DeepSpeed ZeRO-3 (its estimator's
-    states, plus the activations of one fsdp2 step of the same method, with the same blocks checkpointed, per world
-    size and micro-batch: they do not depend on the offload)."""
+    """Model states and simulated steps for one module and batch, cached. Under DeepSpeed a peak is its estimator's
+    states plus the activations of an fsdp2 step with the same blocks checkpointed (they do not depend on the offload)."""
 
     def __init__(
         self,
@@ -123,8 +118,6 @@ class Simulator:
 
         key = (config_key(config), world_size, divisor)
         if key not in self.step_cache:
-            # DeepSpeed: only the activations of fsdp2's step with the same blocks checkpointed are added to its estimator's
-            # states (they do not depend on the offload)
             whole = get_backend(self.backend).simulates_its_step
             step = self._measure(config if whole else {k: v for k, v in config.items() if k == "activation_checkpointing"}, world_size, divisor)
             self.step_cache[key] = (with_step(self.states(config, world_size), step, whole), step.flops)
