@@ -539,21 +539,20 @@ def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_p
         else:
             kept.append(size)
     tp = intent.tensor_parallel_size
-    if not kept and tp > 1 and intent.shard_size is None:
+    by_tp = tp > 1 and intent.shard_size is None
+    if not kept and by_tp:
         raise IntentError(
             f"tensor_parallel_size={tp} fits none of the world sizes {', '.join(map(str, sizes))} (each must be a multiple"
             f" of it). Fix: list multiples of it, e.g. --world-sizes {','.join(str(tp * k) for k in (1, 2, 4, 8))}"
         )
-    if dropped and tp > 1 and intent.shard_size is None:
-        notes.append(f"world size(s) {', '.join(map(str, dropped))} left out: tensor_parallel_size={tp} does not divide them")
-        return kept
     if not kept:
         raise IntentError(
             f"shard_size={intent.shard_size!r} fits none of the world sizes {', '.join(map(str, sizes))}."
             f" Fix: list world sizes that are multiples of it, e.g. --world-sizes {_multiples(intent, devices_per_node)}"
         )
     if dropped:
-        notes.append(f"world size(s) {', '.join(map(str, dropped))} left out: shard_size={intent.shard_size!r} does not divide them")
+        field = f"tensor_parallel_size={tp}" if by_tp else f"shard_size={intent.shard_size!r}"
+        notes.append(f"world size(s) {', '.join(map(str, dropped))} left out: {field} does not divide them")
     return kept
 
 
@@ -567,7 +566,7 @@ def _world_sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--world-sizes takes positive integers separated by commas, got {text!r}") from None
+        sizes = ()
     if not sizes or any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"--world-sizes takes positive integers separated by commas, got {text!r}")
     return sizes

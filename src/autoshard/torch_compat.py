@@ -41,6 +41,9 @@ _FSDP = "autoshard.adapters.fsdp2"
 _ACT = "autoshard.activations"
 _TRACKER = "torch.distributed._tools.fsdp2_mem_tracker"
 _FAKE = "torch._subclasses.fake_tensor"
+_C10D = "torch.distributed.distributed_c10d"
+_COMPILED = "autoshard.activations.compiled"
+_REGISTRY = "part of the group registry that _world reads: parked and put back"
 
 PRIVATE_MEMBERS: tuple[Member, ...] = (
     # -- FSDP2 itself and the plan's runtime ----------------------------------------------------------------------
@@ -49,27 +52,10 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member("torch.distributed._composable.fsdp", "MixedPrecisionPolicy", _FSDP, "fallback home, with fully_shard"),
     Member("torch.distributed._composable.fsdp", "CPUOffloadPolicy", _FSDP, "fallback home, with fully_shard"),
     Member("torch.distributed._composable.fsdp", "OffloadPolicy", _FSDP, "fallback home, with fully_shard"),
-    Member(
-        "torch.distributed.device_mesh",
-        "DeviceMesh._unflatten",
-        "autoshard.mesh",
-        "hybrid sharding's (dp_replicate, dp_shard) view of the one mesh: same ranks and root, so FSDP2 composes with tensor parallel",
-    ),
-    Member(
-        "torch",
-        "Tensor._post_accumulate_grad_hooks",
-        _FSDP,
-        "reset on a parameter whose contents Module.to swapped: its old hook dict is registered on the other tensor",
-    ),
-    Member(
-        "torch", "Tensor._version", "autoshard.adapters.tp_plan", "a shared tensor-parallel input is reused only while it is not modified in place"
-    ),
-    Member(
-        "torch.distributed.fsdp._fully_shard._fsdp_state",
-        "FSDPState._lazy_init",
-        _FSDP,
-        "every unit's reduce dtype fixed before the first forward, whatever is frozen then (init_sharded_units)",
-    ),
+    Member("torch.distributed.device_mesh", "DeviceMesh._unflatten", "autoshard.mesh", "HSDP's view of the one mesh: composes with tensor parallel"),
+    Member("torch", "Tensor._post_accumulate_grad_hooks", _FSDP, "reset where Module.to swapped a parameter's contents (and its hook dict)"),
+    Member("torch", "Tensor._version", "autoshard.adapters.tp_plan", "a shared tensor-parallel input is reused only while not modified in place"),
+    Member("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._lazy_init", _FSDP, "each unit's reduce dtype fixed before the forward"),
     Member("torch.distributed", "_broadcast_coalesced", _FSDP, "rank 0's unsharded parameters and buffers in few messages"),
     Member("torch.distributed.tensor._random", "_rng_tracker", _FSDP, "replaced on CPU meshes while meta shards are initialized"),
     Member("torch.distributed.tensor._random", "_RNGStateTracker._distribute_region", _FSDP, "the method the stand-in tracker provides"),
@@ -83,47 +69,17 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member("torch.nn.modules.batchnorm", "_BatchNorm", "autoshard.batchnorm", "every BatchNorm class, converted to SyncBatchNorm"),
     # -- torch.compile ------------------------------------------------------------------------------------------------
     Member("torch._dynamo", "OptimizedModule", "autoshard.needs", "a module the user wrapped in torch.compile: a need (compile)"),
-    Member(
-        "torch._dynamo",
-        "OptimizedModule",
-        "autoshard.adapters.compile",
-        "torch.compile's wrapper replaced by the module it wraps (its _orig_mod attribute): names stay eager",
-    ),
+    Member("torch._dynamo", "OptimizedModule", "autoshard.adapters.compile", "torch.compile's wrapper replaced by its _orig_mod: names stay eager"),
     Member("torch.nn", "Module._compiled_call_impl", "autoshard.needs", "a module compiled in place (module.compile()) by the user"),
     Member("torch.nn", "Module._compiled_call_impl", "autoshard.adapters.compile", "a block compiled in place already is left as it is"),
-    Member(
-        "torch._functorch.aot_autograd",
-        "aot_function",
-        "autoshard.activations.compiled",
-        "a block's forward and backward traced as one joint graph on fake tensors, to count what a compiled forward keeps",
-    ),
-    Member(
-        "torch._functorch.partitioners",
-        "min_cut_rematerialization_partition",
-        "autoshard.activations.compiled",
-        "inductor's partitioner: what the compiled forward saves for backward, and what it recomputes",
-    ),
-    Member("torch.utils._pytree", "tree_flatten", "autoshard.activations.compiled", "a block's captured inputs as a flat list of tensors"),
-    Member("torch.utils._pytree", "tree_unflatten", "autoshard.activations.compiled", "and back into its args and kwargs"),
+    Member("torch._functorch.aot_autograd", "aot_function", _COMPILED, "a block's joint forward-backward graph, traced on fake tensors"),
+    Member("torch._functorch.partitioners", "min_cut_rematerialization_partition", _COMPILED, "inductor's partitioner: what the forward saves"),
+    Member("torch.utils._pytree", "tree_flatten", _COMPILED, "a block's captured inputs as a flat list of tensors"),
+    Member("torch.utils._pytree", "tree_unflatten", _COMPILED, "and back into its args and kwargs"),
     # -- checkpoints ----------------------------------------------------------------------------------------------
-    Member(
-        "torch.distributed.checkpoint.state_dict_loader",
-        "_load_state_dict",
-        "autoshard.checkpoint",
-        "a DCP checkpoint read in one process (as torch's dcp_to_torch_save)",
-    ),
-    Member(
-        "torch.distributed.checkpoint.default_planner",
-        "_EmptyStateDictLoadPlanner",
-        "autoshard.checkpoint",
-        "the planner that reads entries without a template",
-    ),
-    Member(
-        "torch.distributed.tensor._utils",
-        "compute_local_shape_and_global_offset",
-        "autoshard.init_from",
-        "which slice of a full tensor a rank's shard holds",
-    ),
+    Member("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict", "autoshard.checkpoint", "a DCP checkpoint read in one process"),
+    Member("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner", "autoshard.checkpoint", "reads entries without a template"),
+    Member("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "autoshard.init_from", "the slice a rank's shard holds"),
     # -- the simulated step (activations) ---------------------------------------------------------------------------
     Member(_TRACKER, "FSDPMemTracker", _ACT, "the tracker StepTracker extends"),
     Member(_TRACKER, "_FSDPRefType", _ACT, "its memory categories (MODEL_STATES, GATHERED, ACTIVATIONS)"),
@@ -141,25 +97,21 @@ PRIVATE_MEMBERS: tuple[Member, ...] = (
     Member(_FAKE, "DynamicOutputShapeException", _ACT, "a value-dependent output shape, said in words"),
     Member(_FAKE, "UnsupportedOperatorException", _ACT, "an operator without a fake kernel, said in words"),
     Member("torch.utils._pytree", "tree_map_only", _ACT, "fake tensors made from the example batch"),
-    Member("torch.distributed.distributed_c10d", "_World", _ACT, "an empty group registry while a live one is parked (parked_registry)"),
-    Member("torch.distributed.distributed_c10d", "_world", _ACT, "parked and put back, so the live group is never touched"),
-    Member(
-        "torch.distributed.distributed_c10d", "_default_pg_init_method", _ACT, "part of the group registry that _world reads: parked and put back"
-    ),
+    Member(_C10D, "_World", _ACT, "an empty group registry while a live one is parked (parked_registry)"),
+    Member(_C10D, "_world", _ACT, "parked and put back, so the live group is never touched"),
     *(
-        Member("torch.distributed.distributed_c10d", name, _ACT, "part of the group registry that _world reads: parked and put back")
+        Member(_C10D, name, _ACT, _REGISTRY)
         for name in ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag", "_group_count", "_backend")
     ),
-    Member("torch.distributed.distributed_c10d", "_unregister_process_group", _ACT, "the fake groups' names leave torch's C++ registry"),
-    Member("torch.distributed.distributed_c10d", "_register_process_group", _ACT, "the live groups' names registered again after"),
-    Member("torch.distributed.distributed_c10d", "_update_default_pg", _ACT, "the live default group's rank is torch's again"),
+    Member(_C10D, "_default_pg_init_method", _ACT, _REGISTRY),
+    Member(_C10D, "_unregister_process_group", _ACT, "the fake groups' names leave torch's C++ registry"),
+    Member(_C10D, "_register_process_group", _ACT, "the live groups' names registered again after"),
+    Member(_C10D, "_update_default_pg", _ACT, "the live default group's rank is torch's again"),
     Member("torch.distributed.tensor", "DTensor._op_dispatcher", _ACT, "its sharding-propagation cache, emptied after a fake world"),
     Member("torch.distributed.tensor._redistribute", "_gen_transform_infos", _ACT, "its plan cache, emptied after a fake world"),
     Member("torch.distributed.tensor._collective_utils", "MeshTopoInfo", _ACT, "its cache of mesh topologies, emptied after a fake world"),
     Member("torch.nn", "Module._apply", "autoshard.adapters", "Module.to's own walk, with offloaded shards kept on the host"),
-    Member(
-        "torch.distributed.tensor._random", "_rng_tracker", _ACT, "DTensor's random-state tracker: one made for the fake mesh never serves a live run"
-    ),
+    Member("torch.distributed.tensor._random", "_rng_tracker", _ACT, "DTensor's RNG tracker: one made for a fake mesh never serves a live run"),
     Member("torch.distributed._composable", "checkpoint", "autoshard.adapters.checkpointing", "full activation checkpointing of a block"),
     Member("torch.utils._pytree", "tree_map_only", "autoshard.budget", "empty tensors of a given batch's shapes"),
     Member("torch.utils._pytree", "tree_map", "autoshard.budget", "a batch cut to a smaller micro-batch"),

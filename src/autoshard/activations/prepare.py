@@ -57,11 +57,7 @@ def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torc
     converts floating ones as Lightning's "-true" precisions do. Callback optimizers are pointed at the new
     parameters. Must run inside the FakeTensorMode."""
     new: dict[int, torch.Tensor] = {}
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return torch.empty(t.shape, dtype=cast, device="cpu")
-
+    fake = lambda t: torch.empty(t.shape, dtype=_cast(t, dtype), device="cpu")  # noqa: E731
     for m in module.modules():
         for name, p in m._parameters.items():
             if p is not None:
@@ -81,11 +77,9 @@ def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torc
 
 def _convert_input(batch: Any, dtype: torch.dtype | None) -> Any:
     """Lightning's "-true" precisions cast floating inputs to the module's dtype (HalfPrecision.convert_input)."""
-    if dtype is None:
-        return batch
     from torch.utils._pytree import tree_map_only
 
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+    return batch if dtype is None else tree_map_only(torch.Tensor, lambda t: t.to(_cast(t, dtype)), batch)
 
 
 def prepare_run(
@@ -179,8 +173,10 @@ def fake_example(example: Any, dtype: torch.dtype | None) -> Any:
     inside the FakeTensorMode."""
     from torch.utils._pytree import tree_map_only
 
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return torch.zeros(t.shape, dtype=cast, device="cpu") if t.is_meta else t.to(cast)
-
+    fake = lambda t: torch.zeros(t.shape, dtype=_cast(t, dtype), device="cpu") if t.is_meta else t.to(_cast(t, dtype))  # noqa: E731
     return tree_map_only(torch.Tensor, fake, example)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype "-true" precisions give a tensor: ``dtype`` for floating ones."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype

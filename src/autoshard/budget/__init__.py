@@ -15,7 +15,7 @@ One module per concern, bottom to top (the import-linter contract in pyproject.t
 
 from __future__ import annotations
 
-from autoshard.budget.advice import Ask, BudgetReport, Change, Evaluate, Option, check_budget
+from autoshard.budget.advice import Ask, BudgetReport, Option, check_budget
 from autoshard.budget.batch import batch_function, batch_rows, batch_tokens, cut_batch
 from autoshard.budget.decide import DecideOptions, auto_entries, decide
 from autoshard.budget.decision import (
@@ -26,13 +26,11 @@ from autoshard.budget.decision import (
     Cost,
     Headroom,
     Rates,
-    Tried,
     default_rates,
     describe_config,
     read_rates,
 )
-from autoshard.budget.meta import meta_factory
-from autoshard.budget.ranks import MAX_RANKS, whole_nodes
+from autoshard.budget.ranks import whole_nodes
 from autoshard.budget.resume import resume_decision, stored_differs
 from autoshard.budget.search import price
 from autoshard.budget.simulator import ModelStates, Subject
@@ -47,9 +45,6 @@ __all__ = [
     "Ask",
     "BudgetDecision",
     "BudgetReport",
-    "Change",
-    "Evaluate",
-    "MAX_RANKS",
     "ModelStates",
     "Option",
     "check_budget",
@@ -57,7 +52,6 @@ __all__ = [
     "Cost",
     "DecideOptions",
     "Rates",
-    "Tried",
     "auto_entries",
     "batch_function",
     "batch_rows",
@@ -65,7 +59,6 @@ __all__ = [
     "cut_batch",
     "decide",
     "describe_config",
-    "meta_factory",
     "price",
     "resume_decision",
     "stored_differs",

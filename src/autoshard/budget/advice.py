@@ -198,9 +198,12 @@ class _Advisor:
             change = "shard_size=None (shard over every rank)"
             self.add(change, "gathers and reduce-scatters cross nodes", Option(intent.replace(shard_size=None), world_size))
 
+    def asked(self, keys: tuple[str, ...]) -> ShardingIntent:
+        """The intent with the changes ``keys`` name ("mb", a smaller micro-batch, changes no field)."""
+        return self.intent.replace(**{k: v for key in keys if key != "mb" for k, v in self.singles[key][0].items()})
+
     def try_combo(self, keys: tuple[str, ...], ranks: int, ranks_cost: str = "") -> Change:
-        fields: dict[str, Any] = {k: v for key in keys if key != "mb" for k, v in self.singles[key][0].items()}
-        asked = self.intent.replace(**fields)
+        asked = self.asked(keys)
         parts = [_WORDS[key] for key in keys if key != "mb"]
         costs = [self.singles[key][1] for key in keys if key != "mb"]
         divisor = 1
@@ -240,8 +243,7 @@ class _Advisor:
         for size in range(1, len(available) + 1):
             fitted = False
             for keys in itertools.combinations(available, size):
-                fields = {k: v for key in keys if key != "mb" for k, v in self.singles[key][0].items()}
-                asked = self.intent.replace(**fields)
+                asked = self.asked(keys)
                 divisor = self.micro_batch(asked, self.world_size) if "mb" in keys else 1
                 ranks = self.smallest_world(asked, divisor)
                 if ranks is not None:
