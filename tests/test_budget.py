@@ -14,7 +14,7 @@ from autoshard.demo import DinoLike, make_batch
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.explain import ExplainOptions, Report, explain
 from autoshard.intent import ShardingIntent
-from autoshard.memory import parse_size
+from autoshard.units import parse_size
 
 TARGET = "autoshard.demo:DinoLike"
 BATCH = "autoshard.demo:make_batch"

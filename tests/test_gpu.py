@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import autoshard  # noqa: F401
 from autoshard.demo import Blobs, DinoLike, LossTrace, OnlineProbe
-from autoshard.memory import shard_rows
+from autoshard.memory_model import shard_rows
 from tests.test_budget_decide import GPT2
 
 pytestmark = pytest.mark.gpu

@@ -12,10 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autoshard.backends.deepspeed import zero3_model_states
 from autoshard.demo import DinoLike, OnlineProbe
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import EstimateOptions, collect_optimizers, estimate_memory, estimate_memory_many, memory_table, shard_rows, zero3_model_states
+from autoshard.memory import EstimateOptions, collect_optimizers, estimate_memory, estimate_memory_many, memory_table
+from autoshard.memory_model import shard_rows
 from autoshard.needs import MethodNeeds, inspect_needs
 
 NO_NEEDS = MethodNeeds(optimizer_sources=())

@@ -38,12 +38,13 @@ from autoshard.budget import (
 )
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import ACTIVATIONS_HINT, MemoryEstimate, fmt_bytes, memory_table, parse_size, with_step
+from autoshard.memory import ACTIVATIONS_HINT, MemoryEstimate, fmt_bytes, memory_table, with_step
 from autoshard.mesh import ParallelDims, nodes_for
 from autoshard.needs import MethodNeeds
 from autoshard.precision import resolve_precision
 from autoshard.select import Decision, features_needed, select_backend
 from autoshard.target import load_target
+from autoshard.units import parse_size
 
 DEFAULT_WORLD_SIZES = (1, 2, 8, 64)
 DEFAULT_DEVICES_PER_NODE = 8

@@ -16,27 +16,14 @@ from torch import nn
 from autoshard.adapters.fsdp2 import Unsharded
 from autoshard.adapters.tp_plan import TPCollective, TPPlan
 from autoshard.backends import BACKENDS, get_backend, load, on_backend
-from autoshard.backends.deepspeed import zero3_model_states  # re-exported: public here before it moved
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent, as_intent
-from autoshard.memory_model import (
-    CATEGORIES,
-    LABELS,
-    OPTIMIZER_STATES,
-    Layout,
-    MemoryEstimate,
-    Param,
-    RankInputs,
-    Traffic,
-    Unit,
-    UnshardedPart,
-    shard_rows,
-)
+from autoshard.memory_model import CATEGORIES, LABELS, Layout, MemoryEstimate, Param, RankInputs, Traffic, Unit
 from autoshard.mesh import ParallelDims, hybrid_sizes, nodes_for
 from autoshard.needs import MethodNeeds, callbacks_of, held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import AUTO, select_backend
-from autoshard.units import fmt_bytes, parse_size
+from autoshard.units import fmt_bytes
 
 # memory_table's line when no step ran (explain replaces it when --batch was passed but no step ran).
 ACTIVATIONS_HINT = "activations are not counted: pass --batch FILE.py:make_batch (or set example_input_array) to simulate a step"
@@ -224,10 +211,6 @@ def with_step(estimate: MemoryEstimate, step: Any, whole_step: bool) -> MemoryEs
     )
 
 
-def _signed(n: int) -> str:
-    return ("-" if n < 0 else "+") + fmt_bytes(abs(n))
-
-
 def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     """Estimates side by side, one column per world size (same module, backend and intent)."""
     if not estimates:
@@ -251,7 +234,12 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
         rows.append((f"gathered at the {step}'s peak ({first.gather_dtype})", [fmt_bytes(e.step_gathered) for e in estimates]))
         rows.append(("activations + temporaries at the peak", [fmt_bytes(e.activations) for e in estimates]))
         if any(e.other_at_peak for e in estimates):
-            rows.append(("other at the peak (+inputs, buffers; -states not yet made)", [_signed(e.other_at_peak) for e in estimates]))
+            rows.append(
+                (
+                    "other at the peak (+inputs, buffers; -states not yet made)",
+                    [("-" if e.other_at_peak < 0 else "+") + fmt_bytes(abs(e.other_at_peak)) for e in estimates],
+                )
+            )
         rows.append((f"= peak per rank (simulated {step})", [fmt_bytes(e.total) for e in estimates]))
     elif all(e.activations for e in estimates):  # the backend's own states and buffers + a simulated step's activations
         step = "forward" if first.forward_only else "training step"
@@ -381,21 +369,3 @@ def _dims(intent: ShardingIntent, world_size: int, num_nodes: int, tp: TensorPar
         return ParallelDims.resolve(intent, world_size, num_nodes)
     replicas, shard = hybrid_sizes(intent, world_size, num_nodes) or (1, world_size)
     return ParallelDims(replicas, shard)
-
-
-__all__ = [
-    "EstimateOptions",
-    "MemoryEstimate",
-    "OPTIMIZER_STATES",
-    "Traffic",
-    "UnshardedPart",
-    "collect_optimizers",
-    "estimate_memory",
-    "estimate_memory_many",
-    "fmt_bytes",
-    "memory_table",
-    "parse_size",
-    "with_step",
-    "shard_rows",
-    "zero3_model_states",
-]

@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-VERIFIED_TORCH = "2.13"  # the release every member below was checked on (the test checks the installed one)
-
 
 @dataclass(frozen=True)
 class Member:

@@ -7,17 +7,8 @@ Lightning's order. ``benchmarks/activation_accuracy.py`` compares it with real 2
 
 The figures are tensor bytes, what ``torch.cuda.max_memory_allocated`` approaches from below: the caching
 allocator, CUDA/NCCL workspaces and the CUDA context are not modelled. The warm-up step's FLOPs price activation
-checkpointing for ``autoshard.budget``.
-
-One module per concern, bottom to top (the import-linter contract in pyproject.toml keeps this order):
-
-- ``step_memory``: ``StepMemory``, what a step reports, and the tracker's categories;
-- ``failures``: an exception raised under fake tensors, in words;
-- ``tracker`` (torch's FSDPMemTracker for a LightningModule, ``measuring_callback``), ``batch`` (``load_batch``,
-  ``call_batch``, ``describe_batch``), ``world`` (the fake process group, the parked live registry, the mesh) and
-  ``stand_in`` (the stand-in Trainer of a manual-optimization step);
-- ``prepare``: the module built on meta, made fake and sharded, its optimizers and the batch;
-- ``step``: ``measure_step``, the step itself.
+checkpointing for ``autoshard.budget``. One module per concern (docs/architecture.md), in the order of the
+import-linter contract in pyproject.toml.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 the compiled forward keeps.
 
 The simulated step runs eager (dynamo on fake tensors beside a fake process group is neither cheap nor what FSDP2's
-hooks see), so a compiled block's activations are counted from its graph instead: AOTAutograd traces the block's
-forward and backward as one joint graph, and the min-cut partitioner, the one inductor uses, chooses what the
-forward saves (cheap elementwise results are recomputed in the fused backward instead of kept). Eager keeps what
-autograd's saved-tensor hooks see. Both run on fake tensors of the block's real input shapes, with its parameters
-in the dtype FSDP2 gathers them in; nothing is compiled and no memory is used.
+hooks see), so a compiled block's activations are counted from its graph: AOTAutograd's joint forward-backward
+graph, cut by inductor's min-cut partitioner, against what autograd's saved-tensor hooks see in eager. Both run on
+fake tensors of the block's real input shapes: nothing is compiled and no memory is used.
 
 Measured on one H200 (a 0.9B Llama, 4 x 2048 tokens, bf16-mixed): compiling each of its 16 decoder layers lowered
 the peak by 3.38 GiB (27.09 -> 23.71 GiB). Counted here: eager keeps 705.6 MiB per layer, the min-cut graph
@@ -38,9 +36,8 @@ class BlockSaving:
 
 
 def block_saving(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype) -> BlockSaving:
-    """``block``'s saved bytes for one forward on ``args``/``kwargs`` (fake tensors, as the simulated step's
-    pre-forward hook captured them), eager and as the min-cut partitioner would compile it. Run inside the fake
-    mode the inputs belong to; ``block`` may live on meta (only its parameters' shapes are read)."""
+    """``block``'s saved bytes for one forward on ``args``/``kwargs``, eager and compiled. Run inside the fake mode the
+    inputs belong to; ``block`` may live on meta (only its parameters' shapes are read)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.func import functional_call

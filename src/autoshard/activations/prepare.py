@@ -36,20 +36,10 @@ class Run:
     compiled: dict[str, nn.Module] = field(default_factory=dict)  # compiled, unchecked blocks -> an eager meta copy of one alike
 
 
-def _may_compile(module: nn.Module, intent: ShardingIntent) -> bool:
-    return Compile.of(intent.compile) is Compile.BLOCKS or any(is_compiled_in_place(m) for m in module.modules())
-
-
 def _first_of_each_class(module: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
     """Each name -> the first of ``names`` whose module has the same class (one count per kind of block)."""
     first: dict[type, nn.Module] = {}
     return {name: first.setdefault(type(module.get_submodule(name)), module.get_submodule(name)) for name in names}
-
-
-def _compiled_blocks(module: nn.Module, eager: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """The blocks the plan compiled that keep their activations (a checkpointed block keeps only its input, compiled
-    or not), each with the eager copy of the first of its class: ``activations.compiled`` counts on it."""
-    return {name: block for name, block in eager.items() if not is_checkpointed(module.get_submodule(name))}
 
 
 def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torch.dtype | None) -> None:
@@ -107,7 +97,8 @@ def prepare_run(
             f" Fix: return the module unsharded and let strategy='auto-shard' shard it"
         )
     convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
-    unsharded = copy.deepcopy(module) if _may_compile(module, intent) else None  # on meta: what compiled blocks are counted on
+    may_compile = Compile.of(intent.compile) is Compile.BLOCKS or any(is_compiled_in_place(m) for m in module.modules())
+    unsharded = copy.deepcopy(module) if may_compile else None  # on meta: what compiled blocks are counted on
     with mode:
         _fake_parameters(module, callbacks, convert)
     needs = inspect_needs(module, callbacks=callbacks, call_hooks=False)
@@ -118,7 +109,8 @@ def prepare_run(
         plan = plan_fsdp2(module, intent, needs, precision, dims=dims)
         eager = _first_of_each_class(unsharded, plan.compiled) if unsharded is not None else {}
         plan.apply(module, mesh)  # outside the fake mode: it reads the mesh's real rank tensor
-    compiled = _compiled_blocks(module, eager)
+    # a checkpointed block keeps only its input, compiled or not: only the others are counted (activations.compiled)
+    compiled = {name: block for name, block in eager.items() if not is_checkpointed(module.get_submodule(name))}
     if intent.offload != "none":
         notes.append(
             f"offload={intent.offload!r}: everything here is CPU memory, so the offloaded states are inside this peak;"
@@ -169,8 +161,7 @@ def _configure_model(module: nn.Module) -> list[str]:
 
 
 def fake_example(example: Any, dtype: torch.dtype | None) -> Any:
-    """``example_input_array`` as fake CPU tensors (built in ``__init__`` under the meta device, it is meta);
-    inside the FakeTensorMode."""
+    """``example_input_array`` as fake CPU tensors (built in ``__init__`` under the meta device, it is meta); inside the FakeTensorMode."""
     from torch.utils._pytree import tree_map_only
 
     fake = lambda t: torch.zeros(t.shape, dtype=_cast(t, dtype), device="cpu") if t.is_meta else t.to(_cast(t, dtype))  # noqa: E731

@@ -1,5 +1,4 @@
-"""The stand-in Trainer of a manual-optimization step: what ``self.trainer`` and ``self.optimizers()`` reach in fit,
-without a Trainer."""
+"""The stand-in Trainer of a manual-optimization step: what ``self.trainer`` and ``self.optimizers()`` reach in fit, without a Trainer."""
 
 from __future__ import annotations
 

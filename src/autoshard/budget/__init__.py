@@ -1,16 +1,6 @@
 """Memory budgets: ``autoshard explain --budget 80GiB`` (does the run fit, and if not, the fewest changes that would),
 and ``ShardingIntent(memory_budget=...)`` (``decide``: the cheapest configuration whose simulated peak fits).
-
-One module per concern, bottom to top (the import-linter contract in pyproject.toml keeps this order):
-
-- ``ranks``: the world sizes a run can have, and the part of an estimate that shrinks with them;
-- ``decision``: the values (``BudgetDecision``, ``Tried``, ``Cost``, ``Rates``, ``BudgetRefusedError``) and the fields
-  a decision chooses;
-- ``batch`` and ``meta``: what a decision is made on (one micro-batch, the module copied to meta);
-- ``simulator``: model states and simulated steps for one module and batch, cached;
-- ``search``: the price of a configuration and the search for the cheapest that fits (``price``);
-- ``advice`` (``check_budget``: ``explain --budget``), ``decide`` (``decide``, ``auto_entries``)
-  and ``resume`` (``resume_decision``, ``stored_differs``).
+One module per concern (docs/architecture.md), in the order of the import-linter contract in pyproject.toml.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The one micro-batch a decision is made on: a function returning it (never its values), its rows and tokens, and a
-smaller micro-batch of it."""
+"""The one micro-batch a decision is made on: a function returning it (never its values), its rows and tokens, and a smaller micro-batch of it."""
 
 from __future__ import annotations
 

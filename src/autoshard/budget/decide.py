@@ -213,8 +213,7 @@ def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limi
 
 
 def _check_budget_backend(intent: ShardingIntent, backend: str) -> str:
-    """Refuse a memory budget on a backend it cannot decide for, or an intent that backend cannot run; returns the
-    backend's canonical name."""
+    """Refuse a memory budget on a backend it cannot decide for, or an intent that backend cannot run; returns the backend's canonical name."""
     chosen = get_backend(backend)
     if chosen.budget is None:
         raise IntentError(f"memory_budget decides for fsdp2 and DeepSpeed ZeRO-3, not {chosen.name}. Fix: backend='fsdp2'")

@@ -275,8 +275,7 @@ def _cost_words(cost: Cost) -> str:
 
 
 def free_fields(intent: ShardingIntent, num_nodes: int, backend: str = "fsdp2") -> list[str]:
-    """The fields the user left at their defaults among those the backend's budget sets, shard_size only when there
-    are several nodes to group by."""
+    """The fields the user left at their defaults among those the backend's budget sets, shard_size only when there are several nodes to group by."""
     fields = get_backend(backend).budget.fields  # type: ignore[union-attr]
     free = [
         f for f in BUDGET_FIELDS if getattr(intent, f) == DEFAULTS[f] and type(getattr(intent, f)) is type(DEFAULTS[f]) and f not in intent.pinned

@@ -45,8 +45,7 @@ class Subject:
 
 
 class ModelStates:
-    """The model states of one ``Subject`` on ``backend``, for any intent at any world size, cached
-    (``memory.estimate_memory_many``)."""
+    """The model states of one ``Subject`` on ``backend``, for any intent at any world size, cached (``memory.estimate_memory_many``)."""
 
     def __init__(
         self, subject: Subject, backend: str, precision: Any, devices_per_node: int | None, num_nodes: int = 1, tokens: int | None = None
