@@ -163,6 +163,7 @@ class Report:
         ]
 
     def to_dict(self) -> dict[str, Any]:
+        kind, message = (self.error_type, self.error) if self.error else ("IncompleteEstimate", self.incomplete)
         return {
             "target": self.target,
             "module": type(self.module).__name__,
@@ -170,13 +171,7 @@ class Report:
             "intent": self.intent.to_dict(),
             "needs": self.needs.to_dict(),
             "decision": self.decision.to_dict() if self.decision else None,
-            "error": (
-                {"type": self.error_type, "message": self.error}
-                if self.error
-                else {"type": "IncompleteEstimate", "message": self.incomplete}
-                if self.incomplete
-                else None
-            ),
+            "error": {"type": kind, "message": message} if message else None,
             "incomplete": self.incomplete,
             "features": self._feature_rows(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
@@ -224,11 +219,8 @@ class Report:
             tp = self.intent.tensor_parallel_size
             out += ["", head(f"== tensor-parallel layout ({tp} ranks, the model's own plan) =="), *tp_plan.describe(self.module, tp)]
         if self.deepspeed_config is not None:
-            out += [
-                "",
-                head(f"== DeepSpeed ZeRO-3 config (world size {self.deepspeed_config_world}) =="),
-                json.dumps(self.deepspeed_config, indent=2),
-            ]
+            world = self.deepspeed_config_world
+            out += ["", head(f"== DeepSpeed ZeRO-3 config (world size {world}) =="), json.dumps(self.deepspeed_config, indent=2)]
         if self.memory:
             table = memory_table(self.memory)
             if self.unmeasured:  # the table's generic hint tells the user to pass the --batch they passed
@@ -547,19 +539,15 @@ def _fitting_world_sizes(intent: ShardingIntent, sizes: Sequence[int], devices_p
             f" of it). Fix: list multiples of it, e.g. --world-sizes {','.join(str(tp * k) for k in (1, 2, 4, 8))}"
         )
     if not kept:
+        shard = devices_per_node if intent.shard_size == "node" else int(intent.shard_size or 1)
         raise IntentError(
             f"shard_size={intent.shard_size!r} fits none of the world sizes {', '.join(map(str, sizes))}."
-            f" Fix: list world sizes that are multiples of it, e.g. --world-sizes {_multiples(intent, devices_per_node)}"
+            f" Fix: list world sizes that are multiples of it, e.g. --world-sizes {','.join(str(shard * k) for k in (1, 2, 8))}"
         )
     if dropped:
         field = f"tensor_parallel_size={tp}" if by_tp else f"shard_size={intent.shard_size!r}"
         notes.append(f"world size(s) {', '.join(map(str, dropped))} left out: {field} does not divide them")
     return kept
-
-
-def _multiples(intent: ShardingIntent, devices_per_node: int) -> str:
-    shard = devices_per_node if intent.shard_size == "node" else int(intent.shard_size or 1)
-    return ",".join(str(shard * k) for k in (1, 2, 8))
 
 
 # -- command line ---------------------------------------------------------------------------------------------------

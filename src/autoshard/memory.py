@@ -87,12 +87,6 @@ class TensorParallelCost:
     activation_elsize: int  # bytes per element of the activations the collectives move (the compute dtype)
 
 
-def _tp_local(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
-    if dim is None or dim >= len(shape):
-        return shape
-    return (*shape[:dim], shape[dim] // tp, *shape[dim + 1 :])
-
-
 def _layout(
     module: nn.Module, intent: ShardingIntent, needs: MethodNeeds, backend: str, precision: PrecisionPlan
 ) -> tuple[Layout, TensorParallelCost | None]:
@@ -101,28 +95,25 @@ def _layout(
     plan_fn = get_backend(backend).plan
     precision = on_backend(precision, backend)
     notes: list[str] = []
-    owner: dict[int, tuple[str, str]] = {}  # param id -> (unit name, role)
-    units: list[Unit] = []
-    whys: dict[str, str] = {}
-    replicated: list[str] = []
-    gathered: dict[str, int] = {}
-    reduced: dict[str, int] = {}
+    plan = None
     if plan_fn:  # a per-block plan says which unit owns each parameter; without one, every parameter is partitioned
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan = load(plan_fn)(module, intent, needs, precision)
         notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
         notes += plan.notes
-        modules = dict(module.named_modules())
-        for unit in plan.units:  # deepest first: a unit owns what no deeper unit took
-            for p in modules[unit.name].parameters():
-                if p.dim() > 0 and id(p) not in owner:
-                    owner[id(p)] = (unit.name, unit.role)
-        whys = {r.name: r.why.value for r in plan.replicated}
-        replicated = sorted(whys, key=len, reverse=True)
-        gathered = {u.name: 0 for u in plan.units}
-        reduced = {u.name: 0 for u in plan.units}
-    tp_plan: TPPlan | None = getattr(plan, "tp_plan", None) if plan_fn else None
+    plan_units = plan.units if plan is not None else []
+    owner: dict[int, tuple[str, str]] = {}  # param id -> (unit name, role)
+    modules = dict(module.named_modules())
+    for unit in plan_units:  # deepest first: a unit owns what no deeper unit took
+        for p in modules[unit.name].parameters():
+            if p.dim() > 0 and id(p) not in owner:
+                owner[id(p)] = (unit.name, unit.role)
+    whys: dict[str, str] = {r.name: r.why.value for r in plan.replicated} if plan is not None else {}
+    replicated = sorted(whys, key=len, reverse=True)
+    gathered = {u.name: 0 for u in plan_units}
+    reduced = dict(gathered)
+    tp_plan: TPPlan | None = getattr(plan, "tp_plan", None)
     tp = intent.tensor_parallel_size if tp_plan is not None else 1
     splits = tp_plan.split_params(module) if tp_plan is not None and tp > 1 else {}
     params: dict[int, Param] = {}
@@ -131,7 +122,8 @@ def _layout(
         elsize = _elsize(p, precision)
         gather = _gather_elsize(p, precision, elsize)
         unit = owner.get(id(p))
-        shape = _tp_local(tuple(p.shape), splits.get(name), tp)
+        dim = splits.get(name)  # the dimension the tensor-parallel plan splits, None: whole on each tp rank
+        shape = tuple(p.shape) if dim is None or dim >= p.dim() else (*p.shape[:dim], p.shape[dim] // tp, *p.shape[dim + 1 :])
         numel = math.prod(shape)
         if unit is not None:
             part, teacher = unit[0], unit[1] == "teacher"
@@ -144,8 +136,7 @@ def _layout(
             teacher = False
         params[id(p)] = Param(name, shape, elsize, gather, unit is not None, teacher, p.requires_grad, part)
         whole[id(p)] = replace(params[id(p)], shape=tuple(p.shape))
-    if plan_fn:
-        units = [Unit(u.name, gathered[u.name], reduced[u.name], u.reshard_after_forward, u.role == "teacher") for u in plan.units]
+    units = [Unit(u.name, gathered[u.name], reduced[u.name], u.reshard_after_forward, u.role == "teacher") for u in plan_units]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
     layout = Layout(params, units, whys, notes, largest, precision)
     if tp_plan is None or tp == 1:

@@ -35,12 +35,8 @@ class Member:
         return True
 
 
-_FSDP = "autoshard.adapters.fsdp2"
-_ACT = "autoshard.activations"
-_TRACKER = "torch.distributed._tools.fsdp2_mem_tracker"
-_FAKE = "torch._subclasses.fake_tensor"
-_C10D = "torch.distributed.distributed_c10d"
-_COMPILED = "autoshard.activations.compiled"
+_FSDP, _ACT, _COMPILED = "autoshard.adapters.fsdp2", "autoshard.activations", "autoshard.activations.compiled"  # users
+_TRACKER, _FAKE, _C10D = "torch.distributed._tools.fsdp2_mem_tracker", "torch._subclasses.fake_tensor", "torch.distributed.distributed_c10d"
 _REGISTRY = "part of the group registry that _world reads: parked and put back"
 
 PRIVATE_MEMBERS: tuple[Member, ...] = (

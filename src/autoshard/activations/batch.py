@@ -98,12 +98,6 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-def _without_trainer(exc: BaseException) -> bool:
-    """The step read ``self.trainer`` (the copy has none) or something the manual step's stand-in Trainer lacks."""
-    text = str(exc)
-    return "is not attached to a `Trainer`" in text or "is not available in autoshard's simulated step" in text
-
-
 def _dtype_mismatch(exc: BaseException, batch: Any) -> list[torch.Tensor]:
     """The batch's integer tensors when the failure is a floating-point op meeting one of them; else []."""
     ints = [t for t in _tensors(batch) if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
@@ -127,7 +121,8 @@ def step_failure(exc: BaseException, make_batch: Callable[..., Any], batch: Any)
             f"{head} Fix: keep training_step's values on tensors (no .item(), no `if tensor:`), or measure a real run with"
             f" autoshard.activations.measuring_callback()"
         )
-    if _without_trainer(exc):
+    # the step read self.trainer (the copy has none) or something the manual step's stand-in Trainer lacks
+    if "is not attached to a `Trainer`" in str(exc) or "is not available in autoshard's simulated step" in str(exc):
         return (
             f"{head} The batch is not the cause: training_step reads self.trainer there, and the simulated step runs on a copy"
             f" of the module without a Trainer (a manual-optimization step gets a stand-in holding only its optimizers,"

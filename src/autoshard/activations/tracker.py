@@ -3,6 +3,7 @@ that measures a real run's step with it (``measuring_callback``), so estimate an
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,7 +104,8 @@ class _StepParts:
         )
 
 
-def _make_tracker_class() -> type:
+@functools.cache
+def _tracker_class() -> type:
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType, _FSDPState
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor import DTensor
@@ -175,16 +177,10 @@ def _make_tracker_class() -> type:
     return StepTracker
 
 
-_TRACKER: type | None = None
-
-
 def step_tracker(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Any:
     """A tracker of every tensor of ``module``'s training step (real or fake tensors): enter it around one step.
     Tensors alive before count only as parameters, gradients, buffers, optimizer states or ``track_inputs``."""
-    global _TRACKER
-    if _TRACKER is None:
-        _TRACKER = _make_tracker_class()
-    return _TRACKER(module, optimizers)
+    return _tracker_class()(module, optimizers)
 
 
 def measuring_callback(batch_index: int = 1) -> Any:

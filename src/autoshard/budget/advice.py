@@ -57,17 +57,13 @@ class BudgetReport:
         return asdict(self)
 
     def text(self) -> str:
+        head = f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak"
+        share = f" ({self.peak / self.budget:.0%} of the budget)"
         if self.missing:
             verdict = "cannot tell whether it fits" if self.fits is None else "does NOT fit, even without them"
-            head = (
-                f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak at least {fmt_bytes(self.peak)}"
-                f" ({self.peak / self.budget:.0%} of the budget) with {self.missing} not counted: {verdict}"
-            )
+            head += f" at least {fmt_bytes(self.peak)}{share} with {self.missing} not counted: {verdict}"
         else:
-            head = (
-                f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak {fmt_bytes(self.peak)}"
-                f" ({self.peak / self.budget:.0%} of the budget): {'fits' if self.fits else 'does NOT fit'}"
-            )
+            head += f" {fmt_bytes(self.peak)}{share}: {'fits' if self.fits else 'does NOT fit'}"
         lines = [head]
         if self.fits is False and not self.missing:
             fitting = [c for c in self.changes if c.fits]

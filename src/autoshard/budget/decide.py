@@ -2,11 +2,9 @@
 order is in ``autoshard.budget.search``), or a refusal naming what would fit (a strategy calls it at setup);
 ``auto_entries`` for ``explain --budget --json``."""
 
-# The decision is made on one micro-batch, as ``training_step`` receives it: a function returning it, or the batch
-# itself (at fit: the first batch of the train dataloader). Never on ``example_input_array``: it is forward's input,
-# and a forward alone is a lower bound of a step's peak (no backward, no optimizer step), so a decision on it could
-# choose a configuration that runs out of memory. Never on model states alone either: activations are most of a
-# step's peak on the models we know.
+# The decision is made on one micro-batch, as ``training_step`` receives it. Never on ``example_input_array``: a
+# forward alone is a lower bound of a step's peak, so a decision on it could choose a configuration that runs out of
+# memory. Never on model states alone either: activations are most of a step's peak on the models we know.
 
 from __future__ import annotations
 
@@ -146,27 +144,16 @@ def _answer(q: Question) -> BudgetDecision:
     base = q.intent.replace(memory_budget=None, memory_headroom=None, pinned=())
     sim = Simulator(meta_factory(q.module, o.callbacks), make_batch, base, precision, devices_per_node, num_nodes, o.progress, limit.backend)
     with torch.device("meta"):
-        described = describe_batch(make_batch())
+        shapes = describe_batch(make_batch())
     free = free_fields(q.intent, num_nodes, limit.backend)
     kept = _kept(q.intent, free, limit.backend)
     blocks = sim.blocks() if "activation_checkpointing" in free else 0
     chosen, cheaper, most = search_configs(sim, world_size, limit.limit, rates, free, blocks)
     if chosen is not None:
         return BudgetDecision(
-            limit.budget,
-            world_size,
-            chosen.config,
-            chosen.peak,
-            chosen.cost,
-            cheaper,
-            described,
-            kept,
-            rates,
-            num_nodes,
-            limit.backend,
-            limit.headroom,
+            limit.budget, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, shapes, kept, rates, num_nodes, limit.backend, limit.headroom
         )
-    raise _refusal(sim, most, world_size, limit, described)
+    raise _refusal(sim, most, world_size, limit, shapes)
 
 
 def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limit, described: str) -> BudgetRefusedError:

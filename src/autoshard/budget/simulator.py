@@ -14,6 +14,7 @@ from autoshard.budget.batch import cut_batch
 from autoshard.budget.decision import describe_config
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
+from autoshard.mesh import nodes_for
 
 
 def config_key(config: dict[str, Any]) -> str:
@@ -97,11 +98,6 @@ class Simulator:
         self.measured: dict[tuple[str, int, int], Any] = {}
         self.sims = 0
 
-    def nodes(self, world_size: int) -> int:
-        from autoshard.mesh import nodes_for
-
-        return self.num_nodes if self.devices_per_node is None else nodes_for(world_size, self.devices_per_node)
-
     def blocks(self) -> int:
         """Blocks activation checkpointing would wrap (trainable blocks; fsdp2's plan and DeepSpeed wrap the same)."""
         from autoshard.adapters.checkpointing import checkpointable_blocks
@@ -136,7 +132,7 @@ class Simulator:
                 world_size,
                 self.precision,
                 make_batch=cut_batch(self.make_batch, divisor),
-                num_nodes=self.nodes(world_size),
+                num_nodes=self.num_nodes if self.devices_per_node is None else nodes_for(world_size, self.devices_per_node),
             )
             self.sims += 1
             if step.forward_only:  # the batch did not run: the reason is the user's to fix, never a decision on half a step
