@@ -305,12 +305,8 @@ def explain(
     options: ExplainOptions | None = None,
 ) -> Report:
     """Build TARGET on meta and work out everything autoshard would do with it; a refusal lands in ``error``.
-
-    ``batch`` (``FILE.py:make_batch`` or a callable): one micro-batch per rank, for a simulated step per world size
-    (without it, ``example_input_array`` is forwarded). ``budget``: device bytes per rank (``80GiB``): whether the
-    largest world size fits, and what would. When either was asked for and the peak lacks part of the step,
-    ``report.incomplete`` says what and why, and the budget verdict is "cannot tell" rather than "fits".
-    """
+    ``batch``: one micro-batch per rank, for a simulated step per world size; ``budget``: device bytes per rank
+    (``80GiB``). When either was asked for and the peak lacks part of the step, ``report.incomplete`` says why."""
     o = options or ExplainOptions()
     accelerator, devices_per_node, simulate, progress = o.accelerator, o.devices_per_node, o.simulate, o.progress
     intent = intent or ShardingIntent()

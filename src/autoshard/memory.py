@@ -220,20 +220,15 @@ def memory_table(estimates: Sequence[MemoryEstimate]) -> str:
     rows.append(
         (f"  vs ideal (unsharded / {'shard group' if hybrid else 'N'})", [f"{e.model_states / e.ideal:.3f}x" if e.ideal else "-" for e in estimates])
     )
+    step = "forward" if first.forward_only else "training step"
     if all(e.step_peak for e in estimates):
-        step = "forward" if first.forward_only else "training step"
         rows.append((f"gathered at the {step}'s peak ({first.gather_dtype})", [fmt_bytes(e.step_gathered) for e in estimates]))
         rows.append(("activations + temporaries at the peak", [fmt_bytes(e.activations) for e in estimates]))
         if any(e.other_at_peak for e in estimates):
-            rows.append(
-                (
-                    "other at the peak (+inputs, buffers; -states not yet made)",
-                    [("-" if e.other_at_peak < 0 else "+") + fmt_bytes(abs(e.other_at_peak)) for e in estimates],
-                )
-            )
+            signed = [("-" if e.other_at_peak < 0 else "+") + fmt_bytes(abs(e.other_at_peak)) for e in estimates]
+            rows.append(("other at the peak (+inputs, buffers; -states not yet made)", signed))
         rows.append((f"= peak per rank (simulated {step})", [fmt_bytes(e.total) for e in estimates]))
     elif all(e.activations for e in estimates):  # the backend's own states and buffers + a simulated step's activations
-        step = "forward" if first.forward_only else "training step"
         rows.append((f"largest gathered block (transient, {first.gather_dtype})", [fmt_bytes(e.gathered_block) for e in estimates]))
         rows.append((f"activations + temporaries (simulated {step})", [fmt_bytes(e.activations) for e in estimates]))
         rows.append(("= peak per rank", [fmt_bytes(e.total) for e in estimates]))
@@ -280,13 +275,9 @@ def _canonical_backend(backend: str, needs: MethodNeeds, intent: ShardingIntent,
 
 @dataclass(frozen=True)
 class EstimateOptions:
-    """How ``estimate_memory`` counts, beyond the module, the intent, the world size and the optimizers.
-
-    ``rank`` 0 holds the largest FSDP2 shard. ``devices_per_node`` derives ``num_nodes`` from each world size.
-    ``precision`` None plans for the intent's. ``state_tensors`` overrides the state count per optimizer class name.
-    ``sourced``: pairs ``collect_optimizers`` already made, so that ``configure_optimizers`` runs once (hooks may
-    assert a single call). ``tokens`` per micro-batch count a tensor-parallel plan's activation traffic.
-    """
+    """How ``estimate_memory`` counts, beyond the module, the intent, the world size and the optimizers. ``rank`` 0
+    holds the largest FSDP2 shard; ``devices_per_node`` derives ``num_nodes`` from each world size; ``sourced``: pairs
+    ``collect_optimizers`` made, so that ``configure_optimizers`` runs once (hooks may assert a single call)."""
 
     rank: int = 0
     num_nodes: int = 1

@@ -1,6 +1,5 @@
-"""The batch a simulated step runs on: ``--batch file.py:make_batch`` loaded (``load_batch``), called with its failure
-in words (``call_batch``), described by its dtypes and shapes (``describe_batch``), and a step that failed on it said
-with its real cause (``step_failure``)."""
+"""The batch a simulated step runs on: loaded, called and described, its failures said in words, and a step that
+failed on it said with its real cause (``step_failure``)."""
 
 from __future__ import annotations
 
@@ -73,9 +72,8 @@ def describe_batch(batch: Any, limit: int = 240) -> str:
 
 
 def batch_origin(make_batch: Callable[..., Any]) -> str:
-    """Where a batch came from, as a message names it: the ``origin`` of a batch given as data (the first batch of the
-    train DataLoader, the batch given to decide) or cut from another, else "the batch from" the user's function with
-    its file and line."""
+    """Where a batch came from, as a message names it: the ``origin`` of a batch given as data or cut from another,
+    else "the batch from" the user's function with its file and line."""
     origin = getattr(make_batch, "origin", None)
     return origin if isinstance(origin, str) else f"the batch from {where_defined(make_batch)}"
 

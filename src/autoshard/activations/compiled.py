@@ -1,7 +1,5 @@
 """What compiling a block saves in activation memory: the bytes its eager forward keeps for backward, minus those
-the compiled forward keeps.
-
-The simulated step runs eager (dynamo on fake tensors beside a fake process group is neither cheap nor what FSDP2's
+the compiled forward keeps. The simulated step runs eager (dynamo on fake tensors beside a fake process group is neither cheap nor what FSDP2's
 hooks see), so a compiled block's activations are counted from its graph: AOTAutograd's joint forward-backward
 graph, cut by inductor's min-cut partitioner, against what autograd's saved-tensor hooks see in eager. Both run on
 fake tensors of the block's real input shapes: nothing is compiled and no memory is used.

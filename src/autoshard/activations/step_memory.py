@@ -15,9 +15,7 @@ ACTIVATIONS = ("Activation", "Temp")
 @dataclass(frozen=True)
 class StepMemory:
     """Bytes of live tensors on one rank at the peak of one training step: ``peak = model_states + gathered +
-    activations`` (the groups of FSDPMemTracker's categories above; ``by_kind`` keeps them). ``incomplete`` says
-    why a ``forward_only`` peak lacks the backward and the optimizer step, so no caller presents a lower bound as the
-    whole step's peak."""
+    activations`` (the groups above). ``incomplete`` says why a ``forward_only`` peak, a lower bound, lacks the rest."""
 
     world_size: int
     rank: int

@@ -1,6 +1,5 @@
-"""The fake world a simulated step runs in: a fake process group of ``world_size`` ranks in this process
-(``fake_world``), beside a live group too (its registry parked meanwhile), and the data-parallel mesh the plan
-shards on."""
+"""The fake world a simulated step runs in: a fake process group in this process (beside a live one too), or in a
+forked child, and the data-parallel mesh the plan shards on."""
 
 from __future__ import annotations
 
@@ -57,12 +56,8 @@ _FAKE_NAMES = itertools.count(10**9, 10**4)
 
 @contextlib.contextmanager
 def parked_registry() -> Iterator[None]:
-    """An empty torch.distributed group registry inside, the one from before (live groups and all) after.
-
-    The fake groups are shut down and unregistered one by one: ``destroy_process_group()`` would unregister the live
-    groups' names too. The live group count is put back: ranks that ran no fake world must name their next groups
-    alike (gloo meets in its store under the group's name). DTensor's random-state tracker is parked too.
-    """
+    """An empty torch.distributed group registry inside, the one from before (live groups and all) after. The fake
+    groups are unregistered one by one: ``destroy_process_group()`` would unregister the live groups' names too."""
     import torch.distributed.distributed_c10d as c10d
     import torch.distributed.tensor._random as dtensor_random
 
@@ -81,7 +76,7 @@ def parked_registry() -> Iterator[None]:
         for group, name in list(c10d._pg_names.items()):
             group.shutdown()
             c10d._unregister_process_group(name)
-        for name, value in saved.items():  # the live count too: ranks that ran no fake world name new groups alike
+        for name, value in saved.items():  # the live count too: ranks that ran no fake world name new groups alike (gloo meets under the name)
             setattr(c10d, name, value)
         for group, name in saved["_pg_names"].items():  # a fake group may have shared a live one's name: the live one wins
             c10d._unregister_process_group(name)
@@ -112,11 +107,8 @@ _INHERITED: Any = None  # there: the parent's group registry, kept alive until o
 
 def in_detached_world(fn: Callable[[], Any]) -> dict[str, Any]:
     """``{"result": fn()}`` (JSON data), computed in a forked child whose torch.distributed world starts empty, or
-    ``{"error": {"type", "message", ...}}`` with the attributes of the AutoShardError it raised.
-
-    For simulated steps beside a live process group, which the fake one cannot coexist with. The child inherits the
-    module and the batch (no pickling: about as fast as in-process), never tears anything down and exits with
-    ``os._exit``; its answer comes back as JSON text, so nothing is unpickled.
+    ``{"error": {"type", "message", ...}}``: simulated steps beside a live process group, which the fake one cannot
+    coexist with. The child inherits the module and the batch (no pickling) and answers in JSON (nothing unpickled).
     """
     import json
     import multiprocessing

@@ -1,6 +1,5 @@
-"""``ShardingIntent(memory_budget=...)``: ``decide``, the cheapest configuration whose simulated peak fits (the cost
-order is in ``autoshard.budget.search``), or a refusal naming what would fit (a strategy calls it at setup);
-``auto_entries`` for ``explain --budget --json``."""
+"""``ShardingIntent(memory_budget=...)``: ``decide``, the cheapest configuration whose simulated peak fits (by the cost
+order of ``autoshard.budget.search``), or a refusal naming what would fit; ``auto_entries`` for explain."""
 
 # The decision is made on one micro-batch, as ``training_step`` receives it. Never on ``example_input_array``: a
 # forward alone is a lower bound of a step's peak, so a decision on it could choose a configuration that runs out of
@@ -39,15 +38,9 @@ def decide(
     options: DecideOptions | None = None,
 ) -> BudgetDecision:
     """The cheapest configuration whose simulated peak per rank fits ``intent.memory_budget`` (or ``budget``) on
-    ``world_size`` ranks, on ``backend`` (fsdp2 or 'deepspeed'): a pure function of the module's and the batch's
-    shapes, the intent and the world. The free fields are chosen in the cost order of ``autoshard.budget.search``;
-    fields the user set are kept.
-
-    ``module``: a LightningModule (copied to meta for each simulated step, never changed) or a function building
-    one. ``batch``: one micro-batch as ``training_step`` receives it (read for shapes only), or a function returning
-    one. ``device_type`` (None: CUDA when this machine has it): on CUDA the peak leaves ``CUDA_HEADROOM`` free unless
-    ``intent.memory_headroom`` says otherwise. Refuses (``BudgetRefusedError``) when nothing fits, naming the
-    smallest world size at which something does, else the largest micro-batch that fits here.
+    ``world_size`` ranks: a pure function of the module's and the batch's shapes (``batch``: one micro-batch, or a
+    function returning one), the intent and the world; fields the user set are kept. On CUDA (``device_type`` None:
+    this machine's) the peak leaves ``CUDA_HEADROOM`` free. Refuses (``BudgetRefusedError``) when nothing fits.
 
     Beside a live process group the simulated steps run in a forked child, or, once CUDA is initialised (a forked
     child cannot use it), in this process with the live registry parked. Never in this process on a CPU run:
@@ -64,8 +57,7 @@ def decide(
 
 @dataclass(frozen=True)
 class DecideOptions:
-    """How ``decide`` places and prices the run beyond its world size (None: the intent's precision, ``default_rates()``);
-    larger world sizes come in whole nodes of ``devices_per_node``."""
+    """How ``decide`` places and prices the run beyond its world size; larger world sizes come in whole nodes."""
 
     num_nodes: int = 1
     devices_per_node: int | None = None
@@ -100,7 +92,7 @@ class _Limit:
 
 
 def _limit(q: Question) -> _Limit:
-    """The budget checked against the question (world size, tensor parallel, backend, headroom), or refused in words."""
+    """The budget checked against the question, or refused in words."""
     from autoshard.units import parse_size
 
     intent = q.intent

@@ -19,9 +19,8 @@ OFFLOAD_SAVING = {"none": 0, "optimizer": 1, "params": 2}  # what each offload l
 
 
 class BudgetRefusedError(IntentError):
-    """No configuration fits ``memory_budget`` at this world size; ``min_world_size`` is the smallest world size at
-    which one does (None: none up to MAX_RANKS, activations do not shrink with ranks), ``micro_batch`` the largest
-    micro-batch that fits here with every saving on (None: unknown, or the batch cannot be cut along dim 0)."""
+    """No configuration fits ``memory_budget`` at this world size; ``min_world_size``: the smallest at which one does,
+    ``micro_batch``: the largest micro-batch that fits here with every saving on (None: none, or unknown)."""
 
     def __init__(self, message: str, min_world_size: int | None = None, micro_batch: int | None = None) -> None:
         # Every value in args: a strategy's other ranks rebuild rank 0's refusal from them (lightning.checkpoint).
@@ -35,15 +34,12 @@ class BudgetRefusedError(IntentError):
 
 @dataclass(frozen=True)
 class Rates:
-    """What one step's extra work costs, per second, on the hardware the run is for: turns FLOPs and bytes into
-    seconds so that recomputation, collectives and host copies are compared in one unit. The defaults are a nominal
-    H100-class node (dense bf16 at a realistic 40% of peak, NVLink, 200 Gb/s InfiniBand per GPU, PCIe 5 x16);
-    benchmarks/budget_cost_order.py measures them on the machine at hand.
-
-    Calibrated on one H200 (make gpu-check, a 0.9B Llama, bf16-mixed, eager): recomputing every block cost 39.1 ms
-    for 9.35 TFLOP, so recomputation runs at about 240 TFLOP/s; selective checkpointing cost 105.5 ms for 4.67 TFLOP,
-    5.4 times as much per recomputed FLOP (its op-level policy runs in Python for every op, in forward and again in
-    the recomputation): ``selective_factor`` prices that, so that it ranks after every block, as measured."""
+    """What one step's extra work costs per second, so that recomputation, collectives and host copies compare in one
+    unit. The defaults: a nominal H100-class node (NVLink, 200 Gb/s InfiniBand per GPU, PCIe 5 x16), recomputation
+    calibrated on one H200 (make gpu-check, a 0.9B Llama, bf16-mixed): every block recomputed cost 39.1 ms for 9.35
+    TFLOP (about 240 TFLOP/s); selective checkpointing 105.5 ms for 4.67 TFLOP, 5.4 times as much per FLOP (its
+    op-level policy runs in Python for every op): ``selective_factor`` ranks it after every block, as measured.
+    benchmarks/budget_cost_order.py measures the rates on the machine at hand."""
 
     flops_per_s: float = 240e12
     intra_node_bytes_per_s: float = 150e9
@@ -83,11 +79,9 @@ def default_rates() -> Rates:
 
 @dataclass(frozen=True)
 class Headroom:
-    """Device memory a run needs beyond the tensors the simulated step counts: the CUDA context, communication
-    buffers (NCCL) and library workspaces (``fixed`` bytes), and the caching allocator's reserved-but-unused blocks
-    (``fraction`` of the peak). A budget is what the device has: the chosen configuration's peak may reach
-    ``limit(budget)``. ``CUDA_HEADROOM`` (measured: docs/benchmarks.md) is the default on CUDA; a CPU run has neither
-    a CUDA context nor its allocator (``NO_HEADROOM``); ``ShardingIntent(memory_headroom=...)`` sets it by hand."""
+    """Device memory a run needs beyond the tensors the simulated step counts: the CUDA context, NCCL buffers and
+    library workspaces (``fixed`` bytes), and the caching allocator's reserved-but-unused blocks (``fraction`` of the
+    peak). A budget is what the device has: the chosen peak may reach ``limit(budget)``."""
 
     fixed: int = 0
     fraction: float = 0.0
@@ -151,10 +145,8 @@ class Cost:
 
 @dataclass(frozen=True)
 class Tried:
-    """One configuration the decision looked at: its free fields, its peak per rank, its price, and why it does not
-    fit (``why`` is "" for the chosen one). ``simulated=False``: its peak is a lower bound, inferred from a
-    configuration that saves at least as much in every field and already does not fit (no step simulated).
-    ``runs=False``: its simulated step cannot run (``why`` says why, with a Fix); it was left out, not chosen."""
+    """One configuration the decision looked at. ``simulated=False``: its peak is a lower bound, from a configuration
+    that saves at least as much in every field and already does not fit. ``runs=False``: its step cannot run."""
 
     config: dict[str, Any]
     peak: int
@@ -184,8 +176,8 @@ class Tried:
 
 @dataclass(frozen=True)
 class BudgetDecision:
-    """What ``memory_budget`` chose at one world size: ``chosen`` holds ShardingIntent fields (``ShardingIntent(**chosen)``),
-    ``cheaper`` every cheaper configuration with its peak and why it does not fit, ``kept`` the fields the user set."""
+    """What ``memory_budget`` chose at one world size: ``chosen`` holds ShardingIntent fields, ``kept`` names those the
+    user set; stored in checkpoints."""
 
     budget: int
     world_size: int

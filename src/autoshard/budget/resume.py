@@ -1,5 +1,4 @@
-"""A decision stored in a checkpoint: kept at resume when the run is the same (``resume_decision``), and the
-warning when it differs from the one this run trains with (``stored_differs``)."""
+"""A decision stored in a checkpoint: kept at resume when the run is the same, and the warning when it differs."""
 
 from __future__ import annotations
 
