@@ -62,6 +62,7 @@ def cmd_matrix(args: argparse.Namespace, stream: TextIO | None = None) -> int:
 def add_matrix(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "matrix",
+        allow_abbrev=False,
         help="show which backend supports which feature",
         description="Show the capability matrix: fsdp2, deepspeed_zero3 and fsdp1 against every feature.",
     )
@@ -77,6 +78,7 @@ def build_parser(load: Container[str] = tuple(LAZY)) -> argparse.ArgumentParser:
     """The parser with every subcommand; of the LAZY ones only those in ``load`` are built in full (imported)."""
     parser = Parser(
         prog="autoshard",
+        allow_abbrev=False,
         description="Ask for sharded training once; autoshard picks FSDP2 or DeepSpeed ZeRO-3, or tells you why not.",
     )
     parser.add_argument("-V", "--version", action="version", version=f"autoshard {__version__}")
@@ -86,7 +88,7 @@ def build_parser(load: Container[str] = tuple(LAZY)) -> argparse.ArgumentParser:
         if name in load:
             importlib.import_module(module).register_cli(subparsers)
         else:
-            subparsers.add_parser(name, help=summary)
+            subparsers.add_parser(name, help=summary, allow_abbrev=False)
     return parser
 
 
