@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from autoshard import cli
 from autoshard.activations import fake_world, measure_step
 from autoshard.adapters.checkpointing import apply_checkpointing
+from autoshard.backends.deepspeed import REDUCE_BUCKET_SIZE
 from autoshard.budget import BudgetRefusedError, decide, resume_decision, stored_differs
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
@@ -251,7 +252,8 @@ def test_134_a_resume_whose_decision_chose_a_field_you_now_set_decides_again_and
 
 
 def test_135_a_resume_that_could_not_keep_the_checkpoints_decision_warns_with_the_fields_to_set() -> None:
-    stored = decide(Wide, wide_batch(), ShardingIntent(memory_budget="3MiB", pinned=("activation_checkpointing",)), 2, backend="deepspeed")
+    budget = 2 * REDUCE_BUCKET_SIZE + (3 << 20)  # 3 MiB beside ZeRO-3's reduce bucket (16-bit gradients), allocated whole
+    stored = decide(Wide, wide_batch(), ShardingIntent(memory_budget=budget, pinned=("activation_checkpointing",)), 2, backend="deepspeed")
     assert stored.chosen == {"offload": "optimizer"}
     made_here = dataclasses.replace(stored, chosen={"offload": "none"}, peak=stored.cheaper[0].peak)
     said = stored_differs(stored.to_dict(), made_here)

@@ -11,6 +11,7 @@ from typing import Any
 
 from autoshard.backends import Availability, on_backend
 from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
+from autoshard.backends.deepspeed import REDUCE_BUCKET_SIZE
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelDims
@@ -26,7 +27,7 @@ ZERO3_DEFAULTS: dict[str, Any] = {
     "overlap_comm": True,
     "contiguous_gradients": True,
     "reduce_scatter": True,
-    "reduce_bucket_size": 200_000_000,
+    "reduce_bucket_size": REDUCE_BUCKET_SIZE,
     "allgather_bucket_size": 200_000_000,
     "stage3_prefetch_bucket_size": 50_000_000,
     "stage3_param_persistence_threshold": 100_000,

@@ -17,6 +17,10 @@ BACKEND_NAME = "deepspeed_zero3"
 # DeepSpeed's estimator counts 18 bytes per parameter for ZeRO-3 model states (Adam in mixed precision).
 # Its formula gives only the total; the split into 16-bit params / 16-bit grads / the rest is autoshard's reading.
 ZERO3_BYTES_PER_PARAM = 18
+# The config's reduce_bucket_size (adapters.deepspeed.ZERO3_DEFAULTS), in elements: with contiguous_gradients ZeRO-3
+# allocates this bucket whole, per parameter dtype, when the engine is built (stage3.py, DeepSpeed 0.19), whatever
+# the model's size; DeepSpeed's estimator leaves it out.
+REDUCE_BUCKET_SIZE = 200_000_000
 
 MIN_DEEPSPEED = "0.14"
 INSTALL = 'pip install "autoshard[deepspeed]"'
@@ -167,6 +171,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     group."""
     from autoshard.errors import AutoShardError, IncompatibleBackendError
     from autoshard.memory_model import MemoryEstimate, numel
+    from autoshard.units import fmt_bytes
 
     intent, sourced, world_size, num_nodes = inputs.intent, inputs.sourced, inputs.world_size, inputs.num_nodes
     if world_size % num_nodes:
@@ -184,6 +189,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     cpu_mem, gpu_mem, largest_mem = zero3_model_states(
         total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, inputs.zero_init
     )
+    bucket = REDUCE_BUCKET_SIZE * layout.precision.gather.bytes
     states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
     params = int(2 * total / world_size)
     grads = int(2 * total / world_size)
@@ -193,6 +199,8 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         " precision; the gathered block is 4 bytes x the largest layer); the split into 16-bit params (2 B),"
         " 16-bit grads (2 B) and optimizer states with fp32 master weights (14 B) is autoshard's reading",
         "parameters below stage3_param_persistence_threshold stay whole on every rank; DeepSpeed's formula ignores them",
+        f"the gathered row adds ZeRO-3's gradient reduce bucket ({fmt_bytes(bucket)}: reduce_bucket_size elements, allocated"
+        " whole when the engine is built), which DeepSpeed's formula leaves out",
     ]
     names = {type(o).__name__ for _, o in sourced}
     if names - {"Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam"}:
@@ -210,7 +218,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         optimizer_states=states - params - grads,
         ema_teacher=0,
         unsharded=0,
-        gathered_block=largest_mem,
+        gathered_block=largest_mem + bucket,
         gathered_unit="",
         full_model_states=ZERO3_BYTES_PER_PARAM * total,
         offloaded=offloaded,
@@ -218,7 +226,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         optimizers=tuple(f"{type(o).__name__} ({s})" for s, o in sourced),
         notes=tuple(notes),
     )
-    assert estimate.device == gpu_mem, (estimate.device, gpu_mem)  # the breakdown must add up to DeepSpeed's figure
+    assert estimate.device == gpu_mem + bucket, (estimate.device, gpu_mem)  # DeepSpeed's figure, and the bucket
     return estimate
 
 
