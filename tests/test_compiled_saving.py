@@ -107,6 +107,15 @@ def test_the_simulated_step_of_compiled_blocks_peaks_lower_by_what_each_block_ke
     assert any(note.startswith("compile: 2 block(s) compiled in place") for note in compiled.notes)
     assert step(activation_checkpointing=True, compile=True).peak == step(activation_checkpointing=True).peak
 
+    class WrappedByTheUser(module):  # a whole-model torch.compile: its blocks are compiled at setup, as compile=True's
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.compile(self.model)
+
+    intent = ShardingIntent(precision="bf16-mixed")
+    wrapped = measure_step(WrappedByTheUser, intent, 1, resolve_precision(None, intent), make_batch=lambda: torch.zeros(4, 128, dtype=torch.long))
+    assert wrapped.peak == compiled.peak
+
 
 def test_compile_auto_compiles_when_the_defaults_do_not_fit_and_before_any_recomputation() -> None:
     """compile='auto' under a memory budget: the run stays eager when the defaults fit (no start-up cost); when they

@@ -17,11 +17,11 @@ from autoshard.activations.failures import describe_failure
 from autoshard.activations.stand_in import StandInTrainer, returned_schedulers
 from autoshard.activations.world import data_parallel_mesh
 from autoshard.adapters.checkpointing import is_checkpointed
-from autoshard.adapters.compile import Compile, is_compiled_in_place
+from autoshard.adapters.compile import Compile
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelDims
-from autoshard.needs import held_optimizers, inspect_needs, returned_optimizers
+from autoshard.needs import compiled_modules, held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan
 
 
@@ -97,7 +97,7 @@ def prepare_run(
             f" Fix: return the module unsharded and let strategy='auto-shard' shard it"
         )
     convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
-    may_compile = Compile.of(intent.compile) is Compile.BLOCKS or any(is_compiled_in_place(m) for m in module.modules())
+    may_compile = Compile.of(intent.compile) is Compile.BLOCKS or bool(compiled_modules(module))  # the plan's own rule
     unsharded = copy.deepcopy(module) if may_compile else None  # on meta: what compiled blocks are counted on
     with mode:
         _fake_parameters(module, callbacks, convert)
