@@ -74,12 +74,9 @@ def _block_inputs(run: Run) -> Iterator[dict[int, tuple[Any, Any]]]:
 
 def _compiled_saving(run: Run, inputs: dict[int, tuple[Any, Any]], precision: PrecisionPlan) -> int:
     """Bytes the compiled blocks keep less than eager over one forward (``activations.compiled``); 0 without any."""
-    saving: dict[int, int] = {}
-    for eager in {id(block): block for block in run.compiled.values()}.values():
-        if id(eager) in inputs:
-            args, kwargs = inputs[id(eager)]
-            with _autocast(precision):
-                saving[id(eager)] = block_saving(eager, args, kwargs, precision.gather.torch).saved
+    kinds = {id(block): block for block in run.compiled.values()}  # one eager copy per class of block
+    with _autocast(precision):
+        saving = {key: block_saving(kinds[key], args, kwargs, precision.gather.torch).saved for key, (args, kwargs) in inputs.items()}
     return sum(saving.get(id(block), 0) for block in run.compiled.values())
 
 
