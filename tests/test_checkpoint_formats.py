@@ -520,3 +520,24 @@ def test_deepspeed_checkpoint_refused_by_fsdp2_with_conversion(deepspeed_checkpo
     text = str(info.value)
     assert "a DeepSpeed ZeRO checkpoint (tag 'checkpoint')" in text and "strategy='autoshard-deepspeed'" in text
     assert f"autoshard consolidate {deepspeed_checkpoint} weights.pt" in text
+
+
+def test_convert_consolidate_and_init_from_read_the_same_weights_of_a_torch_file(tmp_path: Path) -> None:
+    """One rule (checkpoint.readers.torch_weights): the weights sit under a ``state_dict`` mapping when there is one,
+    else they are the top level; a ``state_dict`` entry that is not a mapping is one more value of the top level."""
+    from autoshard.convert.torch_file import read_full
+    from autoshard.init_from import open_weights
+
+    weights = model().state_dict()
+    files = {
+        "lightning": ({"state_dict": weights, "epoch": 3}, set(weights)),
+        "bare": (weights, set(weights)),
+        "not a mapping": ({**weights, "state_dict": 7}, set(weights)),
+    }
+    for name, (saved, expected) in files.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.pt"
+        torch.save(saved, path)
+        out = consolidate(path, tmp_path / f"{path.stem}-weights.pt")
+        assert set(torch.load(out.out_path, weights_only=True)) == expected, name
+        assert set(read_full(path).tensors) == expected, name
+        assert set(open_weights(path).shapes) == expected, name

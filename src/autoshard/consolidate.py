@@ -24,7 +24,7 @@ from autoshard.capability import Format
 from autoshard.checkpoint import deepspeed_layout
 from autoshard.checkpoint.formats import describe
 from autoshard.checkpoint.publish import Clash, Publisher, output_clash, output_refusal
-from autoshard.checkpoint.readers import dcp_keys, flat_tensors, load_dcp_entries, model_entry
+from autoshard.checkpoint.readers import dcp_keys, flat_tensors, load_dcp_entries, model_entry, torch_weights
 from autoshard.checkpoint.resume import CONSOLIDATE, open_checkpoint
 from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file, weights_only_loads
 
@@ -116,9 +116,7 @@ def consolidate(
         assert info.tag is not None  # open_checkpoint settles it or refuses
         state, key = _load_deepspeed(source, info.tag, trust_pickle), None
     else:
-        loaded = load_torch_file(source, action="consolidate", trust_pickle=trust_pickle)
-        key = "state_dict" if isinstance(loaded, Mapping) and "state_dict" in loaded else None
-        state = loaded[key] if key else loaded
+        key, state = torch_weights(load_torch_file(source, action="consolidate", trust_pickle=trust_pickle))
     if not isinstance(state, Mapping):
         raise CheckpointFormatError(
             f"cannot consolidate: {describe(info)}, but it holds a {type(state).__name__}, not a state dict. Fix: pass a checkpoint, or torch.save(model.state_dict(), PATH)"

@@ -32,6 +32,7 @@ from autoshard.checkpoint.readers import (
     dtype_name,
     model_entry,
     safetensors_header,
+    torch_weights,
 )
 from autoshard.checkpoint.resume import CONSOLIDATE, model_mismatch
 from autoshard.checkpoint.trust import DCP_METADATA, TRUST_PICKLE, CheckpointFormatError, load_torch_file
@@ -162,8 +163,7 @@ def _open_torch(p: Path) -> WeightsFile:
     # that weights_only refuses are written out by consolidate, with the user's explicit trust.
     fix = f"write the weights alone with `{CONSOLIDATE.format(path=p)} {TRUST_PICKLE.split()[0]}` if you trust the file, and pass weights.pt"
     loaded = load_torch_file(p, action="load init_from", untrusted_fix=fix)
-    entry = "state_dict" if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping) else None
-    state = loaded[entry] if entry else loaded
+    entry, state = torch_weights(loaded)
     if not isinstance(state, Mapping):
         raise InitFromError(f"init_from={str(p)!r} holds a {type(state).__name__}, not a state dict. Fix: torch.save(model.state_dict(), PATH)")
     tensors = {str(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}

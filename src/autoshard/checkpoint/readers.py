@@ -77,6 +77,14 @@ def load_dcp_entries(path: Path, keys: Iterable[str] | None = None, trust_pickle
     return sd
 
 
+def torch_weights(loaded: Any) -> tuple[str | None, Any]:
+    """(the key, the weights) of what ``torch.load`` returned: a Lightning checkpoint keeps them under a
+    ``state_dict`` mapping; anything else is taken as the weights themselves (key None: its top level)."""
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        return "state_dict", loaded["state_dict"]
+    return None, loaded
+
+
 def flat_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors of a flat ``{name: tensor}`` state dict, detached, contiguous, on the CPU (whatever device they
     were saved from); other values are left out, a nested mapping is refused."""

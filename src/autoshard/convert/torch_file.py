@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from autoshard.capability import Format
-from autoshard.checkpoint.readers import flat_tensors
+from autoshard.checkpoint.readers import flat_tensors, torch_weights
 from autoshard.checkpoint.trust import load_torch_file
 from autoshard.convert.state import ConvertError, TrainingState, named_optimizer
 
@@ -19,8 +19,9 @@ def read_full(path: Path, trust_pickle: bool = False, weights_only: bool = False
         raise ConvertError(
             f"cannot convert {str(path)!r}: it holds a {type(loaded).__name__}, not a state dict. Fix: pass a checkpoint file or directory"
         )
-    if "state_dict" not in loaded:
-        return TrainingState(tensors=flat_tensors(loaded), optimizers=[], trainer={}, source=path, format=Format.FULL, world_size=None)
+    entry, weights = torch_weights(loaded)
+    if entry is None:
+        return TrainingState(tensors=flat_tensors(weights), optimizers=[], trainer={}, source=path, format=Format.FULL, world_size=None)
     trainer = {k: v for k, v in loaded.items() if k not in ("state_dict", "optimizer_states")}
     extra = trainer.pop("autoshard", None) or {}
     saved = list(loaded.get("optimizer_states") or [])
@@ -32,7 +33,7 @@ def read_full(path: Path, trust_pickle: bool = False, weights_only: bool = False
     optimizers = [named_optimizer(s, f"optimizer #{i}", path) for i, s in enumerate(saved)]
     return TrainingState(
         notes=notes,
-        tensors=flat_tensors(loaded["state_dict"]),
+        tensors=flat_tensors(weights),
         optimizers=optimizers,
         trainer=trainer,
         source=path,
