@@ -226,6 +226,8 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     result.update(
         params=params,
         step_ms=round(step * 1e3, 2),
+        step_ms_min=round(min(clock.times) * 1e3, 2),
+        step_ms_max=round(max(clock.times) * 1e3, 2),
         tokens_per_s=round(tokens / step),
         mfu=round(flops / step / PEAK_BF16, 4),
         peak_allocated=torch.cuda.max_memory_allocated(),
