@@ -25,8 +25,8 @@ class TrainerBackend(BackendMixin):
     front = TRAINER
 
     def _decide_run(self, trainer: pl.Trainer, decide_budget: Callable[[], BudgetDecision]) -> Run:
-        """The run, made before anything is planned or sharded and read by every later step. ShardingIntent(memory_budget=...)
-        is decided into it once, at the first fit (``decide_budget``): a validate or test before it trains the request,
+        """The run, made before anything is planned or sharded and read by every later step. The memory budget is
+        decided into it once, at the first fit (``decide_budget``): a validate or test before it trains the request,
         one after it the fit's run."""
         due = self.requested.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING
         if self.run is None or due:

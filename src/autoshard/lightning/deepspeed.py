@@ -305,7 +305,7 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
             raise _zero_dim_refusal(where, self._label()) from exc
 
     def _before_config(self, trainer: pl.Trainer | None) -> None:
-        """Called by the two hooks in which Lightning formats the config, the first time, before it does."""
+        """Called before each of the two hooks in which Lightning formats the config (once, in whichever runs first)."""
 
     def _lightning_calls_configure_optimizers(self, trainer: pl.Trainer) -> bool:
         """Lightning calls it right before the engine when training, unless the DeepSpeed config names an optimizer."""
