@@ -193,6 +193,8 @@ def test_163_a_resume_whose_micro_batch_changed_decides_again_and_says_why(tmp_p
     ), caplog.text
     assert "kept the checkpoint's decision" not in caplog.text
     assert resumed.strategy.budget_decision.batch == "[float32[64, 4, 32]]"
+    run = resumed.strategy.run  # the request is kept beside the intent the run trains with
+    assert run.requested == ShardingIntent(memory_budget="1GiB", checkpoint="full") and resumed.strategy.intent == run.budget.intent(run.requested)
 
 
 class ReadsTheTrainer(Two):

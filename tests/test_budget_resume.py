@@ -51,7 +51,7 @@ def test_the_file_is_read_weights_only_unless_the_fit_trusts_it(tmp_path: Path) 
 
 
 class Seen(pl.Callback):
-    """What ``resuming_from`` answers while a fit runs (from a hook: the strategy's setup sees the same stack)."""
+    """What ``resuming_from`` answers while a fit runs (from a hook: the strategy's setup runs inside the same call)."""
 
     def __init__(self) -> None:
         self.answer: Any = None

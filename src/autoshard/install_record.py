@@ -17,7 +17,7 @@ class ChangeKind(str, Enum):
     """What was changed; the order here is the order of the generated table."""
 
     REGISTRY = "registry entry"  # lightning.pytorch.strategies.StrategyRegistry
-    WRAPPED = "wrapped method"  # a method of Lightning's accelerator connector
+    WRAPPED = "wrapped method"  # a method of Lightning's accelerator connector, or Trainer._run
     FABRIC_REGISTRY = "Fabric registry entry"  # lightning.fabric.strategies.STRATEGY_REGISTRY
 
 

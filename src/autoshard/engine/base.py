@@ -14,6 +14,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard.engine.front_end import FrontEnd
 from autoshard.engine.launch import check_launch
+from autoshard.engine.run import Run
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelDims
@@ -24,13 +25,16 @@ from autoshard.select import Decision, select_backend
 if TYPE_CHECKING:
     import torch
 
+    from autoshard.budget import BudgetDecision
+
 
 class BackendMixin:
     """Precision, launch and construction-time checks, backend selection and parallel dims, for FSDP2 and DeepSpeed alike."""
 
     front: FrontEnd  # the Trainer or Fabric: what messages call the thing the user built
     prefer: str  # what select_backend is asked for: the backend's name, or "auto"
-    intent: ShardingIntent
+    requested: ShardingIntent  # the intent as the user built the strategy: never replaced
+    run: Run | None = None  # decided at setup, before anything is planned or sharded
     requested_as: str | None = None  # the strategy string the user typed, when it is not this class's own name
     precision_plan: PrecisionPlan | None = None  # resolved once the Trainer's precision is known
     needs: MethodNeeds | None = None  # what the method needs, once inspected at setup
@@ -56,6 +60,16 @@ class BackendMixin:
                 raise
             raise restated from None
         super()._configure_launcher()  # type: ignore[misc]
+
+    @property
+    def intent(self) -> ShardingIntent:
+        """What the run trains with once it is decided at setup (the memory budget's fields taken); the request before."""
+        return self.run.intent if self.run is not None else self.requested
+
+    @property
+    def budget_decision(self) -> BudgetDecision | None:
+        """ShardingIntent(memory_budget=...)'s decision, made at fit: saved with every checkpoint."""
+        return self.run.budget if self.run is not None else None
 
     @property
     def hsdp_sizes(self) -> tuple[int, int] | None:

@@ -99,7 +99,6 @@ class IntentZeRO3(BackendMixin):
     """What both ``autoshard-deepspeed`` strategies hold: the intent (with the fields passed beside it), the ZeRO-3
     config built from it (provisional until the world size is known), and the precision resolved once with it."""
 
-    intent: ShardingIntent
     micro_batch_size: int | None
     zero_overrides: dict[str, Any]
 
@@ -110,10 +109,10 @@ class IntentZeRO3(BackendMixin):
         Intent-only refusals (tensor parallel) are said here, the precision once the front end's is known, the method
         at setup."""
         base = as_intent(intent)
-        self.intent = base.replace(**fields) if fields else base
+        self.requested = base.replace(**fields) if fields else base
         self.micro_batch_size = micro_batch_size
         self.zero_overrides = dict(zero_overrides or {})
-        return provisional_config(self.intent, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
+        return provisional_config(self.requested, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
 
     def _intent_to_check(self) -> ShardingIntent:
         return self.intent

@@ -95,7 +95,7 @@ class FSDP2Checks(BackendMixin):
         gone = self._lightning_gone()
         if gone:  # Lightning would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
             raise lightning_lacks(gone, self.hooked_by)
-        self.intent = self._wanted(as_intent(intent, **intent_fields))
+        self.requested = self._wanted(as_intent(intent, **intent_fields))
         super().__init__(  # type: ignore[call-arg]
             **self._parent_arguments(),
             data_parallel_size="auto",

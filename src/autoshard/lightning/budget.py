@@ -8,7 +8,6 @@ the batch back (``hand_back``).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import random
 import sys
@@ -25,6 +24,7 @@ from autoshard.checkpoint.resume import stored_budget_decision
 from autoshard.checkpoint.saves import on_rank0, rng_state, set_rng_state
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
+from autoshard.lightning.guards import run_arguments
 from autoshard.needs import held_optimizers
 
 if TYPE_CHECKING:
@@ -208,21 +208,9 @@ def resuming_from(trainer: pl.Trainer) -> tuple[Any, bool | None]:
     """(ckpt_path, weights_only) of the fit in progress, or (trainer.ckpt_path, None) outside one.
 
     Lightning restores a checkpoint after the strategy's setup, and a stored decision must be read before anything
-    is sharded: the arguments of ``Trainer._run`` (the path already resolved from "last", "best" or "hpc"), read from
-    that call's frame on this thread's stack.
+    is sharded: the arguments of ``Trainer._run``, recorded by its guard while it runs (``guards.run_arguments``).
     """
-    import lightning.pytorch as pl
-
-    run = pl.Trainer._run.__code__  # private Lightning method: autoshard.lightning.compat
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code is run and frame.f_locals.get("self") is trainer:
-                return frame.f_locals.get("ckpt_path"), frame.f_locals.get("weights_only")
-            frame = frame.f_back
-    finally:
-        del frame  # a frame held in a local keeps every frame above it alive
-    return trainer.ckpt_path, None
+    return run_arguments(trainer) or (trainer.ckpt_path, None)
 
 
 def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, backend: str) -> BudgetDecision:

@@ -38,7 +38,7 @@ class CheckpointMixin:
     _save_distributed_checkpoint: bool
     global_rank: int
     world_size: int
-    budget_decision: BudgetDecision | None = None  # ShardingIntent(memory_budget=...)'s, made at setup: saved with every checkpoint
+    budget_decision: BudgetDecision | None  # the run's (engine.base.BackendMixin): saved with every checkpoint
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _on_rank0(self, fn: Callable[[], T]) -> T | None:

@@ -146,9 +146,9 @@ PRIVATE_MEMBERS: tuple[Private, ...] = (
     Private(
         "lightning.pytorch.Trainer",
         "_run",
-        "lightning/budget.py",
-        "read: the ckpt_path and weights_only arguments of the fit in progress, from that call's frame: Lightning restores"
-        " a checkpoint after the strategy's setup, and a memory budget's stored decision must be read before sharding",
+        "lightning/guards.py",
+        "wrapped: records the ckpt_path and weights_only arguments of the fit in progress: Lightning restores a checkpoint"
+        " after the strategy's setup, and a memory budget's stored decision must be read before sharding",
         without="a resume with memory_budget decides again instead of keeping the checkpoint's decision (said when they differ)",
     ),
     Private(

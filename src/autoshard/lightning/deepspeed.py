@@ -19,13 +19,12 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from autoshard.adapters.checkpointing import checkpoint_blocks, describe_checkpointing
 from autoshard.adapters.deepspeed import deepspeed_config
 from autoshard.backends import deepspeed as deepspeed_backend
-from autoshard.budget import BudgetDecision, stored_differs
+from autoshard.budget import stored_differs
 from autoshard.checkpoint.formats import BUDGET_KEY, STATE_KEY
 from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
@@ -289,11 +288,13 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
         # _init_optimizers), so that probe optimizers appended there count; otherwise here.
         if not self._lightning_calls_configure_optimizers(trainer):
             self.report_decision(self.check_method(trainer))
+        self._before_config(trainer)
         super().setup(trainer)
 
     @contextmanager
     def model_sharded_context(self) -> Iterator[None]:
         """Lightning's zero.Init context for configure_model, with DeepSpeed's 0-dim failure said in full."""
+        self._before_config(_attached_trainer(self.lightning_module))
         try:
             with super().model_sharded_context():
                 yield
@@ -302,6 +303,9 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
                 raise
             where = "A 0-dim parameter built in configure_model under ZeRO-3's zero.Init (its name is not known yet)"
             raise _zero_dim_refusal(where, self._label()) from exc
+
+    def _before_config(self, trainer: pl.Trainer | None) -> None:
+        """Called before each of the two hooks in which Lightning formats the config (once, in whichever runs first)."""
 
     def _lightning_calls_configure_optimizers(self, trainer: pl.Trainer) -> bool:
         """Lightning calls it right before the engine when training, unless the DeepSpeed config names an optimizer."""
@@ -360,7 +364,7 @@ class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
 
     strategy_name = "autoshard-deepspeed"
     writes_manifest = True
-    budget_decision: BudgetDecision | None = None  # ShardingIntent(memory_budget=...)'s, made when the config is first needed
+    config_final = False  # whether Lightning formatted the config (once): the run it was formatted from stays
 
     def __init__(
         self,
@@ -413,14 +417,16 @@ class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
             rank_zero_warn(said)
         return checkpoint
 
+    def _before_config(self, trainer: pl.Trainer | None) -> None:
+        """The run, decided before the config is formatted from it, before anything is partitioned."""
+        if trainer is not None and not self.config_final:
+            self._decide_run(trainer, lambda: decide_for_fit(self, trainer, self.requested, BACKEND))
+
     def _autoshard_format_config(self) -> bool:
+        self.config_final = True
         trainer = _attached_trainer(self.lightning_module)
         if trainer is None:
             return True  # no Trainer yet: keep the provisional config (Lightning leaves its own unformatted too)
-        if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
-            # The config is first needed here, before anything is partitioned.
-            self.budget_decision = decide_for_fit(self, trainer, self.intent, BACKEND)
-            self.intent = self.budget_decision.intent(self.intent)
         self.config = deepspeed_config(
             self.intent,
             self.needs,

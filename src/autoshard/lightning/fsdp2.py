@@ -28,6 +28,8 @@ from autoshard.needs import inspect_needs, recount_optimizers
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from autoshard.budget import BudgetDecision
+
 
 class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, CheckpointMixin, ModelParallelStrategy):
     """``strategy="fsdp2"``: pure FSDP by default (dp = world size, tp = 1), sharding at setup, no module change.
@@ -54,16 +56,15 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
         unwrap_user_compile(module)  # before the needs: EMA pairs, the plan and checkpoints see the eager names
         self.needs = inspect_needs(module, trainer, call_hooks=False)
         self.decision = self._decide(self.needs)
-        if self.intent.memory_budget is not None and self.budget_decision is None and trainer.state.fn == TrainerFn.FITTING:
-            self._decide_budget(module, trainer)  # before anything is sharded: the plan below takes the chosen fields
+        run = self._decide_run(trainer, lambda: self._decide_budget(module, trainer))  # the plan below takes the budget's fields
         init = self._plan_init_from(module, self.needs)  # names missing, unexpected and reshaped weights before anything is sharded
         on_meta = check_meta_init(module, init.covered if init is not None else frozenset())
         already_sharded = is_sharded(module)
         sharded_by = None
         if already_sharded:
-            if self.intent.shard_size is not None:
+            if run.intent.shard_size is not None:
                 raise IntentError(
-                    f"shard_size={self.intent.shard_size!r} applies to autoshard's own plan, but your configure_model"
+                    f"shard_size={run.intent.shard_size!r} applies to autoshard's own plan, but your configure_model"
                     f" already sharded the modules, so it would be ignored. Fix: drop shard_size and pass"
                     f" mesh=init_device_mesh(device, (replicas, shard_size)) to your fully_shard calls, or let"
                     f" autoshard shard (remove fully_shard from configure_model)"
@@ -75,9 +76,9 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
         self.plan = shard_module(
             module,
             self._mesh(),
-            self.intent,
+            run.intent,
             self.needs,
-            self.precision_plan,
+            run.precision,
             sharded_by=sharded_by,
             node_ranks=lambda: all_gather_object(self.node_rank),
             sync_batchnorm=self._layer_sync is not None,
@@ -105,8 +106,8 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
             return
         to_device_keeping_offloaded(self.model, self.root_device)
 
-    def _decide_budget(self, module: torch.nn.Module, trainer: pl.Trainer) -> None:
-        """ShardingIntent(memory_budget=...) decided on rank 0 and broadcast (``autoshard.lightning.budget``); the intent
+    def _decide_budget(self, module: torch.nn.Module, trainer: pl.Trainer) -> BudgetDecision:
+        """ShardingIntent(memory_budget=...) decided on rank 0 and broadcast (``autoshard.lightning.budget``); the run
         takes the chosen fields. shard_size stays as set: the mesh was built with it, when the Trainer was."""
         other = "your parallelize_fn replaces it" if self.parallelize_fn is not None else ""
         other = other or ("your configure_model already sharded the modules" if is_sharded(module) else "")
@@ -117,9 +118,8 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
                 f" memory_budget and set what your own sharding needs yourself (autoshard explain --budget shows each"
                 f" configuration's peak), or let autoshard shard (no parallelize_fn, no fully_shard in configure_model)"
             )
-        asked = self.intent.replace(pinned=tuple(dict.fromkeys((*self.intent.pinned, "shard_size"))))
-        self.budget_decision = decide_for_fit(self, trainer, asked, FSDP2)
-        self.intent = self.budget_decision.intent(self.intent)
+        asked = self.requested.replace(pinned=tuple(dict.fromkeys((*self.requested.pinned, "shard_size"))))
+        return decide_for_fit(self, trainer, asked, FSDP2)
 
     # -- Buffers: rank 0's copy wins (BUFFER_RULE in autoshard.adapters.fsdp2; DDP's broadcast_buffers=True) --------
     def _sync_buffers(self) -> None:

@@ -1,15 +1,18 @@
 """What ``import autoshard`` changes in the Trainer's Lightning, done through the one record of changes
 (``autoshard.install_record``), so that it can be listed and undone.
 
-Registry entries, and three wrapped methods of Lightning's accelerator connector (``install_guards``): FSDP1 is
-refused there, and so are a precision fsdp2 cannot run and a SLURM number that is not one. ``FSDPStrategy`` itself is
-left as Lightning wrote it: other libraries construct it (stable-pretraining's tests do, to test their refusal). A
-member this Lightning lacks is never wrapped (``check_lightning`` says so).
+Registry entries, wrapped methods of Lightning's connectors (``install_guards``): FSDP1 is refused there, and so
+are a precision fsdp2 cannot run and a SLURM number that is not one; and ``Trainer._run``, wrapped to record the
+checkpoint a run resumes from (``run_arguments``). ``FSDPStrategy`` itself is left as Lightning wrote it: other
+libraries construct it (stable-pretraining's tests do, to test their refusal). A member this Lightning lacks is never
+wrapped (``check_lightning`` says so).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,16 @@ FSDP1_REFUSAL = (
     " Fix: use strategy='fsdp2' (or strategy='auto-shard' to let autoshard choose)"
 )
 _MARK = "_autoshard_guard"
+
+
+# Trainer -> (ckpt_path, weights_only) of its Trainer._run call in progress
+_RUNS: weakref.WeakKeyDictionary[Any, tuple[Any, bool | None]] = weakref.WeakKeyDictionary()
+
+
+def run_arguments(trainer: Any) -> tuple[Any, bool | None] | None:
+    """(ckpt_path, weights_only) of ``trainer``'s fit, validate, test or predict in progress (the path already resolved
+    from "last", "best" or "hpc"); None outside one, or when this Lightning has no ``Trainer._run`` to wrap."""
+    return _RUNS.get(trainer)
 
 
 def fsdp1_refusal() -> str:
@@ -61,6 +74,7 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
     """Idempotent; ``fsdp2_class`` / ``refuse_precision`` are passed in, as this module sits below the strategies."""
     from lightning.fabric.connector import _Connector as FabricConnector
     from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+    from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import FSDPStrategy
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
@@ -120,4 +134,25 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
         validate_precision,
         "precision='16-mixed' under fsdp2 / auto-shard is refused in Trainer terms, for strategy names too (Lightning"
         " checks instances only, says 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
+    )
+
+    def record_run(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            arguments = signature.bind_partial(self, *args, **kwargs).arguments
+            _RUNS[self] = (arguments.get("ckpt_path"), arguments.get("weights_only"))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _RUNS.pop(self, None)
+
+        return run
+
+    _wrap(
+        Trainer,
+        "_run",
+        record_run,
+        "records the call's ckpt_path and weights_only while it runs: Lightning restores a checkpoint after the"
+        " strategy's setup, and a memory budget's stored decision must be read before anything is sharded",
     )
