@@ -30,6 +30,7 @@ whose simulated peak fits (when none does, ``decide`` asks ``ranks`` and ``batch
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,10 +38,14 @@ from autoshard.backends import BudgetChoices, get_backend
 from autoshard.budget.batch import batch_function
 from autoshard.budget.decision import OFFLOAD_SAVING, Cost, Rates, Tried, default_rates, describe_config
 from autoshard.budget.meta import meta_factory
-from autoshard.budget.simulator import ModelStates, Simulator, Subject, config_key
+from autoshard.budget.simulator import ModelStates, Simulator, Subject
 from autoshard.errors import AutoShardError
 from autoshard.intent import SELECTIVE, ShardingIntent
 from autoshard.memory import fmt_bytes
+
+
+def config_key(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True)
 
 
 def _choices(backend: str) -> BudgetChoices:

@@ -3,7 +3,6 @@ the simulated steps (seconds each); explain's table, the ``--budget`` advice and
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,10 +13,6 @@ from autoshard.budget.batch import cut_batch
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.mesh import nodes_for
-
-
-def config_key(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -77,7 +72,7 @@ class Simulator:
     """The one estimator of a run's peak per rank, for one ``Subject`` and micro-batch: its ``ModelStates`` plus a
     simulated step, each cached; explain's table, its ``--budget`` advice and ``decide`` all read it. A backend that
     does not simulate its own step (DeepSpeed) takes only the activations of fsdp2's step of ``base`` with the same
-    blocks checkpointed: they do not depend on the rest of its intent (its offload left them equal to the byte)."""
+    blocks checkpointed: nothing else DeepSpeed sets changes them (each offload gave them equal to the byte)."""
 
     def __init__(
         self, model: ModelStates, make_batch: Callable[[], Any] | None, base: ShardingIntent, progress: Callable[[str], None] | None
