@@ -18,7 +18,7 @@ from typing import Any, NoReturn, TextIO
 
 from torch import nn
 
-from autoshard.activations import load_batch, measure_step
+from autoshard.activations import load_batch
 from autoshard.adapters.checkpointing import checkpointable_blocks
 from autoshard.backends import BACKENDS, get_backend, load
 from autoshard.backends.matrix import matrix, write_matrix
@@ -29,12 +29,12 @@ from autoshard.budget import (
     DecideOptions,
     ModelStates,
     Option,
+    Simulator,
     Subject,
     auto_entries,
     batch_rows,
     batch_tokens,
     check_budget,
-    cut_batch,
 )
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
@@ -330,9 +330,9 @@ def explain(
     if not _decide_and_plan(report, backend, accelerator, max(world_sizes), o.micro_batch_size):
         return report
     sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
-    estimates = _Estimates(report, subject, factory, make_batch, devices_per_node, progress)
+    estimates = _Estimates(report, subject, make_batch, devices_per_node, progress)
     estimates.prepare(simulate)
-    estimates.model.of(intent, sizes)  # the table's world sizes share one plan
+    estimates.sim.model.of(intent, sizes)  # the table's world sizes share one plan
     report.memory = [estimates.estimate(Option(intent, size)) for size in sizes]
     _say_what_is_missing(report, estimates, asked=budget_bytes is not None or (simulate and make_batch is not None))
     if budget_bytes is not None:
@@ -379,28 +379,21 @@ def _decide_and_plan(report: Report, backend: str, accelerator: str | None, worl
 
 
 class _Estimates:
-    """Every estimate explain makes (the table's, then the ``--budget`` advice's candidates), cached by option: model
-    states (``budget.ModelStates``) plus a simulated step where one can run. A step costs seconds: the budget search
-    reuses every estimate made before it."""
+    """Every estimate explain makes (the table's, then the ``--budget`` advice's candidates), cached by option, on the
+    one estimator (``budget.Simulator``): model states plus a simulated step where one can run; a step that cannot
+    run leaves the model states, and why in ``why``. A step costs seconds: the budget search reuses every estimate
+    made before it."""
 
     def __init__(
-        self,
-        report: Report,
-        subject: Subject,
-        factory: Any,
-        make_batch: Callable[[], Any] | None,
-        devices_per_node: int,
-        progress: Callable[[str], None] | None,
+        self, report: Report, subject: Subject, make_batch: Callable[[], Any] | None, devices_per_node: int, progress: Callable[[str], None] | None
     ) -> None:
-        self.report, self.factory = report, factory
-        self.make_batch, self.devices_per_node, self.progress = make_batch, devices_per_node, progress
+        self.report, self.make_batch = report, make_batch
         self.intent, self.module = report.intent, report.module
         self.chosen = report.decision.backend  # type: ignore[union-attr]
-        self.whole_step = get_backend(self.chosen).simulates_its_step  # the step runs this backend's own plan: its peak is the run's
-        self.precision = resolve_precision(None, self.intent)
         has_tp = getattr(report.plan, "tp_plan", None) is not None
         tokens = batch_tokens(make_batch) if make_batch is not None and has_tp else None
-        self.model = ModelStates(subject, self.chosen, self.precision, devices_per_node, tokens=tokens)
+        model = ModelStates(subject, self.chosen, resolve_precision(None, self.intent), devices_per_node, tokens=tokens)
+        self.sim = Simulator(model, make_batch, self.intent, progress)
         self.why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
         self.failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
         self.done: dict[str, MemoryEstimate] = {}
@@ -425,7 +418,7 @@ class _Estimates:
         key = repr(option)
         if key in self.done:
             return self.done[key]
-        est = self.model.of(option.intent, [option.world_size])[0]  # model states: batch-independent
+        est = self.sim.model.of(option.intent, [option.world_size])[0]  # model states: batch-independent
         if self.simulate and option.simulate:
             est = self._with_step(option, key, est)
         elif not self.simulate:
@@ -436,20 +429,8 @@ class _Estimates:
     def _with_step(self, option: Option, key: str, est: MemoryEstimate) -> MemoryEstimate:
         """``est`` with the option's simulated step; when it cannot run, ``est`` alone and the reason in ``why``."""
         table = option.intent == self.intent and option.batch_divisor == 1  # not a budget candidate
-        if self.progress is not None:
-            base = self.intent.to_dict()
-            parts = [f"{k}={v!r}" for k, v in option.intent.to_dict().items() if v != base[k]]
-            parts += [f"micro-batch / {option.batch_divisor}"] if option.batch_divisor > 1 else []
-            self.progress(f"simulating one step on {option.world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
         try:
-            step = measure_step(
-                self.factory,
-                option.intent,
-                option.world_size,
-                self.precision,
-                make_batch=cut_batch(self.make_batch, option.batch_divisor) if self.make_batch is not None else None,
-                num_nodes=est.num_nodes,
-            )
+            step = self.sim.measure(option.intent, option.world_size, option.batch_divisor)
         except AutoShardError as exc:  # the model states stand; say why activations are missing
             self.why[key] = str(exc)
             if table:
@@ -459,7 +440,7 @@ class _Estimates:
             self.report.notes.extend(n for n in step.notes if n not in self.report.notes)
         if step.incomplete:
             self.why[key] = step.incomplete
-        return with_step(est, step, self.whole_step)
+        return with_step(est, step, self.sim.whole_step)
 
 
 def _say_what_is_missing(report: Report, estimates: _Estimates, asked: bool) -> None:
@@ -475,7 +456,7 @@ def _say_what_is_missing(report: Report, estimates: _Estimates, asked: bool) -> 
     if estimates.make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
         why = "--no-step (model states only)" if not estimates.asked_step else "the step could not run on --batch (see below)"
         report.unmeasured = why
-    if not estimates.whole_step and report.memory and report.memory[0].activations:
+    if not estimates.sim.whole_step and report.memory and report.memory[0].activations:
         report.notes.append(
             f"activations come from a simulated FSDP2 step of the same method; {estimates.chosen}'s own buffers are its estimator's figures"
         )

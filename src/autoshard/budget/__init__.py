@@ -23,7 +23,7 @@ from autoshard.budget.decision import (
 from autoshard.budget.ranks import whole_nodes
 from autoshard.budget.resume import resume_decision, stored_differs
 from autoshard.budget.search import price
-from autoshard.budget.simulator import ModelStates, Subject
+from autoshard.budget.simulator import ModelStates, Simulator, Subject
 
 __all__ = [
     "CUDA_HEADROOM",
@@ -36,6 +36,7 @@ __all__ = [
     "BudgetDecision",
     "BudgetReport",
     "ModelStates",
+    "Simulator",
     "Option",
     "check_budget",
     "BudgetRefusedError",

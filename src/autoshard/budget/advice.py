@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autoshard.budget.ranks import MAX_RANKS, smallest_fitting_world, states_on_device, world_sizes_after
+from autoshard.budget.batch import largest_micro_batch
+from autoshard.budget.ranks import MAX_RANKS, smallest_world
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate, fmt_bytes
 
@@ -137,37 +138,21 @@ class _Advisor:
         self.changes.append(made)
         return made
 
+    def full(self, asked: ShardingIntent, ranks: int, divisor: int = 1) -> MemoryEstimate | None:
+        """``asked``'s estimate on ``ranks`` with the micro-batch / ``divisor``; None when it lacks part of the step."""
+        estimate = self.evaluate(Option(asked, ranks, divisor))
+        return None if self.ask.lacks(estimate) else estimate
+
     def smallest_world(self, asked: ShardingIntent, divisor: int = 1) -> int | None:
-        """The smallest world size above this one at which ``asked`` fits (``ranks.smallest_fitting_world``)."""
-        here = self.evaluate(Option(asked, self.world_size, divisor))
-        if self.ask.lacks(here):
-            return None
-
-        def fits(n: int) -> bool:
-            estimate = self.evaluate(Option(asked, n, divisor))
-            return estimate.device <= self.budget and not self.ask.lacks(estimate)
-
-        return smallest_fitting_world(
-            world_sizes_after(self.world_size, self.ask.devices_per_node, asked),
-            here.device - states_on_device(here),
-            lambda n: states_on_device(self.evaluate(Option(asked, n, divisor, simulate=False))),
-            fits,
-            self.budget,
-        )
+        """The smallest world size above this one at which ``asked`` fits (``ranks.smallest_world``)."""
+        states = lambda n: self.evaluate(Option(asked, n, divisor, simulate=False))  # noqa: E731
+        return smallest_world(asked, self.world_size, self.ask.devices_per_node, self.budget, lambda n: self.full(asked, n, divisor), states)
 
     def micro_batch(self, asked: ShardingIntent, ranks: int) -> int:
-        """The divisor of the largest micro-batch (rows / 2, / 4, ...) that fits with ``asked``: predicted from the
-        activations (about linear in the rows), confirmed by a simulated step; else where the search stopped."""
-        rows = self.rows or 0
-        base = self.evaluate(Option(asked, ranks))
-        divisor = 2
-        while True:
-            while rows // divisor > 1 and base.device - base.activations * (1 - 1 / divisor) > self.budget:
-                divisor *= 2
-            estimate = self.evaluate(Option(asked, ranks, divisor))
-            if self.ask.lacks(estimate) or estimate.device <= self.budget or rows // divisor <= 1:
-                return divisor
-            divisor *= 2
+        """The divisor of the largest micro-batch that fits with ``asked`` (``batch.largest_micro_batch``, predicted
+        from the whole batch's activations), else where the search stopped."""
+        whole = self.evaluate(Option(asked, ranks))
+        return largest_micro_batch(self.rows or 0, self.budget, lambda d: self.full(asked, ranks, d), whole)[0]
 
     def more_ranks(self) -> None:
         """1. More ranks: the same method and batch, more hardware. Under hybrid sharding states divide by the shard

@@ -1,4 +1,5 @@
-"""The one micro-batch a decision is made on: a function returning it (never its values), its rows and tokens, and a smaller micro-batch of it."""
+"""The one micro-batch a decision is made on: a function returning it (never its values), its rows and tokens, a smaller
+micro-batch of it, and the search for the largest smaller one that fits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import IntentError
+from autoshard.memory import MemoryEstimate
 
 
 class BatchOfShapes:
@@ -88,3 +90,20 @@ class CutBatch:
         from torch.utils._pytree import tree_map
 
         return tree_map(self.cut, self.make_batch())
+
+
+def largest_micro_batch(
+    rows: int, budget: int, full: Callable[[int], MemoryEstimate | None], whole: MemoryEstimate | None = None
+) -> tuple[int, MemoryEstimate | None]:
+    """(the divisor, the estimate) of the largest micro-batch (rows / 2, / 4, ...) that fits, for the advice and the
+    decision alike: the first whose estimate ``full(divisor)`` fits or lacks part of the step (None), else the last
+    tried (one row). ``whole``: the whole batch's estimate, to skip the divisors its activations (about linear in the
+    rows) say cannot fit; no divisor is taken without ``full``'s simulated step."""
+    divisor = 2
+    while True:
+        while whole is not None and rows // divisor > 1 and whole.device - whole.activations * (1 - 1 / divisor) > budget:
+            divisor *= 2
+        estimate = full(divisor)
+        if estimate is None or estimate.device <= budget or rows // divisor <= 1:
+            return divisor, estimate
+        divisor *= 2

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from autoshard.backends import get_backend, load
-from autoshard.budget.batch import batch_function, batch_rows
+from autoshard.budget.batch import batch_function, batch_rows, largest_micro_batch
 from autoshard.budget.decision import BudgetDecision, BudgetRefusedError, Headroom, Rates, default_rates, describe_config, free_fields, headroom_for
 from autoshard.budget.meta import meta_factory
-from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_RANKS
-from autoshard.budget.search import largest_micro_batch, search_configs, smallest_world_size
-from autoshard.budget.simulator import Simulator
+from autoshard.budget.ranks import DEVICES_PER_NODE, MAX_RANKS, smallest_world
+from autoshard.budget.search import search_configs
+from autoshard.budget.simulator import ModelStates, Simulator, Subject
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import fmt_bytes
@@ -134,7 +134,8 @@ def _answer(q: Question) -> BudgetDecision:
     if num_nodes == 1:
         num_nodes = nodes_for(world_size, devices_per_node)
     base = q.intent.replace(memory_budget=None, memory_headroom=None, pinned=())
-    sim = Simulator(meta_factory(q.module, o.callbacks), make_batch, base, precision, devices_per_node, num_nodes, o.progress, limit.backend)
+    states = ModelStates(Subject.build(meta_factory(q.module, o.callbacks)), limit.backend, precision, devices_per_node, num_nodes)
+    sim = Simulator(states, make_batch, base, o.progress)
     with torch.device("meta"):
         shapes = describe_batch(make_batch())
     free = free_fields(q.intent, num_nodes, limit.backend)
@@ -164,7 +165,8 @@ def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limi
         + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
         + (f" ({choices.limits})" if choices.limits else "")
     )
-    smallest = smallest_world_size(sim, most, world_size, limit.limit)
+    full, states = (lambda n: sim.step(most, n)[0]), (lambda n: sim.states(most, n))
+    smallest = smallest_world(sim.base.replace(**most), world_size, sim.devices_per_node, limit.limit, full, states)
     if smallest is not None:
         return BudgetRefusedError(
             f"{head}. The smallest world size at which a configuration fits is {smallest} (found by search: model states"
@@ -173,7 +175,7 @@ def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limi
             smallest,
         )
     rows = batch_rows(sim.make_batch)
-    smaller = largest_micro_batch(sim, most, world_size, limit.limit, rows)
+    smaller = _smaller_batch(sim, most, world_size, limit.limit, rows)
     tail = f"no world size up to {MAX_RANKS} fits: activations and what stays whole do not shrink with ranks"
     if smaller is not None:
         n, fits_at = smaller
@@ -189,6 +191,18 @@ def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limi
         + ". Fix: a smaller model or sequence, or devices with more memory",
         None,
     )
+
+
+def _smaller_batch(sim: Simulator, config: dict[str, Any], world_size: int, budget: int, rows: int | None) -> tuple[int, int] | None:
+    """(rows, peak) of the largest micro-batch that fits with ``config`` (``batch.largest_micro_batch``); None when
+    none does, the batch cannot be cut, or a cut batch's step cannot run."""
+    if not rows or rows < 2:
+        return None
+    try:
+        divisor, estimate = largest_micro_batch(rows, budget, lambda d: sim.step(config, world_size, d)[0])
+    except AutoShardError:
+        return None
+    return (rows // divisor, estimate.device) if estimate is not None and estimate.device <= budget else None
 
 
 def _check_budget_backend(intent: ShardingIntent, backend: str) -> str:

@@ -40,15 +40,30 @@ def world_sizes_after(world_size: int, devices_per_node: int | None, intent: Sha
     return out
 
 
-def smallest_fitting_world(sizes: list[int], rest: int, states_at: Callable[[int], int], fits: Callable[[int], bool], budget: int) -> int | None:
-    """The first of ``sizes`` at which a run fits: predicted by bisection as ``rest`` (what does not shrink with ranks:
-    activations, what stays whole) plus ``states_at(n)`` (which shrink monotonically), then confirmed with ``fits``
-    on that size and the next two."""
-    predict = lambda n: rest + states_at(n)  # noqa: E731
+def smallest_world(
+    intent: ShardingIntent,
+    world_size: int,
+    devices_per_node: int | None,
+    budget: int,
+    full: Callable[[int], MemoryEstimate | None],
+    states: Callable[[int], MemoryEstimate],
+) -> int | None:
+    """The smallest world size above ``world_size`` at which ``intent`` fits, for the advice and the decision alike:
+    ``full(n)`` is its estimate with a simulated step on ``n`` ranks (None when part of the step is missing: never a
+    fit), ``states(n)`` its model states alone (fast). Predicted by bisection as what does not shrink with ranks
+    (activations, what stays whole) plus the states (which shrink monotonically), then confirmed with ``full`` on
+    that size and the next two."""
+    here = full(world_size)
+    if here is None:
+        return None
+    sizes = world_sizes_after(world_size, devices_per_node, intent)
+    rest = here.device - states_on_device(here)
+    predict = lambda n: rest + states_on_device(states(n))  # noqa: E731
     if not sizes or predict(sizes[-1]) > budget:
         return None
     lo, hi = 0, len(sizes) - 1
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if predict(sizes[mid]) <= budget else (mid + 1, hi)
-    return next((n for n in sizes[lo : lo + 3] if fits(n)), None)
+    fits = lambda e: e is not None and e.device <= budget  # noqa: E731
+    return next((n for n in sizes[lo : lo + 3] if fits(full(n))), None)

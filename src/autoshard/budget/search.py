@@ -1,5 +1,5 @@
 """The decision's search: the price of each configuration (the cost order below), and the cheapest configuration
-whose simulated peak fits; when none does, the smallest world size or the largest micro-batch at which one does."""
+whose simulated peak fits (when none does, ``decide`` asks ``ranks`` and ``batch`` for more ranks or a smaller micro-batch)."""
 
 # The cost order. Every free field's option has a price, in estimated seconds per step on nominal hardware (Rates):
 #   - activation checkpointing: the FLOPs its recomputation adds to the simulated step (forward, backward and
@@ -30,6 +30,7 @@ whose simulated peak fits; when none does, the smallest world size or the larges
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,11 +38,14 @@ from autoshard.backends import BudgetChoices, get_backend
 from autoshard.budget.batch import batch_function
 from autoshard.budget.decision import OFFLOAD_SAVING, Cost, Rates, Tried, default_rates, describe_config
 from autoshard.budget.meta import meta_factory
-from autoshard.budget.ranks import smallest_fitting_world, states_on_device, world_sizes_after
-from autoshard.budget.simulator import Simulator, config_key
+from autoshard.budget.simulator import ModelStates, Simulator, Subject
 from autoshard.errors import AutoShardError
 from autoshard.intent import SELECTIVE, ShardingIntent
 from autoshard.memory import fmt_bytes
+
+
+def config_key(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True)
 
 
 def _choices(backend: str) -> BudgetChoices:
@@ -118,16 +122,8 @@ def price(
 
     rates = rates or default_rates()
     base = intent.replace(memory_budget=None, memory_headroom=None, pinned=())
-    sim = Simulator(
-        meta_factory(module),
-        batch_function(batch),
-        base,
-        precision or resolve_precision(None, intent),
-        world_size,
-        1,
-        None,
-        get_backend(backend).name,
-    )
+    states = ModelStates(Subject.build(meta_factory(module)), get_backend(backend).name, precision or resolve_precision(None, intent), world_size)
+    sim = Simulator(states, batch_function(batch), base, None)
     flops: dict[Any, int] = {}
     out = []
     for config in [{**c, "activation_checkpointing": False} for c in configs] + list(configs):
@@ -240,34 +236,3 @@ def _first_error(message: str) -> str:
 
     found = re.findall(r"\b([A-Z]\w*(?:Error|Exception): [^\n]*?)(?:\. |\.$|$)", message)
     return found[-1] if found else message.split(". Fix:")[0]
-
-
-def smallest_world_size(sim: Simulator, config: dict[str, Any], world_size: int, budget: int) -> int | None:
-    """The smallest world size above ``world_size`` at which ``config`` fits (``ranks.smallest_fitting_world``)."""
-    here, _ = sim.step(config, world_size)
-    return smallest_fitting_world(
-        world_sizes_after(world_size, sim.devices_per_node, sim.base.replace(**config)),
-        here.device - states_on_device(sim.states(config, world_size)),
-        lambda n: states_on_device(sim.states(config, n)),
-        lambda n: sim.step(config, n)[0].device <= budget,
-        budget,
-    )
-
-
-def largest_micro_batch(sim: Simulator, config: dict[str, Any], world_size: int, budget: int, rows: int | None) -> tuple[int, int] | None:
-    """(rows, peak) of the largest micro-batch (rows / 2, / 4, ...) that fits with ``config``; None when none does or
-    the batch cannot be cut."""
-    if not rows or rows < 2:
-        return None
-    divisor = 2
-    while rows // divisor >= 1:
-        try:
-            estimate, _ = sim.step(config, world_size, divisor)
-        except AutoShardError:
-            return None
-        if estimate.device <= budget:
-            return rows // divisor, estimate.device
-        if rows // divisor == 1:
-            return None
-        divisor *= 2
-    return None

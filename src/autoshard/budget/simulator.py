@@ -1,9 +1,8 @@
-"""Model states (fast, from shapes) and simulated steps (seconds each) for one module and batch, cached: ``ModelStates``
-is the one estimator of model states (explain, the ``--budget`` advice, the decision), ``Simulator`` adds the steps."""
+"""The one estimator, for one module and batch, cached: ``ModelStates`` (fast, from shapes) and ``Simulator``, which adds
+the simulated steps (seconds each); explain's table, the ``--budget`` advice and the decision all read it."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -11,14 +10,9 @@ from typing import Any
 
 from autoshard.backends import get_backend
 from autoshard.budget.batch import cut_batch
-from autoshard.budget.decision import describe_config
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.mesh import nodes_for
-
-
-def config_key(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -26,6 +20,7 @@ class Subject:
     """One module built on meta, the callbacks that came with it, the optimizers of its one ``configure_optimizers``
     call (hooks may assert a single call) and the needs read from them: what every estimate of it reads."""
 
+    factory: Callable[[], Any]  # called afresh for each simulated step: ``fully_shard`` mutates the module
     module: Any
     callbacks: list[Any]
     sourced: list[tuple[str, Any]]
@@ -42,7 +37,7 @@ class Subject:
         sourced = collect_optimizers(built.module, built.callbacks)
         configured = [o for source, o in sourced if source == "configure_optimizers"]
         needs = inspect_needs(built.module, callbacks=built.callbacks, optimizers=configured)
-        return cls(built.module, built.callbacks, sourced, needs, built.notes)
+        return cls(factory, built.module, built.callbacks, sourced, needs, built.notes)
 
 
 class ModelStates:
@@ -74,29 +69,20 @@ class ModelStates:
 
 
 class Simulator:
-    """Model states and simulated steps for one module and batch, cached. Under DeepSpeed a peak is its estimator's
-    states plus the activations of an fsdp2 step with the same blocks checkpointed (they do not depend on the offload)."""
+    """The one estimator of a run's peak per rank, for one ``Subject`` and micro-batch: its ``ModelStates`` plus a
+    simulated step, each cached; explain's table, its ``--budget`` advice and ``decide`` all read it. A backend that
+    does not simulate its own step (DeepSpeed) takes only the activations of fsdp2's step of ``base`` with the same
+    blocks checkpointed: nothing else DeepSpeed sets changes them (each offload gave them equal to the byte)."""
 
     def __init__(
-        self,
-        factory: Callable[[], Any],
-        make_batch: Callable[[], Any],
-        base: ShardingIntent,
-        precision: Any,
-        devices_per_node: int | None,
-        num_nodes: int,
-        progress: Callable[[str], None] | None,
-        backend: str = "fsdp2",
+        self, model: ModelStates, make_batch: Callable[[], Any] | None, base: ShardingIntent, progress: Callable[[str], None] | None
     ) -> None:
-        self.factory, self.make_batch, self.base, self.precision = factory, make_batch, base, precision
-        self.devices_per_node, self.num_nodes, self.progress = devices_per_node, num_nodes, progress
-        self.backend = backend
-        subject = Subject.build(factory)
-        self.module, self.needs = subject.module, subject.needs
-        self.model = ModelStates(subject, backend, precision, devices_per_node, num_nodes)
-        self.step_cache: dict[tuple[str, int, int], tuple[Any, int]] = {}
+        self.model, self.make_batch, self.base, self.progress = model, make_batch, base, progress
+        self.module, self.needs, self.backend = model.subject.module, model.subject.needs, model.backend
+        self.precision, self.num_nodes = model.options.precision, model.options.num_nodes
+        self.devices_per_node = model.options.devices_per_node
+        self.whole_step = get_backend(model.backend).simulates_its_step  # the step runs this backend's plan: its peak is the run's
         self.measured: dict[tuple[str, int, int], Any] = {}
-        self.sims = 0
 
     def blocks(self) -> int:
         """Blocks activation checkpointing would wrap (trainable blocks; fsdp2's plan and DeepSpeed wrap the same)."""
@@ -108,34 +94,35 @@ class Simulator:
         return self.model.of(self.base.replace(**config), [world_size])[0]
 
     def step(self, config: dict[str, Any], world_size: int, divisor: int = 1) -> tuple[Any, int]:
-        """(the estimate with the simulated step, the step's FLOPs)."""
+        """(the estimate of ``config`` with its simulated step, the step's FLOPs); refused when the step cannot run in
+        full: a decision is never made on half a step."""
         from autoshard.memory import with_step
 
-        key = (config_key(config), world_size, divisor)
-        if key not in self.step_cache:
-            whole = get_backend(self.backend).simulates_its_step
-            step = self._measure(config if whole else {k: v for k, v in config.items() if k == "activation_checkpointing"}, world_size, divisor)
-            self.step_cache[key] = (with_step(self.states(config, world_size), step, whole), step.flops)
-        return self.step_cache[key]
+        step = self.measure(self.base.replace(**config), world_size, divisor)
+        if step.forward_only:  # the batch did not run: the reason is the user's to fix
+            raise IntentError(f"memory_budget cannot be decided: {step.incomplete}")
+        return with_step(self.states(config, world_size), step, self.whole_step), step.flops
 
-    def _measure(self, config: dict[str, Any], world_size: int, divisor: int) -> Any:
+    def measure(self, intent: ShardingIntent, world_size: int, divisor: int = 1) -> Any:
+        """The simulated step of ``intent`` (``activations.measure_step``) on a micro-batch / ``divisor`` (without a
+        batch, ``example_input_array``'s forward); what it raises, it raises."""
         from autoshard.activations import measure_step
 
-        key = (config_key(config), world_size, divisor)
+        if not self.whole_step:
+            intent = self.base.replace(activation_checkpointing=intent.activation_checkpointing)
+        key = (repr(intent), world_size, divisor)
         if key not in self.measured:
             if self.progress is not None:
-                what = describe_config(config) + ("" if get_backend(self.backend).simulates_its_step else ": activations for DeepSpeed")
-                self.progress(f"simulating one step on {world_size} fake ranks ({what}" + (f", micro-batch / {divisor}" if divisor > 1 else "") + ")")
-            step = measure_step(
-                self.factory,
-                self.base.replace(**config),
+                was = self.base.to_dict()
+                parts = [f"{k}={v!r}" for k, v in intent.to_dict().items() if v != was[k]] + ([] if self.whole_step else ["activations only"])
+                parts += [f"micro-batch / {divisor}"] if divisor > 1 else []
+                self.progress(f"simulating one step on {world_size} fake ranks" + (f" ({', '.join(parts)})" if parts else ""))
+            self.measured[key] = measure_step(
+                self.model.subject.factory,
+                intent,
                 world_size,
                 self.precision,
-                make_batch=cut_batch(self.make_batch, divisor),
+                make_batch=cut_batch(self.make_batch, divisor) if self.make_batch is not None else None,
                 num_nodes=self.num_nodes if self.devices_per_node is None else nodes_for(world_size, self.devices_per_node),
             )
-            self.sims += 1
-            if step.forward_only:  # the batch did not run: the reason is the user's to fix, never a decision on half a step
-                raise IntentError(f"memory_budget cannot be decided: {step.incomplete}")
-            self.measured[key] = step
         return self.measured[key]
