@@ -70,6 +70,21 @@ def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[
     return True
 
 
+def _record_run(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer._run`` that keeps its (ckpt_path, weights_only) in ``_RUNS`` while it runs (``run_arguments``)."""
+    signature = inspect.signature(original)
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind_partial(self, *args, **kwargs).arguments
+        _RUNS[self] = (arguments.get("ckpt_path"), arguments.get("weights_only"))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _RUNS.pop(self, None)
+
+    return run
+
+
 def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], None]) -> None:
     """Idempotent; ``fsdp2_class`` / ``refuse_precision`` are passed in, as this module sits below the strategies."""
     from lightning.fabric.connector import _Connector as FabricConnector
@@ -136,23 +151,10 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
         " checks instances only, says 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
     )
 
-    def record_run(original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            arguments = signature.bind_partial(self, *args, **kwargs).arguments
-            _RUNS[self] = (arguments.get("ckpt_path"), arguments.get("weights_only"))
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                _RUNS.pop(self, None)
-
-        return run
-
     _wrap(
         Trainer,
         "_run",
-        record_run,
+        _record_run,
         "records the call's ckpt_path and weights_only while it runs: Lightning restores a checkpoint after the"
         " strategy's setup, and a memory budget's stored decision must be read before anything is sharded",
     )
