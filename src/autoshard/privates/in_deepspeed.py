@@ -16,11 +16,8 @@ PIN = f'pip install "deepspeed{SUPPORTED_DEEPSPEED}"'
 # -- every DeepSpeed member autoshard calls, unpickles or mirrors -----------------------------------------------------
 # ``used_in``: the autoshard module that calls, unpickles or mirrors it (mirrored: autoshard restates what it does, so
 # a change there means a change here).
-_ENGINE = "deepspeed.runtime.engine"
-_ZERO_TO_FP32 = "deepspeed.utils.zero_to_fp32"
-_SCALER = "deepspeed.runtime.fp16.loss_scaler"
-_LAYOUT = "autoshard.checkpoint.deepspeed_layout"
-_CONVERT = "autoshard.convert.deepspeed"
+_ENGINE, _ZERO_TO_FP32, _SCALER = "deepspeed.runtime.engine", "deepspeed.utils.zero_to_fp32", "deepspeed.runtime.fp16.loss_scaler"
+_LAYOUT, _CONVERT = "autoshard.checkpoint.deepspeed_layout", "autoshard.convert.deepspeed"  # users
 
 DEEPSPEED: tuple[Private, ...] = (
     Private(

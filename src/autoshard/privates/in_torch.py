@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,10 +45,8 @@ TORCH: tuple[Private, ...] = (
     Private("torch", "_foreach_copy_", _FSDP, "the averages copied into the gradients, in one call"),
     Private("torch.nn.modules.batchnorm", "_BatchNorm", "autoshard.batchnorm", "every BatchNorm class, converted to SyncBatchNorm"),
     # -- torch.compile ------------------------------------------------------------------------------------------------
-    Private("torch._dynamo", "OptimizedModule", "autoshard.needs", "a module the user wrapped in torch.compile: a need (compile)"),
-    Private("torch._dynamo", "OptimizedModule", "autoshard.adapters.compile", "torch.compile's wrapper replaced by its _orig_mod: names stay eager"),
-    Private("torch.nn.Module", "_compiled_call_impl", "autoshard.needs", "a module compiled in place (module.compile()) by the user"),
-    Private("torch.nn.Module", "_compiled_call_impl", "autoshard.adapters.compile", "a block compiled in place already is left as it is"),
+    Private("torch._dynamo", "OptimizedModule", _HERE, "compile_wrapper: a module wrapped in torch.compile (needs, adapters.compile)"),
+    Private("torch.nn.Module", "_compiled_call_impl", _HERE, "compiled_in_place: a module.compile() by the user or autoshard (needs, compile)"),
     Private("torch._functorch.aot_autograd", "aot_function", _COMPILED, "a block's joint forward-backward graph, traced on fake tensors"),
     Private("torch._functorch.partitioners", "min_cut_rematerialization_partition", _COMPILED, "inductor's partitioner: what the forward saves"),
     Private("torch.utils._pytree", "tree_flatten", _COMPILED, "a block's captured inputs as a flat list of tensors"),
@@ -145,6 +144,18 @@ def fsdp2_api() -> tuple[Any, Any, Any, Any, Any]:
             fully_shard,
         )
     return fully_shard, FSDPModule, MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
+
+
+def compile_wrapper() -> Any:
+    """torch.compile's wrapper class (``OptimizedModule``), or ``()`` when torch._dynamo was never imported: nothing
+    was compiled then, and importing it costs a second. For ``isinstance``."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo.OptimizedModule if dynamo is not None else ()
+
+
+def compiled_in_place(module: Any) -> bool:
+    """Compiled by ``module.compile()``."""
+    return module._compiled_call_impl is not None
 
 
 def rng_tracker() -> Any:
