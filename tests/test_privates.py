@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,9 +31,12 @@ def test_every_listed_torch_member_exists(member: Private) -> None:
     assert not missing([member]), f"torch moved {member.dotted}: {member.used_in} uses it for {member.why}"
 
 
-@pytest.mark.parametrize("name", sorted(in_torch.PROVIDED))
-def test_every_torch_provider_gives_its_member(name: str) -> None:
-    assert getattr(in_torch, name) is not None
+PROVIDERS = [(module, name) for module in (in_torch, in_lightning) for name in sorted(module.PROVIDED)]
+
+
+@pytest.mark.parametrize(("module", "name"), PROVIDERS, ids=[f"{m.__name__}.{n}" for m, n in PROVIDERS])
+def test_every_provider_gives_its_member(module: Any, name: str) -> None:
+    assert getattr(module, name) is not None
 
 
 def _sources(modules: str) -> str:
