@@ -39,22 +39,23 @@ def test_every_provider_gives_its_member(module: Any, name: str) -> None:
     assert getattr(module, name) is not None
 
 
-def _sources(modules: str) -> str:
-    """The text of autoshard modules (``used_in``: one, or several separated by commas), a package's every file."""
-    texts = []
-    for module in modules.split(", "):
-        path = SRC.joinpath(*module.split("."))
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
-        texts += [f.read_text() for f in files]
-    return "\n".join(texts)
+def _sources(module: str) -> str:
+    """The text of an autoshard module, or of every file of a package."""
+    path = SRC.joinpath(*module.split("."))
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return "\n".join(f.read_text() for f in files)
 
 
 @pytest.mark.parametrize("member", LEDGERS, ids=[f"{m.dotted} in {m.used_in}" for m in LEDGERS])
 def test_every_listed_member_is_used_where_the_list_says(member: Private) -> None:
-    """A stale row (the code moved, or stopped using it) is as misleading as a missing one. Through a provider the
-    name comes without its underscore (``in_torch.broadcast_coalesced``)."""
-    source = _sources(member.used_in)
-    assert member.name.lstrip("_") in source, f"{member.used_in} no longer uses {member.dotted} (no {member.name!r} in it)"
+    """A stale row (the code moved, or stopped using it) is as misleading as a missing one. ``used_in`` names each
+    module using it (separated by commas), by its own name or through its provider (``in_torch.broadcast_coalesced``)."""
+    providers = {
+        f".{name}" for module in (in_torch, in_lightning) for name, path in module.PROVIDED.items() if path.replace(":", ".") == member.dotted
+    }
+    for module in member.used_in.split(", "):
+        source = _sources(module)
+        assert any(word in source for word in {member.name, *providers}), f"{module} no longer uses {member.dotted}"
 
 
 def _private(part: str) -> bool:

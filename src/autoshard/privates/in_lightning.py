@@ -208,7 +208,7 @@ TRAINER: tuple[Private, ...] = (
     Private(
         "lightning.pytorch.LightningModule",
         "_trainer",
-        "autoshard.needs, autoshard.memory, autoshard.lightning.checkpoint",
+        "autoshard.needs, autoshard.lightning.checkpoint",
         "read: the attached Trainer or None (the trainer property raises when none is attached)",
         on_instance=True,
     ),
