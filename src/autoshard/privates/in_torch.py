@@ -17,6 +17,7 @@ from typing import Any
 from autoshard.privates import Private, provide
 
 _FSDP, _ACT, _COMPILED = "autoshard.adapters.fsdp2", "autoshard.activations", "autoshard.activations.compiled"  # users
+_BUDGET, _PYTREE = "autoshard.budget", "torch.utils._pytree"
 _HERE = "autoshard.privates.in_torch"  # used by a function below (fsdp2_api, parked_registry, ...)
 _TRACKER, _FAKE, _C10D = "torch.distributed._tools.fsdp2_mem_tracker", "torch._subclasses.fake_tensor", "torch.distributed.distributed_c10d"
 _MEM_TRACKER = f"{_TRACKER}.FSDPMemTracker"
@@ -34,12 +35,12 @@ TORCH: tuple[Private, ...] = (
     Private("torch.Tensor", "_version", "autoshard.adapters.tp_plan", "a shared tensor-parallel input is reused only while not modified in place"),
     Private("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_lazy_init", _FSDP, "each unit's reduce dtype fixed before the forward"),
     Private("torch.distributed", "_broadcast_coalesced", _FSDP, "rank 0's unsharded parameters and buffers in few messages"),
-    Private("torch.distributed.tensor._random", "_rng_tracker", _FSDP, "replaced on CPU meshes while meta shards are initialized"),
+    Private("torch.distributed.tensor._random", "_rng_tracker", f"{_FSDP}, {_HERE}", "replaced on CPU meta init; parked with the group registry"),
     Private("torch.distributed.tensor._random._RNGStateTracker", "_distribute_region", _FSDP, "the method the stand-in tracker provides"),
     Private("torch._C", "_current_graph_task_id", _FSDP, "which backward a gradient hook runs in: one reduction per backward"),
     Private("torch.autograd.Variable._execution_engine", "queue_callback", _FSDP, "the reduction runs at the end of the backward"),
-    Private("torch.utils._pytree", "tree_leaves", _FSDP, "the tensors an FSDP unit returns, whose gradient arms the reduction"),
-    Private("torch.utils._pytree", "tree_map", _FSDP, "a unit's view outputs cloned (clone_view_outputs)"),
+    Private(_PYTREE, "tree_leaves", f"{_FSDP}, {_BUDGET}", "the tensors a unit returns (they arm the reduction), or a batch holds"),
+    Private(_PYTREE, "tree_map", f"{_FSDP}, {_BUDGET}", "a unit's view outputs cloned (clone_view_outputs); a batch cut to a micro-batch"),
     Private("torch._utils", "_flatten_dense_tensors", _FSDP, "a bucket's gradients and flags into one buffer, in one call"),
     Private("torch._utils", "_unflatten_dense_tensors", _FSDP, "that buffer back into views shaped like each gradient"),
     Private("torch", "_foreach_copy_", _FSDP, "the averages copied into the gradients, in one call"),
@@ -49,8 +50,8 @@ TORCH: tuple[Private, ...] = (
     Private("torch.nn.Module", "_compiled_call_impl", _HERE, "compiled_in_place: a module.compile() by the user or autoshard (needs, compile)"),
     Private("torch._functorch.aot_autograd", "aot_function", _COMPILED, "a block's joint forward-backward graph, traced on fake tensors"),
     Private("torch._functorch.partitioners", "min_cut_rematerialization_partition", _COMPILED, "inductor's partitioner: what the forward saves"),
-    Private("torch.utils._pytree", "tree_flatten", _COMPILED, "a block's captured inputs as a flat list of tensors"),
-    Private("torch.utils._pytree", "tree_unflatten", _COMPILED, "and back into its args and kwargs"),
+    Private(_PYTREE, "tree_flatten", _COMPILED, "a block's captured inputs as a flat list of tensors"),
+    Private(_PYTREE, "tree_unflatten", _COMPILED, "and back into its args and kwargs"),
     # -- checkpoints ----------------------------------------------------------------------------------------------
     Private("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict", "autoshard.checkpoint", "a DCP checkpoint read in one process"),
     Private("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner", "autoshard.checkpoint", "reads entries without a template"),
@@ -71,7 +72,7 @@ TORCH: tuple[Private, ...] = (
     Private(_FAKE, "DataDependentOutputException", _ACT, "a step that reads tensor values, said in words"),
     Private(_FAKE, "DynamicOutputShapeException", _ACT, "a value-dependent output shape, said in words"),
     Private(_FAKE, "UnsupportedOperatorException", _ACT, "an operator without a fake kernel, said in words"),
-    Private("torch.utils._pytree", "tree_map_only", _ACT, "fake tensors made from the example batch"),
+    Private(_PYTREE, "tree_map_only", f"{_ACT}, {_BUDGET}", "fake tensors made from the example batch; empty ones of a batch's shapes"),
     Private(_C10D, "_World", _HERE, "an empty group registry while a live one is parked (parked_registry)"),
     Private(_C10D, "_world", _HERE, "parked and put back, so the live group is never touched"),
     *(
@@ -86,14 +87,9 @@ TORCH: tuple[Private, ...] = (
     Private("torch.distributed.tensor._redistribute", "_gen_transform_infos", _HERE, "its plan cache, emptied after a fake world"),
     Private("torch.distributed.tensor._collective_utils", "MeshTopoInfo", _HERE, "its cache of mesh topologies, emptied after a fake world"),
     Private("torch.nn.Module", "_apply", "autoshard.adapters", "Module.to's own walk, with offloaded shards kept on the host"),
-    Private("torch.distributed.tensor._random", "_rng_tracker", _HERE, "DTensor's RNG tracker: one made for a fake mesh never serves a live run"),
     Private("torch.distributed._composable", "checkpoint", "autoshard.adapters.checkpointing", "full activation checkpointing of a block"),
-    Private("torch.utils._pytree", "tree_map_only", "autoshard.budget", "empty tensors of a given batch's shapes"),
-    Private("torch.utils._pytree", "tree_map", "autoshard.budget", "a batch cut to a smaller micro-batch"),
-    Private("torch.utils._pytree", "tree_leaves", "autoshard.budget", "the tensors of a batch (its rows)"),
 )
 
-_PYTREE = "torch.utils._pytree"
 
 # What the code elsewhere takes from here, as ``in_torch.<name>``: each a member listed above, imported on first use.
 PROVIDED = {
