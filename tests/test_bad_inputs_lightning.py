@@ -23,10 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autoshard  # noqa: F401  registers the strategies and guards
 import autoshard.lightning as al
-from autoshard.engine.compat import PIN
 from autoshard.errors import BackendUnavailableError, IntentError
 from autoshard.lightning import FSDP2Strategy
-from autoshard.lightning.compat import check_lightning
+from autoshard.privates.in_lightning import PIN, check_lightning
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 

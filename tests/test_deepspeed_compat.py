@@ -1,8 +1,8 @@
-"""The DeepSpeed members autoshard calls, unpickles or mirrors (``autoshard.checkpoint.deepspeed_layout.PRIVATE_MEMBERS``), one
-check each, and autoshard's spelling of DeepSpeed's files checked against DeepSpeed's own functions on the installed
+"""The DeepSpeed members autoshard calls, unpickles or mirrors (``autoshard.privates.in_deepspeed.DEEPSPEED``), one check
+each, and autoshard's spelling of DeepSpeed's files checked against DeepSpeed's own functions on the installed
 release: a DeepSpeed upgrade that renames a file, changes the partition rule or adds a key to model_states fails here,
-by name, not halfway through a conversion. The list is complete: src/ is read, and a DeepSpeed private the code
-reaches that the list does not name fails here.
+by name, not halfway through a conversion. That the list is complete, and used where it says, tests/test_privates.py
+checks by reading src/.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from autoshard.checkpoint import deepspeed_layout as dsf
-from autoshard.checkpoint.deepspeed_layout import PRIVATE_MEMBERS
-from autoshard.torch_compat import Member
-from tests.test_torch_compat import private_references
+from autoshard.privates import Private, missing
+from autoshard.privates.in_deepspeed import DEEPSPEED, SUPPORTED_DEEPSPEED
 
 pytest.importorskip("deepspeed", reason="needs the deepspeed extra installed")
 pytestmark = pytest.mark.deepspeed
@@ -33,8 +32,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 def test_the_installed_deepspeed_is_in_the_checked_range() -> None:
     installed = dsf.installed_version()
     assert installed is not None
-    assert SpecifierSet(dsf.SUPPORTED_DEEPSPEED).contains(Version(installed)), (
-        f"deepspeed {installed} is outside {dsf.SUPPORTED_DEEPSPEED}, the releases autoshard.checkpoint.deepspeed_layout was checked on:"
+    assert SpecifierSet(SUPPORTED_DEEPSPEED).contains(Version(installed)), (
+        f"deepspeed {installed} is outside {SUPPORTED_DEEPSPEED}, the releases autoshard.privates.in_deepspeed was checked on:"
         f" run this file's checks, then widen the range"
     )
 
@@ -50,26 +49,9 @@ def test_a_deepspeed_outside_the_range_is_warned_about_once() -> None:
         dsf.check_version()  # the installed one, in range
 
 
-@pytest.mark.parametrize("member", PRIVATE_MEMBERS, ids=[m.dotted for m in PRIVATE_MEMBERS])
-def test_every_listed_deepspeed_member_exists(member: Member) -> None:
-    assert member.exists(), f"deepspeed moved {member.dotted}: {member.used_in} relies on it ({member.why})"
-
-
-def _sources(module: str) -> str:
-    path = SRC.joinpath(*module.split("."))
-    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
-    return "\n".join(f.read_text() for f in files)
-
-
-@pytest.mark.parametrize("member", PRIVATE_MEMBERS, ids=[m.dotted for m in PRIVATE_MEMBERS])
-def test_every_listed_member_is_used_where_the_list_says(member: Member) -> None:
-    assert member.dotted.rpartition(".")[2] in _sources(member.used_in), f"{member.used_in} no longer uses {member.dotted}"
-
-
-def test_every_deepspeed_private_the_code_reaches_is_listed() -> None:
-    listed = {m.dotted for m in PRIVATE_MEMBERS}
-    unlisted = sorted(f"{name} ({where})" for name, where in private_references(SRC, ("deepspeed",)) if name not in listed)
-    assert not unlisted, f"add to autoshard.checkpoint.deepspeed_layout.PRIVATE_MEMBERS: {unlisted}"
+@pytest.mark.parametrize("member", DEEPSPEED, ids=[m.dotted for m in DEEPSPEED])
+def test_every_listed_deepspeed_member_exists(member: Private) -> None:
+    assert not missing([member]), f"deepspeed moved {member.dotted}: {member.used_in} relies on it ({member.why})"
 
 
 def test_file_names_are_the_ones_the_engine_writes_and_loads() -> None:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.privates import in_torch
+
 
 def _differentiable_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
     """All-reduce (sum) with autograd. torch.distributed.nn's has it on every torch >= 2.4; 2.13 deprecates it for
@@ -32,7 +34,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         group = self.process_group or dist.group.WORLD
         if not self.training or not dist.is_initialized() or dist.get_world_size(group) == 1:
             # Nothing to synchronize: plain BatchNorm (torch's SyncBatchNorm refuses CPU input even on one rank).
-            return nn.modules.batchnorm._BatchNorm.forward(self, input)
+            return in_torch.BatchNorm.forward(self, input)
         self._check_input_dim(input)
         dims, shape = [0, *range(2, input.dim())], [1, -1] + [1] * (input.dim() - 2)
         x = input.float()
@@ -62,7 +64,7 @@ def convert_sync_batchnorm(module: nn.Module, group: Any) -> int:
 
     count = 0
     for m in module.modules():
-        if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if not isinstance(m, in_torch.BatchNorm):
             continue
         if not isinstance(m, SyncBatchNorm):
             sharded = isinstance(m, fsdp_module)  # keep fully_shard's FSDP<class> on top, as fully_shard builds it

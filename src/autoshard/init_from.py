@@ -38,6 +38,7 @@ from autoshard.checkpoint.resume import CONSOLIDATE, model_mismatch
 from autoshard.checkpoint.trust import DCP_METADATA, TRUST_PICKLE, CheckpointFormatError, load_torch_file
 from autoshard.errors import AutoShardError
 from autoshard.needs import EMAPair, eager_name
+from autoshard.privates import in_torch
 
 
 class InitFromError(AutoShardError, ValueError):
@@ -443,11 +444,7 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import (
-            compute_local_shape_and_global_offset,
-        )
-
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        shape, offset = in_torch.compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return t.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return t, tuple(slice(0, s) for s in t.shape)
 

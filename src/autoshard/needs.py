@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import AutoShardError, did_you_mean
+from autoshard.privates import in_torch
 
 NEEDS_ATTRIBUTE = "autoshard_needs"
 CALLBACK_OPTIMIZERS_ATTRIBUTE = "autoshard_optimizers"
@@ -344,11 +344,10 @@ def eager_name(name: str) -> str:
 def compiled_modules(module: nn.Module) -> tuple[str, ...]:
     """The eager paths of the modules the user compiled (wrapped, in place, or unwrapped by autoshard), outermost
     first; a module inside a compiled one is not listed again."""
-    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (and importing it costs a second)
-    wrapper = dynamo.OptimizedModule if dynamo is not None else ()
+    wrapper = in_torch.compile_wrapper()
     found: list[str] = []
     for name, sub in module.named_modules():
-        if isinstance(sub, wrapper) or sub._compiled_call_impl is not None or getattr(sub, COMPILED_ATTRIBUTE, None) is not None:
+        if isinstance(sub, wrapper) or in_torch.compiled_in_place(sub) or getattr(sub, COMPILED_ATTRIBUTE, None) is not None:
             path = eager_name(name)
             if not any(path == f or path.startswith(f + ".") or not f for f in found):
                 found.append(path)

@@ -116,17 +116,18 @@ def test_every_private_fabric_member_autoshard_hooks_exists() -> None:
     """Methods on the classes; instance attributes on an instance (built, not launched)."""
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from autoshard.fabric.compat import FABRIC_PRIVATE_MEMBERS, missing
+    from autoshard.privates import missing
+    from autoshard.privates.in_lightning import FABRIC
 
-    assert missing() == []
+    assert missing(FABRIC) == []
     instance = ModelParallelStrategy(lambda m, mesh: m)
-    for member in FABRIC_PRIVATE_MEMBERS:
+    for member in FABRIC:
         if member.on_instance and member.owner.endswith("ModelParallelStrategy"):
             assert hasattr(instance, member.name), member
     if importlib.util.find_spec("deepspeed") is not None:
         from lightning.fabric.strategies import DeepSpeedStrategy
 
         deepspeed_instance = DeepSpeedStrategy(stage=3)
-        for member in FABRIC_PRIVATE_MEMBERS:
+        for member in FABRIC:
             if member.on_instance and member.owner.endswith("DeepSpeedStrategy"):
                 assert hasattr(deepspeed_instance, member.name), member

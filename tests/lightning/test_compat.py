@@ -17,9 +17,8 @@ import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from autoshard.engine.compat import PIN, SUPPORTED_LIGHTNING, Private
-from autoshard.lightning import compat
-from autoshard.lightning.compat import PRIVATE_MEMBERS, check_lightning, missing
+from autoshard.privates import Private, in_lightning, missing
+from autoshard.privates.in_lightning import PIN, SUPPORTED_LIGHTNING, TRAINER, check_lightning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,13 +84,13 @@ INSTANCES: dict[str, Callable[[], Any]] = {
 }
 
 
-@pytest.mark.parametrize("member", PRIVATE_MEMBERS, ids=str)
+@pytest.mark.parametrize("member", TRAINER, ids=str)
 def test_every_listed_private_member_exists(member: Private) -> None:
     if member.on_instance:
         assert member.owner in INSTANCES, f"add a factory for {member.owner} to INSTANCES"
         assert hasattr(INSTANCES[member.owner](), member.name), f"{member} is gone: it is {member.why} ({member.used_in})"
     else:
-        assert str(member) not in missing(), f"{member} is gone: it is {member.why} ({member.used_in})"
+        assert member not in missing(TRAINER), f"{member} is gone: it is {member.why} ({member.used_in})"
 
 
 def test_pyproject_declares_the_supported_range() -> None:
@@ -115,11 +114,11 @@ def test_a_lightning_outside_the_range_warns_once() -> None:
 
 def test_a_missing_member_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     gone = Private("lightning.pytorch.strategies.DeepSpeedStrategy", "_renamed_in_2_7", "nowhere", "a stand-in")
-    monkeypatch.setattr(compat, "PRIVATE_MEMBERS", (*PRIVATE_MEMBERS, gone))
+    monkeypatch.setattr(in_lightning, "TRAINER", (*TRAINER, gone))
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-    assert missing(DeepSpeedStrategy) == ["DeepSpeedStrategy._renamed_in_2_7"]
-    assert missing(ModelParallelStrategy) == []
+    assert [str(m) for m in missing(in_lightning.TRAINER, DeepSpeedStrategy)] == ["DeepSpeedStrategy._renamed_in_2_7"]
+    assert missing(in_lightning.TRAINER, ModelParallelStrategy) == []
 
 
 def test_the_check_runs_when_autoshard_registers() -> None:
@@ -190,7 +189,7 @@ def test_without_a_connector_method_its_guard_is_skipped_and_said(reinstall: Any
 
     monkeypatch.delattr(_AcceleratorConnector, name)
     (warning,) = _register_warnings(reinstall)  # the import does not fail, and says it once
-    member = next(m for m in PRIVATE_MEMBERS if m.name == name)
+    member = next(m for m in TRAINER if m.name == name)
     assert f"it lacks _AcceleratorConnector.{name}, so {member.without}." in warning
     assert not hasattr(_AcceleratorConnector, name)  # nothing put in its place
     targets = [c.target for c in reinstall.installed()]
@@ -207,8 +206,8 @@ def test_without_model_parallel_hooks_autoshards_own_fsdp2_names_are_refused(mon
 
     # _configure_launcher is inherited too (deleting it here would not make it missing): a stand-in member instead
     gone = Private("lightning.pytorch.strategies.ModelParallelStrategy", "_renamed_in_2_7", "nowhere", "a stand-in")
-    monkeypatch.setattr(compat, "PRIVATE_MEMBERS", (*PRIVATE_MEMBERS, gone))
-    assert missing(ModelParallelStrategy) == ["ModelParallelStrategy._renamed_in_2_7"]
+    monkeypatch.setattr(in_lightning, "TRAINER", (*TRAINER, gone))
+    assert [str(m) for m in missing(in_lightning.TRAINER, ModelParallelStrategy)] == ["ModelParallelStrategy._renamed_in_2_7"]
     for strategy in (FSDP2Strategy, AutoShardStrategy):
         with pytest.raises(BackendUnavailableError) as info:
             strategy()

@@ -233,7 +233,7 @@ def test_a_gpu_trainer_with_deepspeed_on_its_cpu_accelerator_is_refused(monkeypa
 
 
 def test_a_lightning_without_the_hooked_members_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ds_lightning, "missing", lambda owner: ["DeepSpeedStrategy._format_config"])
+    monkeypatch.setattr(ds_lightning, "missing", lambda ledger, owner: ["DeepSpeedStrategy._format_config"])
     with pytest.raises(BackendUnavailableError, match=r'lacks DeepSpeedStrategy._format_config.*Fix: pip install "lightning'):
         AutoShardDeepSpeedStrategy()
 

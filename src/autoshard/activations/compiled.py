@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autoshard.privates import in_torch
 
 
 @dataclass(frozen=True)
@@ -36,24 +37,22 @@ class BlockSaving:
 def block_saving(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype) -> BlockSaving:
     """``block``'s saved bytes for one forward on ``args``/``kwargs``, eager and compiled. Run inside the fake mode the
     inputs belong to; ``block`` may live on meta (only its parameters' shapes are read)."""
-    from torch._functorch.aot_autograd import aot_function
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.func import functional_call
 
     names = [name for name, _ in block.named_parameters()]
     params = [
         torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, requires_grad=p.requires_grad) for _, p in block.named_parameters()
     ]
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = in_torch.tree_flatten((args, kwargs))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
     def forward(*flat: torch.Tensor) -> torch.Tensor:
         values = list(leaves)
         for i, tensor in zip(tensors, flat[len(params) :]):
             values[i] = tensor
-        call_args, call_kwargs = tree_unflatten(values, spec)
+        call_args, call_kwargs = in_torch.tree_unflatten(values, spec)
         out = functional_call(block, dict(zip(names, flat[: len(params)])), call_args, call_kwargs)
-        first, _ = tree_flatten(out)
+        first, _ = in_torch.tree_flatten(out)
         return next(t for t in first if isinstance(t, torch.Tensor))
 
     inputs = [*params, *(leaves[i] for i in tensors)]
@@ -78,7 +77,9 @@ def block_saving(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         compiled.append(sum(nbytes for key, nbytes in saved.items() if key not in given))
         return graph
 
-    traced = aot_function(forward, fw_compiler=forward_compiler, bw_compiler=lambda graph, _: graph, partition_fn=min_cut_rematerialization_partition)
+    traced = in_torch.aot_function(
+        forward, fw_compiler=forward_compiler, bw_compiler=lambda graph, _: graph, partition_fn=in_torch.min_cut_rematerialization_partition
+    )
     traced(*inputs)
     return BlockSaving(eager=sum(kept.values()), compiled=compiled[0] if compiled else sum(kept.values()))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from autoshard.privates import in_torch
 from autoshard.tracebacks import user_frames
 
 
@@ -19,14 +20,12 @@ def _user_line(exc: BaseException) -> str:
 
 def describe_failure(exc: BaseException) -> str:
     """An exception raised under fake tensors, in words: most are reads of values fake tensors do not have."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
-
     where = _user_line(exc)
-    if isinstance(exc, DataDependentOutputException):
+    if isinstance(exc, in_torch.DataDependentOutputException):
         return f"it reads a tensor's value{where} (.item(), .tolist(), `if tensor:`), and fake tensors have no values"
-    if isinstance(exc, DynamicOutputShapeException):
+    if isinstance(exc, in_torch.DynamicOutputShapeException):
         return f"an op's output shape depends on tensor values{where} (nonzero, unique, boolean-mask indexing), unknown on fake tensors"
-    if isinstance(exc, UnsupportedOperatorException):
+    if isinstance(exc, in_torch.UnsupportedOperatorException):
         return f"an operator has no fake-tensor implementation{where} ({exc})"
     text = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text[:300]}{where}"
@@ -34,6 +33,4 @@ def describe_failure(exc: BaseException) -> str:
 
 def reads_values(exc: BaseException) -> bool:
     """An op fake tensors cannot run (a value read, a value-dependent shape, no fake kernel), not a wrong input."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
-
-    return isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException))
+    return isinstance(exc, (in_torch.DataDependentOutputException, in_torch.DynamicOutputShapeException, in_torch.UnsupportedOperatorException))

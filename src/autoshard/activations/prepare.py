@@ -23,6 +23,7 @@ from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelDims
 from autoshard.needs import compiled_modules, held_optimizers, inspect_needs, returned_optimizers
 from autoshard.precision import Dtype, PrecisionPlan
+from autoshard.privates import in_torch
 
 
 @dataclass
@@ -67,9 +68,7 @@ def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torc
 
 def _convert_input(batch: Any, dtype: torch.dtype | None) -> Any:
     """Lightning's "-true" precisions cast floating inputs to the module's dtype (HalfPrecision.convert_input)."""
-    from torch.utils._pytree import tree_map_only
-
-    return batch if dtype is None else tree_map_only(torch.Tensor, lambda t: t.to(_cast(t, dtype)), batch)
+    return batch if dtype is None else in_torch.tree_map_only(torch.Tensor, lambda t: t.to(_cast(t, dtype)), batch)
 
 
 def prepare_run(
@@ -162,10 +161,8 @@ def _configure_model(module: nn.Module) -> list[str]:
 
 def fake_example(example: Any, dtype: torch.dtype | None) -> Any:
     """``example_input_array`` as fake CPU tensors (built in ``__init__`` under the meta device, it is meta); inside the FakeTensorMode."""
-    from torch.utils._pytree import tree_map_only
-
     fake = lambda t: torch.zeros(t.shape, dtype=_cast(t, dtype), device="cpu") if t.is_meta else t.to(_cast(t, dtype))  # noqa: E731
-    return tree_map_only(torch.Tensor, fake, example)
+    return in_torch.tree_map_only(torch.Tensor, fake, example)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.privates import in_lightning
+
 
 class _StandInStrategy:
     """What a manual-optimization step reaches through ``self.trainer.strategy``: ``manual_backward`` and a
@@ -15,10 +17,8 @@ class _StandInStrategy:
     own Trainer path."""
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-
         self.lightning_module = module
-        self._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, self) for o in optimizers]
+        self._lightning_optimizers = [in_lightning.to_lightning_optimizer(o, self) for o in optimizers]
 
     def backward(self, loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         self.lightning_module.backward(loss, *args, **kwargs)

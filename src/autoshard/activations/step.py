@@ -22,6 +22,7 @@ from autoshard.activations.world import fake_world
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
 from autoshard.precision import Dtype, PrecisionPlan
+from autoshard.privates import in_torch
 
 
 def _train_step(run: Run, precision: PrecisionPlan) -> None:
@@ -178,9 +179,7 @@ class _Step:
 
 def _whole_step(step: _Step, make_batch: Callable[[], Any], extra: dict[str, Any]) -> tuple[StepMemory | None, str]:
     """(the whole training step's memory, "") on ``make_batch``'s batch; (None, why it could not run, with its Fix)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = in_torch.FakeTensorMode(allow_non_fake_inputs=True)
     run = step.prepare(make_batch, mode)
     try:
         with mode:
@@ -208,11 +207,9 @@ def _whole_step(step: _Step, make_batch: Callable[[], Any], extra: dict[str, Any
 def _forward_only(step: _Step, make_batch: Callable[[], Any] | None, extra: dict[str, Any], failed: str) -> StepMemory:
     """The forward of ``example_input_array`` (a lower bound: no backward, no optimizer step), when there is no batch
     or the step could not run on it (``failed``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     precision = step.precision
     convert = None if precision.autocast or precision.master is Dtype.FLOAT32 else precision.master.torch
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = in_torch.FakeTensorMode(allow_non_fake_inputs=True)
     run = step.prepare(None, mode)
     notes = list(run.notes)
     if getattr(run.module, "example_input_array", None) is None:

@@ -14,19 +14,19 @@ from torch import nn
 from autoshard.activations.step_memory import ACTIVATIONS, GATHERED, MODEL_STATES, StepMemory
 from autoshard.errors import AutoShardError
 from autoshard.needs import held_optimizers, returned_optimizers
+from autoshard.privates import in_torch
 
 _NOT_A_MODULE = "autoshard: training_step"  # a pseudo-parent while the step runs (see StepTracker)
 
 
 def tracker_base() -> type:
     try:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        return in_torch.FSDPMemTracker
     except ImportError as exc:  # torch < 2.5
         raise AutoShardError(
             f"measuring activation memory needs torch's FSDPMemTracker (torch.distributed._tools), not importable here"
             f" ({exc}). Fix: upgrade torch (2.6 or newer), or use autoshard explain --no-step (model states only)"
         ) from None
-    return FSDPMemTracker
 
 
 class _StepParts:
@@ -106,8 +106,6 @@ class _StepParts:
 
 @functools.cache
 def _tracker_class() -> type:
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType, _FSDPState
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor import DTensor
     from torch.utils.weak import WeakIdKeyDictionary
 
@@ -118,13 +116,13 @@ def _tracker_class() -> type:
         twice in one step and parameters left unsharded: torch's bookkeeping limits, not the memory it sees."""
 
         def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
-            MemTracker.__init__(self)
+            in_torch.MemTracker.__init__(self)
             self._root_mod = module
             self._optm = None
             self._optimizers = list(optimizers)
             self._fsdp_mod_to_saved_methods = WeakIdKeyDictionary()
-            self._fsdp_state = _FSDPState.PRE_FW
-            self._ref_class = _FSDPRefType
+            self._fsdp_state = in_torch.FSDPState.PRE_FW
+            self._ref_class = in_torch.FSDPRefType
             self._plain_handles: list[Any] = []
             self._stepping = False
             self.peak_at = ""
@@ -137,13 +135,13 @@ def _tracker_class() -> type:
         def _instrument_optimizer(self) -> None:
             handles = []
             for optimizer in self._optimizers:
-                self._track_optimizer_states(_FSDPRefType.OPT, optimizer)
+                self._track_optimizer_states(in_torch.FSDPRefType.OPT, optimizer)
                 handles.append(optimizer.register_step_pre_hook(self._before_step))
                 handles.append(optimizer.register_step_post_hook(self._after_step))
             self._optimizer_hook_handles = tuple(handles) or None
 
         def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-            self._track_optimizer_states(_FSDPRefType.OPT, optimizer)
+            self._track_optimizer_states(in_torch.FSDPRefType.OPT, optimizer)
             self._stepping = False
 
         # Parameters no unit owns (0-dim, root, probes): model states too, and so are their gradients.
@@ -152,15 +150,15 @@ def _tracker_class() -> type:
             for p in self._root_mod.parameters():
                 if isinstance(p, DTensor):
                     continue
-                self._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
+                self._update_and_maybe_create_winfos(p, in_torch.FSDPRefType.SHARDED_PARAM)
                 if p.grad is not None:
-                    self._update_and_maybe_create_winfos(p.grad, _FSDPRefType.SHARDED_GRAD)
+                    self._update_and_maybe_create_winfos(p.grad, in_torch.FSDPRefType.SHARDED_GRAD)
                 if p.requires_grad:
                     self._plain_handles.append(p.register_post_accumulate_grad_hook(self._plain_grad))
 
         def _plain_grad(self, p: torch.Tensor) -> None:
             if p.grad is not None:
-                self._update_and_maybe_create_winfos(p.grad, _FSDPRefType.SHARDED_GRAD)
+                self._update_and_maybe_create_winfos(p.grad, in_torch.FSDPRefType.SHARDED_GRAD)
 
         def _deregister_module_and_optimizer_hooks(self) -> None:
             super()._deregister_module_and_optimizer_hooks()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ import torch
 
 from autoshard.errors import AutoShardError
 from autoshard.mesh import ParallelDims
+from autoshard.privates import in_torch
 
 
 @contextlib.contextmanager
@@ -27,78 +27,18 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         raise AutoShardError(
             "measuring a sharded step needs torch.distributed, which this torch build lacks. Fix: install a torch build with distributed support"
         )
-    import torch.distributed.distributed_c10d as c10d
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     excepthook = sys.excepthook  # init_process_group wraps it with a "[rank0]:" prefix, once per call
     live = not _DETACHED and dist.is_initialized()
-    with parked_registry() if live else contextlib.nullcontext():
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    with in_torch.parked_registry() if live else contextlib.nullcontext():
+        dist.init_process_group("fake", store=in_torch.FakeStore(), rank=rank, world_size=world_size)  # registers "fake" first
         try:
             yield
         finally:
             if _DETACHED:  # the child of in_detached_world: its registry is its own, and it never tears down
-                c10d._world = c10d._World()
+                in_torch.empty_group_registry()
             elif not live:
                 dist.destroy_process_group()
             sys.excepthook = excepthook
-
-
-# torch.distributed's group registry: module globals of distributed_c10d that its ``_world`` object reads through
-# properties, plus the default group's init method and backend name (all private, listed in autoshard.torch_compat).
-_REGISTRY_GLOBALS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
-_REGISTRY_VALUES = ("_group_count", "_backend", "_default_pg_init_method")
-# Names of fake groups: far above any live count. A name a fake group once held was seen to stay unresolvable for
-# the live group that took it next (2 gloo ranks, a decision on rank 0 between the mesh and the sharding).
-_FAKE_NAMES = itertools.count(10**9, 10**4)
-
-
-@contextlib.contextmanager
-def parked_registry() -> Iterator[None]:
-    """An empty torch.distributed group registry inside, the one from before (live groups and all) after. The fake
-    groups are unregistered one by one: ``destroy_process_group()`` would unregister the live groups' names too."""
-    import torch.distributed.distributed_c10d as c10d
-    import torch.distributed.tensor._random as dtensor_random
-
-    world = c10d._world
-    saved = {name: getattr(c10d, name) for name in _REGISTRY_GLOBALS + _REGISTRY_VALUES}
-    tracker = dtensor_random._rng_tracker
-    for name in _REGISTRY_GLOBALS:
-        setattr(c10d, name, {})
-    c10d._backend, c10d._default_pg_init_method = None, None
-    c10d._group_count = next(_FAKE_NAMES)  # fake groups take names no live group will ever have
-    c10d._world = c10d._World()
-    dtensor_random._rng_tracker = None
-    try:
-        yield
-    finally:
-        for group, name in list(c10d._pg_names.items()):
-            group.shutdown()
-            c10d._unregister_process_group(name)
-        for name, value in saved.items():  # the live count too: ranks that ran no fake world name new groups alike (gloo meets under the name)
-            setattr(c10d, name, value)
-        for group, name in saved["_pg_names"].items():  # a fake group may have shared a live one's name: the live one wins
-            c10d._unregister_process_group(name)
-            c10d._register_process_group(name, group)
-        c10d._world = world
-        c10d._update_default_pg(world.default_pg)  # torch's C++ side keeps the default group's rank: the live one's again
-        dtensor_random._rng_tracker = tracker
-        forget_fake_meshes()
-
-
-def forget_fake_meshes() -> None:
-    """Empty DTensor's caches of sharding and redistribution plans reachable from Python: their keys compare meshes by
-    ranks, dims and device type, so a fake mesh equal to a live one could serve the live run its fake groups. Not
-    enough on its own (some caches are out of reach): a live CPU mesh can equal the simulation's, so ``budget.decide``
-    keeps the forked child there and parks in this process only once CUDA is initialised (its meshes are CUDA's)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 _DETACHED = False  # True in the child process of in_detached_world only
@@ -140,8 +80,6 @@ def in_detached_world(fn: Callable[[], Any]) -> dict[str, Any]:
 def _detached_child(fn: Callable[[], Any], send: Any) -> None:
     import json
 
-    import torch.distributed.distributed_c10d as c10d
-
     global _DETACHED, _INHERITED
     _DETACHED = True
     # Nothing inherited is destroyed here: a destructor of the parent's objects (a gloo group, a store, an engine left
@@ -151,7 +89,7 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
     gc.freeze()
     try:
         # An empty registry: the inherited live group is not this process's to use.
-        _INHERITED, c10d._world = c10d._world, c10d._World()
+        _INHERITED = in_torch.empty_group_registry()
         torch.set_num_threads(1)
         payload: dict[str, Any] = {"result": fn()}
     except AutoShardError as exc:

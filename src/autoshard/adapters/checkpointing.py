@@ -23,6 +23,7 @@ from autoshard.adapters.blocks import block_units, is_metric, param_names, subtr
 from autoshard.errors import IntentError
 from autoshard.intent import SELECTIVE, ShardingIntent
 from autoshard.needs import MethodNeeds
+from autoshard.privates import in_torch
 
 
 class Checkpointing(Enum):
@@ -138,8 +139,6 @@ def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMod
         raise IntentError(f"apply_checkpointing: index must be the block's position (0, 1, ...), got {index!r}. Fix: count the blocks from 0")
     if not mode.applies_to(index):
         return False
-    from torch.distributed._composable import checkpoint
-
     if is_checkpointed(block):
         raise IntentError(
             f"{type(block).__name__} is already activation-checkpointed (torch.distributed._composable.checkpoint was"
@@ -148,7 +147,7 @@ def apply_checkpointing(block: nn.Module, mode: bool | int | str | CheckpointMod
     if mode.kind is Checkpointing.SELECTIVE:
         _checkpoint_forward(block)
     else:
-        checkpoint(block)
+        in_torch.composable_checkpoint(block)
     return True
 
 
@@ -216,11 +215,9 @@ def _checkpoint_forward(block: nn.Module) -> None:
 
 def is_checkpointed(block: nn.Module) -> bool:
     """Activation-checkpointed already (the composable API, or this module's selective forward)."""
-    from torch.distributed._composable import checkpoint
-
     if getattr(block.forward, "autoshard_checkpointed", False):
         return True
     try:
-        return checkpoint.state(block) is not None
+        return in_torch.composable_checkpoint.state(block) is not None
     except Exception:  # no state registered: not checkpointed
         return False

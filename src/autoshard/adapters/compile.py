@@ -13,7 +13,6 @@ checkpoint see the eager names, and its blocks are compiled in place as for ``co
 from __future__ import annotations
 
 import os
-import sys
 from enum import Enum
 
 from torch import nn
@@ -21,6 +20,7 @@ from torch import nn
 from autoshard.errors import IntentError
 from autoshard.intent import COMPILE_AUTO
 from autoshard.needs import COMPILED_ATTRIBUTE, ORIG_MOD, eager_name
+from autoshard.privates import in_torch
 
 BACKEND_ENV = "AUTOSHARD_COMPILE_BACKEND"
 
@@ -43,12 +43,12 @@ def unwrap_compiled(module: nn.Module) -> list[str]:
     """Replace every ``torch.compile`` wrapper (``OptimizedModule``) inside ``module`` by the module it wraps, marked
     ``COMPILED_ATTRIBUTE``; the eager paths replaced. ``module`` itself is the caller's to unwrap (Lightning and Fabric
     do it for the module they are given)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:  # never imported: nothing was compiled
+    wrapper_class = in_torch.compile_wrapper()
+    if not wrapper_class:  # torch._dynamo never imported: nothing was compiled
         return []
     unwrapped = []
     while True:  # one at a time, outermost first: replacing one renames the wrappers inside it (no more '_orig_mod.')
-        found = next(((n, m) for n, m in module.named_modules() if n and isinstance(m, dynamo.OptimizedModule)), None)
+        found = next(((n, m) for n, m in module.named_modules() if n and isinstance(m, wrapper_class)), None)
         if found is None:
             return unwrapped
         name, wrapper = found
@@ -59,15 +59,10 @@ def unwrap_compiled(module: nn.Module) -> list[str]:
         unwrapped.append(eager_name(name))
 
 
-def is_compiled_in_place(module: nn.Module) -> bool:
-    """Compiled by ``module.compile()`` (by the user, or by this module earlier)."""
-    return module._compiled_call_impl is not None
-
-
 def compile_in_place(module: nn.Module) -> bool:
     """``module.compile()`` with the backend ``AUTOSHARD_COMPILE_BACKEND`` names (torch's default otherwise); False when
     it is compiled in place already (the user's own ``compile()`` and its options are kept)."""
-    if is_compiled_in_place(module):
+    if in_torch.compiled_in_place(module):
         return False
     backend = os.environ.get(BACKEND_ENV)
     module.compile(**({"backend": backend} if backend else {}))

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 BACKEND_NAME = "fsdp2"
 
 MIN_TORCH = "2.4"
-INSTALL = f'pip install "torch>={MIN_TORCH}"'  # Lightning's range: autoshard.lightning.compat
+INSTALL = f'pip install "torch>={MIN_TORCH}"'  # Lightning's range: autoshard.privates.in_lightning
 DEEPSPEED_IF_ALLOWED = "strategy='autoshard-deepspeed' if the method has one optimizer and no EMA teacher"
 
 ROW = {

@@ -11,6 +11,7 @@ from torch import nn
 
 from autoshard.errors import IntentError
 from autoshard.memory import MemoryEstimate
+from autoshard.privates import in_torch
 
 
 class BatchOfShapes:
@@ -21,9 +22,7 @@ class BatchOfShapes:
         self.batch, self.origin = batch, origin
 
     def __call__(self) -> Any:
-        from torch.utils._pytree import tree_map_only
-
-        return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), self.batch)
+        return in_torch.tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), self.batch)
 
 
 def batch_function(batch: Any, origin: str = "the batch given to decide") -> Callable[[], Any]:
@@ -42,12 +41,10 @@ def batch_function(batch: Any, origin: str = "the batch given to decide") -> Cal
 
 def _tensors(make_batch: Callable[[], Any]) -> list[torch.Tensor]:
     """The tensors of one micro-batch, made on meta (shapes only, no memory)."""
-    from torch.utils._pytree import tree_leaves
-
     from autoshard.activations import call_batch
 
     with torch.device("meta"):
-        return [t for t in tree_leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor)]
+        return [t for t in in_torch.tree_leaves(call_batch(make_batch)) if isinstance(t, torch.Tensor)]
 
 
 def batch_rows(make_batch: Callable[[], Any]) -> int | None:
@@ -87,9 +84,7 @@ class CutBatch:
         return t[: max(1, t.shape[0] // self.divisor)].clone(memory_format=torch.contiguous_format)
 
     def __call__(self) -> Any:
-        from torch.utils._pytree import tree_map
-
-        return tree_map(self.cut, self.make_batch())
+        return in_torch.tree_map(self.cut, self.make_batch())
 
 
 def largest_micro_batch(

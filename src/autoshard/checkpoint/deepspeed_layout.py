@@ -6,8 +6,9 @@ parameter shapes, Lightning's checkpoint as the client state) and ``[bf16_]zero_
 (rank R's flat fp32 partition of every sub-group, with its optimizer state). Each parameter's slice on a rank is
 ``ceil(numel / world)`` elements, the last one zero-padded.
 
-None of this is a DeepSpeed API: ``PRIVATE_MEMBERS`` lists the members it mirrors, and tests/test_deepspeed_compat.py
-checks them and the partition rules against the installed DeepSpeed. Importing this module imports no deepspeed.
+None of this is a DeepSpeed API: ``autoshard.privates.in_deepspeed`` lists the members it mirrors, with the releases
+they were checked on, and tests/test_deepspeed_compat.py checks them and the partition rules against the installed
+DeepSpeed. Importing this module imports no deepspeed.
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from autoshard.torch_compat import Member  # the same record as torch's list: module, dotted path, used in, why
-
-SUPPORTED_DEEPSPEED = ">=0.19,<0.20"  # the releases the layout below was checked on (0.19.8 here)
-PIN = f'pip install "deepspeed{SUPPORTED_DEEPSPEED}"'
+from autoshard.privates.in_deepspeed import PIN, SUPPORTED_DEEPSPEED
 
 # -- names ----------------------------------------------------------------------------------------------------------
 LATEST = "latest"  # DeepSpeed's pointer to the tag directory it loads
@@ -183,80 +181,3 @@ def check_version(version: str | None = None) -> None:
             f" convert, consolidate or resume, {PIN}",
             stacklevel=3,
         )
-
-
-# -- every DeepSpeed member autoshard calls, unpickles or mirrors -----------------------------------------------------
-# ``used_in``: the autoshard module that calls, unpickles or mirrors it (mirrored: autoshard restates what it does, so
-# a change there means a change here). Member.exists() imports deepspeed.
-_ENGINE = "deepspeed.runtime.engine"
-_ZERO_TO_FP32 = "deepspeed.utils.zero_to_fp32"
-_SCALER = "deepspeed.runtime.fp16.loss_scaler"
-_HERE = "autoshard.checkpoint.deepspeed_layout"
-_CONVERT = "autoshard.convert.deepspeed"
-
-PRIVATE_MEMBERS: tuple[Member, ...] = (
-    Member(
-        _ZERO_TO_FP32,
-        "get_fp32_state_dict_from_zero_checkpoint",
-        "autoshard.consolidate",
-        "called: full fp32 weights of any ZeRO stage, DeepSpeed's own reconstruction (run under weights_only_loads:"
-        " it unpickles with weights_only=False)",
-    ),
-    Member(
-        _ZERO_TO_FP32,
-        "_get_fp32_state_dict_from_zero3_checkpoint",
-        _CONVERT,
-        "mirrored by read_deepspeed: the flat fp32 groups cut by param_shapes, in order (tests compare the weights)",
-    ),
-    Member(_ZERO_TO_FP32, "zero3_partitioned_param_info", _HERE, "mirrored by partition_numel (tests compare the two)"),
-    Member(_ENGINE, "DeepSpeedEngine._get_ckpt_name", _HERE, "mirrored by model_states_name and the file patterns (tests compare the names)"),
-    Member(_ENGINE, "DeepSpeedEngine._get_rank_zero_ckpt_name", _HERE, "mirrored by optim_states_name: bf16_ under bf16 (tests compare the names)"),
-    Member(
-        _ENGINE,
-        "DeepSpeedEngine._common_checkpoint_state",
-        _HERE,
-        "mirrored by ENGINE_KEYS: the engine's keys in model_states (tests read its source)",
-    ),
-    Member(_ENGINE, "DeepSpeedEngine._save_checkpoint", _HERE, "mirrored by ENGINE_KEYS: the keys it adds to that state before the client state"),
-    Member(
-        _ENGINE,
-        "DeepSpeedEngine._get_all_zero_checkpoint_names",
-        _HERE,
-        "mirrored by zero3_world_size: the engine loads one optimizer file per rank of the resuming run, so autoshard"
-        " refuses a checkpoint written for another world size before it reads one",
-    ),
-    Member(_ENGINE, "DeepSpeedEngine._copy_recovery_script", _CONVERT, "mirrored: zero_to_fp32.py is copied beside every checkpoint convert writes"),
-    Member(
-        _ENGINE,
-        "DeepSpeedEngine.use_node_local_storage",
-        "autoshard.lightning.deepspeed",
-        "called: per-node checkpoint directories are left to Lightning's own save (the publish protocol needs one directory)",
-    ),
-    Member(
-        "deepspeed.runtime.zero.stage3",
-        "DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups",
-        _HERE,
-        "mirrored by sub_groups: consecutive parameters until their partitions reach sub_group_size (tests compare)",
-    ),
-    Member(_SCALER, "LossScaler", _CONVERT, "built: the static loss scale of the optimizer files convert writes; unpickled (PICKLED_TYPES)"),
-    Member(_SCALER, "DynamicLossScaler", _HERE, "unpickled: an fp16 run's optimizer files (PICKLED_TYPES)"),
-    Member(
-        "deepspeed.runtime.zero.config",
-        "ZeroStageEnum",
-        _CONVERT,
-        "built: zero_stage of the optimizer files convert writes; unpickled (PICKLED_TYPES)",
-    ),
-    Member("deepspeed.utils.tensor_fragment", "fragment_address", _HERE, "unpickled: ZeRO-1/2 optimizer files' param_slice_mappings (PICKLED_TYPES)"),
-    Member(
-        "deepspeed.runtime.zero.partition_parameters",
-        "InsertPostInitMethodToModuleSubClasses",
-        "autoshard.engine.deepspeed",
-        "read: its linear_bk, torch's own functional.linear, which zero.Init saves before replacing it for the process"
-        " (restore_functional_linear puts it back)",
-    ),
-)
-
-
-def missing() -> list[Member]:
-    """The listed members the installed DeepSpeed lacks (imports deepspeed)."""
-    return [member for member in PRIVATE_MEMBERS if not member.exists()]

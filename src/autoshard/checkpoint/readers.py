@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from autoshard.checkpoint.trust import CheckpointFormatError, read_dcp_metadata, weights_only_loads
+from autoshard.privates import in_torch
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -64,8 +65,6 @@ def load_dcp_entries(path: Path, keys: Iterable[str] | None = None, trust_pickle
     """Top-level entries of a DCP checkpoint (all when ``keys`` is None) as full tensors; the non-tensor entries, which
     DCP unpickles with weights_only=False, are read under ``weights_only_loads``."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
     # Same reader and planner as torch's dcp_to_torch_save.
@@ -73,7 +72,9 @@ def load_dcp_entries(path: Path, keys: Iterable[str] | None = None, trust_pickle
     if not trust_pickle:
         read_dcp_metadata(path)
     with weights_only_loads(trust_pickle):
-        _load_state_dict(sd, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=wanted), no_dist=True)
+        in_torch.load_state_dict(
+            sd, storage_reader=FileSystemReader(str(path)), planner=in_torch.EmptyStateDictLoadPlanner(keys=wanted), no_dist=True
+        )
     return sd
 
 

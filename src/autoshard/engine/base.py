@@ -47,7 +47,7 @@ class BackendMixin:
     precision_plugin: Any
     cluster_environment: Any
 
-    def _configure_launcher(self) -> None:  # private Lightning hook: autoshard.lightning.compat, autoshard.fabric.compat
+    def _configure_launcher(self) -> None:  # private Lightning hook: autoshard.privates.in_lightning
         try:
             self.precision_plan = self._resolve_precision()
             # Under srun or torchrun Lightning starts no launcher, so its own validate_settings never runs: the world

@@ -18,13 +18,14 @@ from autoshard.backends.matrix import cell
 from autoshard.checkpoint.saves import all_gather_object
 from autoshard.engine.auto_shard import FSDP2, fsdp2_auto_intent
 from autoshard.engine.base import BackendMixin
-from autoshard.engine.compat import lightning_lacks
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.init_from import InitPlan, plan_everywhere, sources_of
 from autoshard.intent import ShardingIntent, as_intent
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import MethodNeeds
 from autoshard.precision import Precision, PrecisionPlan, normalize_precision
+from autoshard.privates import Private
+from autoshard.privates.in_lightning import lightning_lacks
 from autoshard.select import Decision
 
 FSDP2_PRECISIONS = tuple(p.value for p in Precision if cell("fsdp2", p.feature).support.usable)
@@ -106,7 +107,7 @@ class FSDP2Checks(BackendMixin):
         )
         self.parallelize_fn = parallelize_fn
 
-    def _lightning_gone(self) -> list[str]:
+    def _lightning_gone(self) -> list[Private]:
         """The hooked ModelParallelStrategy members this Lightning lacks (each front end's own list)."""
         raise NotImplementedError
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.adapters.fsdp2 import fsdp2_api
 from autoshard.errors import AutoShardError
 from autoshard.needs import EMAPair
+from autoshard.privates import in_torch
 from autoshard.tracebacks import user_frames
 
 MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
@@ -24,7 +24,7 @@ _RESHARD_HOOK = "_autoshard_reshard_hook"
 
 def fsdp_units(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
     """Every module ``fully_shard`` was applied to, by name, outermost first."""
-    fsdp_module = fsdp2_api()[1]
+    fsdp_module = in_torch.fsdp2_api()[1]
     return [(name, m) for name, m in module.named_modules(prefix=prefix) if isinstance(m, fsdp_module)]
 
 

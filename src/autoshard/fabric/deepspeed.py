@@ -28,13 +28,13 @@ from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
 from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.engine import deepspeed as ds
-from autoshard.engine.compat import lightning_lacks
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.fabric.base import FabricBackend
-from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module
 from autoshard.fabric.setups import Setup, optimizer_label, run_needs, second_setup_refusal
 from autoshard.intent import ShardingIntent
+from autoshard.privates import in_lightning, missing
+from autoshard.privates.in_lightning import lightning_lacks
 
 BACKEND = deepspeed_backend.BACKEND.name  # "deepspeed_zero3"
 # Lightning Fabric DeepSpeedStrategy arguments passed through; the ones that shape the config come from the intent.
@@ -59,7 +59,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, ds.IntentZeRO3, ds.DeepSpeedRunt
         zero_overrides: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        gone = missing(DeepSpeedStrategy)
+        gone = missing(in_lightning.FABRIC, DeepSpeedStrategy)
         if gone:
             raise lightning_lacks(gone, "Fabric DeepSpeed strategy hooks", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
         ds.require_deepspeed()
@@ -77,7 +77,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, ds.IntentZeRO3, ds.DeepSpeedRunt
     def _label(self) -> str:
         return f"DeepSpeed ZeRO stage 3 ({type(self).__name__})"
 
-    def _format_config(self) -> None:  # private Lightning hook: autoshard.fabric.compat
+    def _format_config(self) -> None:  # private Lightning hook: autoshard.privates.in_lightning
         """The final config, once the world size is known; Fabric's DeepSpeed needs it before any model exists."""
         self.config = deepspeed_config(
             self.intent,
@@ -98,7 +98,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, ds.IntentZeRO3, ds.DeepSpeedRunt
             raise ds.cpu_accelerator_refusal(accelerator, self.front)
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's override only adds the CUDA-only refusal
 
-    def _setup_distributed(self) -> None:  # private Lightning hook: autoshard.fabric.compat
+    def _setup_distributed(self) -> None:  # private Lightning hook: autoshard.privates.in_lightning
         if not self._on_cpu():
             super()._setup_distributed()
             return

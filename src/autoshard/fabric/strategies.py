@@ -34,11 +34,11 @@ from autoshard.engine.sharding import after_materialize, shard_module, unwrap_us
 from autoshard.errors import AutoShardError
 from autoshard.fabric.base import FabricBackend
 from autoshard.fabric.checkpoint import FabricCheckpoint
-from autoshard.fabric.compat import missing
 from autoshard.fabric.optimizers import ParameterNames, check_trains_module, label, remap_optimizer, stale_parameters, stale_refusal
 from autoshard.fabric.setups import Setup, cross_setup_pairs, optimizer_label, run_needs
 from autoshard.init_from import InitReport
 from autoshard.needs import EMAPair, MethodNeeds
+from autoshard.privates import Private, in_lightning, missing
 
 _BUFFER_HOOK = "_autoshard_buffer_sync"
 
@@ -112,8 +112,8 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
         self._arriving: list[str] = []  # the optimizers handed over with the module being set up, described
         self._pending: tuple[int, MethodNeeds, tuple[int, str] | None] | None = None  # (call, needs, student) in setup
 
-    def _lightning_gone(self) -> list[str]:
-        return missing(ModelParallelStrategy)
+    def _lightning_gone(self) -> list[Private]:
+        return missing(in_lightning.FABRIC, ModelParallelStrategy)
 
     def _parent_arguments(self) -> dict[str, Any]:
         return {"parallelize_fn": self._shard}

@@ -16,8 +16,8 @@ from autoshard.engine.fsdp2 import refuse_unsupported_precision
 from autoshard.install_record import CHANGES_BEGIN, CHANGES_END, TRAINER_KINDS, Change, changes_markdown, installed, register_strategy
 from autoshard.lightning import guards
 from autoshard.lightning.auto_shard import auto_shard
-from autoshard.lightning.compat import check_lightning
 from autoshard.lightning.fsdp2 import AutoShardStrategy, FSDP2Strategy
+from autoshard.privates.in_lightning import check_lightning
 
 
 def _other_registration(registry: Any, name: str, ours: type) -> Any:

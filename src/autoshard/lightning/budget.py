@@ -30,7 +30,7 @@ from autoshard.needs import held_optimizers
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# The private Lightning members used below are listed, with why, in autoshard.lightning.compat.
+# The private Lightning members used below are listed, with why, in autoshard.privates.in_lightning.
 
 
 def _lightning_data_source(trainer: pl.Trainer) -> Any:

@@ -30,7 +30,6 @@ from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.resume import resolve_for_load
 from autoshard.checkpoint.saves import publish_deepspeed_save, verify_on_every_rank
 from autoshard.checkpoint.trust import WEIGHTS_ONLY_REFUSAL, untrusted, weights_only_loads
-from autoshard.engine.compat import lightning_lacks
 from autoshard.engine.deepspeed import (
     DeepSpeedRuntime,
     IntentZeRO3,
@@ -44,9 +43,10 @@ from autoshard.install_record import register_strategy
 from autoshard.intent import ShardingIntent
 from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
-from autoshard.lightning.compat import missing
 from autoshard.needs import inspect_needs, returned_optimizers
 from autoshard.precision import PRECISIONS, PrecisionPlan
+from autoshard.privates import in_lightning, missing
+from autoshard.privates.in_lightning import lightning_lacks
 from autoshard.select import Decision
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def sync_batchnorm(module: torch.nn.Module) -> int:
 class _LightningConfigHook(DeepSpeedStrategy):
     """Holds the private overrides, so subclasses never name a private Lightning member themselves."""
 
-    def _format_config(self) -> None:  # private Lightning hook: autoshard.lightning.compat
+    def _format_config(self) -> None:  # private Lightning hook: autoshard.privates.in_lightning
         if not self._autoshard_format_config():
             super()._format_config()
 
@@ -118,7 +118,7 @@ class _LightningConfigHook(DeepSpeedStrategy):
         """Return True when the config was produced here; False leaves Lightning's own formatting in place."""
         return False
 
-    def _init_optimizers(self) -> Any:  # private Lightning hook: autoshard.lightning.compat
+    def _init_optimizers(self) -> Any:  # private Lightning hook: autoshard.privates.in_lightning
         module = self.lightning_module
         assert module is not None
         error: Exception | None = None
@@ -175,7 +175,7 @@ class GuardedDeepSpeedStrategy(TrainerBackend, DeepSpeedRuntime, _LightningConfi
     prefer = BACKEND
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        gone = missing(DeepSpeedStrategy)
+        gone = missing(in_lightning.TRAINER, DeepSpeedStrategy)
         if gone:  # Lightning would never call autoshard's overrides: the provisional config and no refusal
             raise lightning_lacks(gone, "DeepSpeed strategies hook", f" Backend that works: fsdp2 ({self.front.strategy('fsdp2')}).")
         require_deepspeed()
@@ -450,7 +450,7 @@ def register_deepspeed_strategies(registry: Any) -> None:
         "autoshard: DeepSpeed ZeRO-3 from a ShardingIntent, refused with guidance when the method cannot run",
         "Trainer(strategy='autoshard-deepspeed'): ZeRO-3 from a ShardingIntent",
     )
-    if missing(DeepSpeedStrategy):
+    if missing(in_lightning.TRAINER, DeepSpeedStrategy):
         return
     for name in LIGHTNING_DEEPSPEED_NAMES:
         entry = dict.get(registry, name)  # the raw entry: registry.get() would instantiate the strategy

@@ -22,8 +22,8 @@ from autoshard.init_from import InitReport
 from autoshard.lightning.base import TrainerBackend
 from autoshard.lightning.budget import decide_for_fit
 from autoshard.lightning.checkpoint import CheckpointMixin
-from autoshard.lightning.compat import missing
 from autoshard.needs import inspect_needs, recount_optimizers
+from autoshard.privates import Private, in_lightning, missing
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -44,8 +44,8 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
     plan: FSDP2Plan | None = None
     init_report: InitReport | None = None  # what this rank read for ShardingIntent(init_from=...)
 
-    def _lightning_gone(self) -> list[str]:
-        return missing(ModelParallelStrategy)
+    def _lightning_gone(self) -> list[Private]:
+        return missing(in_lightning.TRAINER, ModelParallelStrategy)
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module

@@ -20,6 +20,7 @@ from autoshard.backends import fsdp1
 from autoshard.errors import IncompatibleBackendError
 from autoshard.install_record import TRAINER_KINDS, Change, ChangeKind, record
 from autoshard.install_record import uninstall as uninstall_changes
+from autoshard.privates import in_lightning
 
 FSDP1_REFUSAL = (
     "FSDP1 (strategy='fsdp' / FSDPStrategy) is refused by autoshard: {reason}. Backend that works: fsdp2."
@@ -87,11 +88,9 @@ def _record_run(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], None]) -> None:
     """Idempotent; ``fsdp2_class`` / ``refuse_precision`` are passed in, as this module sits below the strategies."""
-    from lightning.fabric.connector import _Connector as FabricConnector
     from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import FSDPStrategy
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
     from autoshard.engine.launch import SLURM_READ_BY_LIGHTNING, check_slurm_numbers
 
@@ -117,7 +116,7 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
         return validate
 
     _wrap(
-        _AcceleratorConnector,
+        in_lightning.AcceleratorConnector,
         "_check_strategy_and_fallback",
         check_strategy,
         "Trainer(strategy='fsdp'), 'fsdp_cpu_offload' or an FSDPStrategy object is refused with the redirect to fsdp2,"
@@ -135,7 +134,7 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
 
         return choose
 
-    for connector in (_AcceleratorConnector, FabricConnector):  # Trainer(...) and Fabric(...) pick it alike
+    for connector in (in_lightning.AcceleratorConnector, in_lightning.FabricConnector):  # Trainer(...) and Fabric(...) pick it alike
         _wrap(
             connector,
             "_choose_and_init_cluster_environment",
@@ -144,7 +143,7 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
             " with the fix, before Lightning's bare int() error",
         )
     _wrap(
-        _AcceleratorConnector,
+        in_lightning.AcceleratorConnector,
         "_validate_precision_choice",
         validate_precision,
         "precision='16-mixed' under fsdp2 / auto-shard is refused in Trainer terms, for strategy names too (Lightning"

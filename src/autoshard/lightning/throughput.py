@@ -190,7 +190,7 @@ class ThroughputMonitor(LightningThroughputMonitor):
         """Lightning's setup, with ``Meter`` and this peak (Lightning's ignores an override and misses the H200)."""
         peak = self.peak_flops if self.peak_flops is not None else device_peak_flops(trainer.strategy.root_device, compute_dtype(trainer))
         self.available_flops = peak  # type: ignore[assignment]  # Lightning annotates it int; a peak is a float
-        meters = self._throughputs  # private Lightning member: autoshard.lightning.compat
+        meters = self._throughputs  # private Lightning member: autoshard.privates.in_lightning
         stages = [trainer.state.stage]
         if stage == TrainerFn.FITTING and trainer.enable_validation:
             stages.append(RunningStage.VALIDATING)

@@ -5,15 +5,14 @@ One concern per module; the names other layers use are importable from here:
 - ``plan``: the plan's types and how it reads (``FSDP2Plan``, ``ShardUnit``, ``describe``);
 - ``planner``: intent + needs -> plan (``plan_fsdp2``), and the model's tensor-parallel layout to apply first;
 - ``apply``: the plan applied on ``autoshard.mesh`` (tensor parallel, checkpointing, ``fully_shard``) and its policies;
-- ``runtime``: what keeps the ranks equal while training (averaged unsharded gradients, broadcasts, buffers);
+- ``runtime``: what keeps the ranks equal while training (averaged unsharded gradients, broadcasts, buffers), and
+  ``is_sharded``;
 - ``ema``: EMA teacher and student sharded alike;
-- ``rng``: per-shard random init of meta shards on CPU;
-- ``api``: FSDP2's entry points in the installed torch.
+- ``rng``: per-shard random init of meta shards on CPU.
 """
 
 from __future__ import annotations
 
-from autoshard.adapters.fsdp2.api import fsdp2_api, is_sharded
 from autoshard.adapters.fsdp2.apply import policies
 from autoshard.adapters.fsdp2.ema import check_ema_alignment
 from autoshard.adapters.fsdp2.plan import FSDP2Plan, ParallelizeFn, Reshard, Role, Unsharded, settings_in_words
@@ -24,6 +23,7 @@ from autoshard.adapters.fsdp2.runtime import (
     broadcast_unsharded,
     grad_buckets,
     init_sharded_units,
+    is_sharded,
     sync_buffers,
     to_device_keeping_offloaded,
 )
@@ -37,7 +37,6 @@ __all__ = [
     "average_unsharded_gradients",
     "broadcast_unsharded",
     "check_ema_alignment",
-    "fsdp2_api",
     "grad_buckets",
     "init_sharded_units",
     "is_sharded",

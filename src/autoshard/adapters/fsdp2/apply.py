@@ -1,7 +1,5 @@
 """Applying a plan: ``fully_shard`` each unit on the run's mesh (autoshard.mesh), after the model's tensor-parallel
 layout when there is one, with the precision and offload policies; then the runtime guarantees.
-
-Private torch member used (listed in ``autoshard.torch_compat``): ``torch.utils._pytree``.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from torch import nn
 
 from autoshard.adapters.blocks import outermost
 from autoshard.adapters.compile import compile_in_place
-from autoshard.adapters.fsdp2.api import fsdp2_api
 from autoshard.adapters.fsdp2.ema import check_ema_alignment
 from autoshard.adapters.fsdp2.runtime import average_unsharded_gradients
 from autoshard.errors import IntentError
@@ -21,6 +18,7 @@ from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import EMAPair
 from autoshard.precision import PrecisionPlan
+from autoshard.privates import in_torch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -32,7 +30,7 @@ def policies(precision: PrecisionPlan, intent: ShardingIntent, device_type: str)
     Offloaded shards are pinned only for a CUDA mesh: a simulated step (a CPU mesh under fake tensors) cannot pin. A
     dtype that needs no cast is passed as None, so that FSDP2 does not cast every unit's inputs to the dtype they have.
     """
-    _, _, mixed_precision_policy, cpu_offload_policy, offload_policy = fsdp2_api()
+    _, _, mixed_precision_policy, cpu_offload_policy, offload_policy = in_torch.fsdp2_api()
     gather = None if precision.gather is precision.master else precision.gather
     reduce = None if precision.reduce is (gather or precision.master) else precision.reduce
     mp = mixed_precision_policy(param_dtype=gather and gather.torch, reduce_dtype=reduce and reduce.torch)
@@ -67,7 +65,7 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
     """
     from autoshard.adapters.checkpointing import apply_checkpointing
 
-    fully_shard, _, _, _, _ = fsdp2_api()
+    fully_shard, _, _, _, _ = in_torch.fsdp2_api()
     parallel = mesh if isinstance(mesh, ParallelMesh) else ParallelMesh.of(mesh, hsdp=plan.hsdp)
     if plan.tp_plan is not None and parallel.dims.tp > 1:
         assert parallel.tp is not None
@@ -110,9 +108,7 @@ def clone_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     """
     if not torch.is_grad_enabled():
         return output
-    import torch.utils._pytree as pytree
-
     is_view = lambda t: isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None  # noqa: E731
-    if not any(is_view(t) for t in pytree.tree_leaves(output)):
+    if not any(is_view(t) for t in in_torch.tree_leaves(output)):
         return output
-    return pytree.tree_map(lambda t: t.clone() if is_view(t) else t, output)
+    return in_torch.tree_map(lambda t: t.clone() if is_view(t) else t, output)

@@ -22,6 +22,7 @@ from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelDims
 from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
+from autoshard.privates import in_torch
 
 
 def plan_fsdp2(
@@ -204,7 +205,7 @@ def batchnorm_parameters(module: nn.Module) -> set[int]:
     MixedPrecision kept BatchNorm out of its casts by default for the same reason): batch_norm refuses a bf16 weight
     next to float32 running statistics ("expected scalar type BFloat16 but found Float"), and takes a float32 weight
     with a bf16 input. They are a few numbers per channel; autoshard averages their gradients like any whole one."""
-    return {id(p) for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters(recurse=False)}
+    return {id(p) for m in module.modules() if isinstance(m, in_torch.BatchNorm) for p in m.parameters(recurse=False)}
 
 
 def tensor_parallel_plan(module: nn.Module, tp: int) -> TPPlan | None:

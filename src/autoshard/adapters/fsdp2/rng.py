@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autoshard.privates import in_torch
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -37,13 +39,11 @@ def per_shard_random_init(mesh: DeviceMesh) -> Iterator[None]:
     so ranks sharing a seed would get identical shards. Each random op here draws one seed and runs on a generator
     seeded with it plus the shard's index: shards differ, replicas agree, every rank's generator advances alike.
     """
-    from torch.distributed.tensor import _random
-
-    if mesh.device_type != "cpu" or _random._rng_tracker is not None:
+    if mesh.device_type != "cpu" or in_torch.rng_tracker() is not None:
         yield
         return
-    _random._rng_tracker = _PerShardCPURandom()  # type: ignore[assignment]
+    in_torch.set_rng_tracker(_PerShardCPURandom())
     try:
         yield
     finally:
-        _random._rng_tracker = None
+        in_torch.set_rng_tracker(None)

@@ -1,6 +1,6 @@
 """What keeps the ranks equal for whatever the plan (or the user) left unsharded: gradients averaged across the
 data-parallel ranks at the end of each backward, rank 0's copy broadcast at setup and for buffers (BUFFER_RULE).
-The torch privates used here are listed in ``autoshard.torch_compat``.
+The torch privates used here come from ``autoshard.privates.in_torch``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoshard.adapters.fsdp2.api import fsdp2_api
 from autoshard.mesh import ParallelMesh, dp_mesh
+from autoshard.privates import in_torch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -83,7 +83,7 @@ def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh | ParallelMe
                 state.homes.append((owner, attr))
                 state.hook(p)
             count += 1
-    fsdp_module = fsdp2_api()[1]
+    fsdp_module = in_torch.fsdp2_api()[1]
     for unit in module.modules():
         if state.params and isinstance(unit, fsdp_module) and not getattr(unit, _ARMS, False):
             unit.register_forward_hook(state.arm)
@@ -123,17 +123,15 @@ class UnshardedGradients:
     def arm(self, unit: nn.Module, args: Any, output: Any) -> None:
         """An FSDP unit's forward hook: the gradient of any of its outputs queues the reduction of that backward."""
         if torch.is_grad_enabled():
-            import torch.utils._pytree as pytree
-
-            for t in pytree.tree_leaves(output):
+            for t in in_torch.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad: self.queue())
 
     def queue(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = in_torch.current_graph_task_id()
         if task not in self._queued:  # by task, not a flag: a backward that raised never ran its callback
             self._queued.add(task)
-            engine = torch.autograd.Variable._execution_engine
+            engine = in_torch.execution_engine
             # Queued again from the engine's callback, so it runs behind every callback queued during the backward:
             # FSDP2's final one reduce-scatters units whose inputs needed no grad, and which hook came first differs
             # by rank when their backwards differ; collectives must not.
@@ -211,7 +209,6 @@ def average_gradients(buckets: list[list[nn.Parameter]], touched: AbstractSet[in
 
 def _average(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group: Any) -> int:
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors
 
     size = dist.get_world_size(group)
     fake = dist.get_backend(group) == "fake"  # the simulated step's group: no other ranks, no values to read
@@ -219,7 +216,7 @@ def _average(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group
     for bucket in buckets:
         flags = torch.tensor([1.0 if id(p) in touched else 0.0 for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
         parts = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
-        flat = _flatten_dense_tensors([*parts, flags])
+        flat = in_torch.flatten_dense_tensors([*parts, flags])
         work = dist.all_reduce(flat, group=group, async_op=True)
         if pending is not None:
             _write_back(*pending, size, fake, touched)
@@ -233,11 +230,9 @@ def _write_back(
     bucket: list[nn.Parameter], parts: list[torch.Tensor], flat: torch.Tensor, work: Any, size: int, fake: bool, touched: AbstractSet[int]
 ) -> None:
     """Wait for one bucket's all_reduce and write the averages of the parameters some rank reached into their grads."""
-    from torch._utils import _unflatten_dense_tensors
-
     work.wait()
     flat.div_(size)
-    *averages, flags = _unflatten_dense_tensors(flat, parts)
+    *averages, flags = in_torch.unflatten_dense_tensors(flat, parts)
     reached = [id(p) in touched for p in bucket] if fake else (flags > 0).tolist()
     into, values = [], []
     for p, used, average in zip(bucket, reached, averages):
@@ -249,7 +244,7 @@ def _write_back(
             into.append(local(p.grad))
             values.append(average)
     if into:
-        torch._foreach_copy_(into, values)
+        in_torch.foreach_copy_(into, values)
 
 
 def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -267,7 +262,7 @@ def _broadcast_from_first(tensors: list[torch.Tensor], group: Any) -> None:
     import torch.distributed as dist
 
     if tensors and dist.get_world_size(group) > 1:
-        dist._broadcast_coalesced(group, tensors, _BUCKET_BYTES, 0)
+        in_torch.broadcast_coalesced(group, tensors, _BUCKET_BYTES, 0)
 
 
 def broadcast_unsharded(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> None:
@@ -305,6 +300,12 @@ def sync_buffers(module: nn.Module, mesh: DeviceMesh | ParallelMesh) -> None:
     _broadcast_from_first(plain, dp_mesh(mesh).get_group())
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """True when someone (the user's configure_model, or a previous setup) already applied fully_shard."""
+    fsdp_module = in_torch.fsdp2_api()[1]
+    return any(isinstance(m, fsdp_module) for m in module.modules())
+
+
 def init_sharded_units(module: nn.Module) -> int:
     """FSDP2's lazy init of every outermost unit now, with every parameter counted as trainable; returns how many.
 
@@ -312,7 +313,7 @@ def init_sharded_units(module: nn.Module) -> int:
     at that moment (``toggle_optimizer`` in GANs, freeze-then-unfreeze) later fails under bf16-mixed in
     ``foreach_reduce`` ("a gradient with dtype BFloat16 to a tensor with grad_dtype Float").
     """
-    fully_shard, fsdp_module, _, _, _ = fsdp2_api()
+    fully_shard, fsdp_module, _, _, _ = in_torch.fsdp2_api()
     units = [m for m in module.modules() if isinstance(m, fsdp_module)]
     inner = {id(c) for u in units for c in u.modules() if c is not u and isinstance(c, fsdp_module)}
     roots = [u for u in units if id(u) not in inner]

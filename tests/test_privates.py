@@ -1,6 +1,9 @@
-"""The private torch members autoshard builds on (``autoshard.torch_compat``), one check each: a torch upgrade that
-moves one fails here by name, with what it is for, not deep inside a training step. The list is complete: src/ is
-read, and a torch (or Lightning) private the code reaches that its compat list does not name fails here.
+"""The private members autoshard builds on (``autoshard.privates``), one check each: a torch upgrade that moves one
+fails here by name, with what it is for, not deep inside a training step. The ledgers are complete and the privates
+package is the one access point: src/ is read, a torch, Lightning or DeepSpeed private reached outside
+``autoshard.privates`` fails here, and so does one the package reaches without listing it. (Lightning's and
+DeepSpeed's members are checked on the installed release in tests/lightning/test_compat.py,
+tests/fabric/test_fabric_registration.py and tests/test_deepspeed_compat.py.)
 
 Behaviours of torch privates (not only their names) are checked below the lists.
 """
@@ -9,19 +12,29 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from autoshard.fabric.compat import FABRIC_PRIVATE_MEMBERS
-from autoshard.lightning.compat import PRIVATE_MEMBERS as LIGHTNING_PRIVATES
-from autoshard.torch_compat import PRIVATE_MEMBERS, Member
+from autoshard.privates import Private, in_deepspeed, in_lightning, in_torch, missing
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+PRIVATES = SRC / "autoshard" / "privates"
+LEDGERS = (*in_torch.TORCH, *in_lightning.TRAINER, *in_lightning.FABRIC, *in_deepspeed.DEEPSPEED)
+DEPENDENCIES = ("torch", "lightning", "deepspeed")
 
 
-@pytest.mark.parametrize("member", PRIVATE_MEMBERS, ids=[m.dotted for m in PRIVATE_MEMBERS])
-def test_every_listed_torch_member_exists(member: Member) -> None:
-    assert member.exists(), f"torch moved {member.dotted}: {member.used_in} uses it for {member.why}"
+@pytest.mark.parametrize("member", in_torch.TORCH, ids=[m.dotted for m in in_torch.TORCH])
+def test_every_listed_torch_member_exists(member: Private) -> None:
+    assert not missing([member]), f"torch moved {member.dotted}: {member.used_in} uses it for {member.why}"
+
+
+PROVIDERS = [(module, name) for module in (in_torch, in_lightning) for name in sorted(module.PROVIDED)]
+
+
+@pytest.mark.parametrize(("module", "name"), PROVIDERS, ids=[f"{m.__name__}.{n}" for m, n in PROVIDERS])
+def test_every_provider_gives_its_member(module: Any, name: str) -> None:
+    assert getattr(module, name) is not None
 
 
 def _sources(module: str) -> str:
@@ -31,14 +44,16 @@ def _sources(module: str) -> str:
     return "\n".join(f.read_text() for f in files)
 
 
-@pytest.mark.parametrize("member", PRIVATE_MEMBERS, ids=[m.dotted for m in PRIVATE_MEMBERS])
-def test_every_listed_member_is_used_where_the_list_says(member: Member) -> None:
-    """A stale row (the code moved, or stopped using it) is as misleading as a missing one."""
-    source = _sources(member.used_in)
-    # the member's own name; for a module-level one, the module's too (``checkpoint`` alone says little)
-    words = {member.dotted.rpartition(".")[2]} | ({member.module.rpartition(".")[2]} if "." not in member.path else set())
-    for word in words:
-        assert word in source, f"{member.used_in} no longer uses {member.dotted} (no {word!r} in it)"
+@pytest.mark.parametrize("member", LEDGERS, ids=[f"{m.dotted} in {m.used_in}" for m in LEDGERS])
+def test_every_listed_member_is_used_where_the_list_says(member: Private) -> None:
+    """A stale row (the code moved, or stopped using it) is as misleading as a missing one. ``used_in`` names each
+    module using it (separated by commas), by its own name or through its provider (``in_torch.broadcast_coalesced``)."""
+    providers = {
+        f".{name}" for module in (in_torch, in_lightning) for name, path in module.PROVIDED.items() if path.replace(":", ".") == member.dotted
+    }
+    for module in member.used_in.split(", "):
+        source = _sources(module)
+        assert any(word in source for word in {member.name, *providers}), f"{module} no longer uses {member.dotted}"
 
 
 def _private(part: str) -> bool:
@@ -80,17 +95,18 @@ def _covered(name: str, listed: set[str]) -> bool:
     return any(name == d or d.startswith(name + ".") for d in listed)
 
 
-def test_every_torch_private_the_code_reaches_is_listed() -> None:
-    listed = {m.dotted for m in PRIVATE_MEMBERS}
-    unlisted = sorted(f"{name} ({where})" for name, where in private_references(SRC, ("torch",)) if not _covered(name, listed))
-    assert not unlisted, f"add these to autoshard.torch_compat.PRIVATE_MEMBERS, with a why: {unlisted}"
+def test_no_private_is_reached_outside_the_privates_package() -> None:
+    refs = private_references(SRC, DEPENDENCIES)
+    outside = sorted(f"{name} ({where})" for name, where in refs if not where.startswith("autoshard/privates/"))
+    assert not outside, f"take these from autoshard.privates (a provider in in_torch / in_lightning / in_deepspeed): {outside}"
 
 
-def test_every_lightning_private_the_code_reaches_is_listed() -> None:
-    listed = {f"{p.owner}.{p.name}" for p in (*LIGHTNING_PRIVATES, *FABRIC_PRIVATE_MEMBERS)}
-    refs = private_references(SRC, ("lightning",))
-    unlisted = sorted(f"{name} ({where})" for name, where in refs if not _covered(name, listed))
-    assert not unlisted, f"add these to autoshard.lightning.compat (or fabric.compat) PRIVATE_MEMBERS, with a why: {unlisted}"
+def test_every_private_the_privates_package_reaches_is_listed() -> None:
+    listed = {m.dotted for m in LEDGERS}
+    provided = {path.replace(":", ".") for module in (in_torch, in_lightning) for path in module.PROVIDED.values()}
+    reached = {name for name, _ in private_references(PRIVATES, DEPENDENCIES)} | provided
+    unlisted = sorted(name for name in reached if not _covered(name, listed))
+    assert not unlisted, f"add these to the ledger in autoshard.privates, with a why: {unlisted}"
 
 
 def test_the_scan_finds_a_private_reached_through_an_alias(tmp_path: Path) -> None:
@@ -106,7 +122,7 @@ def test_the_scan_finds_a_private_reached_through_an_alias(tmp_path: Path) -> No
         "torch.distributed.tensor._random._rng_tracker",
         "torch._utils._flatten_dense_tensors",
     }
-    assert len(private_references(SRC, ("torch",))) > 20
+    assert len(private_references(PRIVATES, ("torch",))) > 10  # the package itself: the shim, the group registry
 
 
 def test_a_module_keeps_its_parameters_in_a_dict_to_empty_refills() -> None:
