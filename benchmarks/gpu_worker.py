@@ -123,6 +123,12 @@ def strategy_for(name: str, args: argparse.Namespace) -> tuple[Any, type]:
         return FSDP2Strategy(memory_budget=name[len("budget-") :]), plain
     if name == "deepspeed":
         return "autoshard-deepspeed", plain
+    if name == "deepspeed-knobs":  # autoshard-deepspeed with the tuned config's three sizes: which part of the gap they are
+        from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+        tuned = tuned_deepspeed_config(args)["zero_optimization"]
+        knobs = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+        return AutoShardDeepSpeedStrategy(zero_overrides={k: tuned[k] for k in knobs}), plain
     if name == "deepspeed-tuned":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
