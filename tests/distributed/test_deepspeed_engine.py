@@ -104,3 +104,31 @@ def test_probe_optimizer_built_in_setup_is_refused_on_both_ranks(lightning_ranks
         text = refusal["message"]
         assert "multiple optimizers" in text and "callback OnlineProbe" in text, text
         assert "Backend that works: fsdp2" in text and "Fix: use strategy='fsdp2'" in text, text
+
+
+@pytest.fixture(scope="module")
+def reuse_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    (rank,) = run_workers(WORKER, ["reuse"], tmp_path_factory.mktemp("ds_reuse"), nprocs=1, timeout=PAIR_TIMEOUT)
+    return rank["runs"]
+
+
+@pytest.mark.timeout(PAIR_TIMEOUT + 30)
+def test_the_estimate_counts_what_zero3_keeps_gathered_from_forward_into_backward(
+    reuse_runs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trailing blocks within stage3_max_reuse_distance stay gathered when the backward starts (measured on a real
+    engine, one process: the rule reads the trace, not the ranks); the estimate's gathered row adds exactly their bytes."""
+    from autoshard.backends import deepspeed as deepspeed_backend
+    from autoshard.memory import estimate_memory
+    from tests.distributed.deepspeed_worker import BLOCKS, make_blocks
+
+    def gathered_row(reuse: int) -> int:
+        monkeypatch.setattr(deepspeed_backend, "MAX_REUSE_DISTANCE", reuse)
+        return estimate_memory(make_blocks(), world_size=1, backend="deepspeed").gathered_block
+
+    default, kept_blocks = deepspeed_backend.MAX_REUSE_DISTANCE, []
+    for run in reuse_runs:
+        reuse = default if run["reuse"] is None else run["reuse"]
+        assert run["held"][0] == run["held"][1] == gathered_row(reuse) - gathered_row(0), run
+        kept_blocks.append(len(run["names"][0]))
+    assert kept_blocks == [0, 2, 4, BLOCKS]  # the trailing ones: 2x the parameters after a block is its reuse distance
