@@ -116,19 +116,27 @@ def reuse_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
 def test_the_estimate_counts_what_zero3_keeps_gathered_from_forward_into_backward(
     reuse_runs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The trailing blocks within stage3_max_reuse_distance stay gathered when the backward starts (measured on a real
-    engine, one process: the rule reads the trace, not the ranks); the estimate's gathered row adds exactly their bytes."""
+    """The trailing layers whose next use is within stage3_max_reuse_distance stay gathered when the backward starts
+    (measured on a real engine, one process: the rule reads the trace, not the ranks); the estimate's gathered row
+    adds exactly their bytes, with and without blocks recomputed in the backward."""
     from autoshard.backends import deepspeed as deepspeed_backend
+    from autoshard.intent import ShardingIntent
     from autoshard.memory import estimate_memory
-    from tests.distributed.deepspeed_worker import BLOCKS, make_blocks
+    from tests.distributed.deepspeed_worker import make_blocks
 
-    def gathered_row(reuse: int) -> int:
+    def gathered_row(reuse: int, checkpointing: bool | int) -> int:
         monkeypatch.setattr(deepspeed_backend, "MAX_REUSE_DISTANCE", reuse)
-        return estimate_memory(make_blocks(), world_size=1, backend="deepspeed").gathered_block
+        intent = ShardingIntent(activation_checkpointing=checkpointing)
+        return estimate_memory(make_blocks(), intent, world_size=1, backend="deepspeed").gathered_block
 
-    default, kept_blocks = deepspeed_backend.MAX_REUSE_DISTANCE, []
+    default, kept_layers = deepspeed_backend.MAX_REUSE_DISTANCE, []
     for run in reuse_runs:
         reuse = default if run["reuse"] is None else run["reuse"]
-        assert run["held"][0] == run["held"][1] == gathered_row(reuse) - gathered_row(0), run
-        kept_blocks.append(len(run["names"][0]))
-    assert kept_blocks == [0, 2, 4, BLOCKS]  # the trailing ones: 2x the parameters after a block is its reuse distance
+        estimated = gathered_row(reuse, run["checkpointing"]) - gathered_row(0, run["checkpointing"])
+        assert run["held"][0] == run["held"][1] == estimated, run
+        kept_layers.append(len(run["names"][0]))
+    # Without recomputation a layer's next use is 2x the layers after it away: 6 layers keep 4 (the head, block 2, the
+    # second layer of block 1). With blocks 0 and 2 recomputed (each forwarded again after its last layer's backward),
+    # block 1's second layer is 8 away (3 after it, then the head, block 2's last layer, block 2 again, its first
+    # layer): out of reach of 6, within 10.
+    assert kept_layers == [0, 4, 3, 5, 7, 7]

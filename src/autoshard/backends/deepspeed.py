@@ -173,19 +173,29 @@ def kept_gathered(layout: Layout) -> int:
     """Bytes of the parameters ZeRO-3 keeps gathered, whole on every rank in the gather dtype, from their forward into
     their backward: all live when the backward starts, the activations' peak. Once its trace is recorded (from the
     second step) DeepSpeed releases a module's parameters after its forward only when the trace does not reach their
-    next use within MAX_REUSE_DISTANCE elements: the later modules' forward, then their backward, so 2x the parameters
-    after the module (partitioned_param_coordinator's __params_to_release, DeepSpeed 0.19). Modules in registration
-    order, taken as the forward's; parameters within the persistence threshold are whole anyway, and not counted."""
+    next use within MAX_REUSE_DISTANCE elements (partitioned_param_coordinator's __params_to_release, DeepSpeed 0.19).
+    The trace walked here: the modules in registration order, taken as the forward's, then the backward in reverse,
+    where a checkpointed block is forwarded again once its last module is reached. Parameters within the persistence
+    threshold are whole anyway, and not counted."""
+    from itertools import accumulate
+
     from autoshard.memory_model import numel
 
     modules: dict[str, list[Param]] = {}
     for p in layout.params.values():
         modules.setdefault(p.name.rpartition(".")[0], []).append(p)
-    kept = after = 0
-    for params in reversed(modules.values()):
-        if 2 * after < MAX_REUSE_DISTANCE:
-            kept += sum(numel(p.shape) * p.gather_elsize for p in params if numel(p.shape) > PERSISTENCE_THRESHOLD)
-        after += sum(numel(p.shape) for p in params)
+    forward, backward, recomputed = list(modules), list[str](), set[str]()
+    for name in reversed(forward):
+        backward.append(name)
+        block = next((b for b in layout.recomputed if name == b or name.startswith(b + ".")), None)
+        if block is not None and block not in recomputed:  # after its last module's backward fetch (measured)
+            recomputed.add(block)
+            backward += [n for n in forward if n == block or n.startswith(block + ".")]
+    elements = [0, *accumulate(sum(numel(p.shape) for p in modules[n]) for n in forward + backward)]
+    kept = 0
+    for i, name in enumerate(forward):
+        if elements[len(forward) + backward.index(name)] - elements[i + 1] < MAX_REUSE_DISTANCE:  # to its next use
+            kept += sum(numel(p.shape) * p.gather_elsize for p in modules[name] if numel(p.shape) > PERSISTENCE_THRESHOLD)
     return kept
 
 
@@ -254,7 +264,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         optimizers=tuple(f"{type(o).__name__} ({s})" for s, o in sourced),
         notes=tuple(notes),
     )
-    assert estimate.device == gpu_mem + bucket + kept, (estimate.device, gpu_mem)  # DeepSpeed's figure, the bucket, the kept
+    assert estimate.device == gpu_mem + bucket + kept, (estimate.device, gpu_mem)  # DeepSpeed's figure, the bucket, the kept parameters
     return estimate
 
 
