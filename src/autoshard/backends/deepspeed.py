@@ -176,7 +176,8 @@ def kept_gathered(layout: Layout) -> int:
     next use within MAX_REUSE_DISTANCE elements (partitioned_param_coordinator's __params_to_release, DeepSpeed 0.19).
     The trace walked here: the modules in registration order, taken as the forward's, then the backward in reverse,
     where a checkpointed block is forwarded again once its last module is reached. Parameters within the persistence
-    threshold are whole anyway, and not counted."""
+    threshold are whole anyway, and not counted. The prefetch also keeps what it has looked past, but it looks 5e7
+    not-yet-gathered elements ahead (stage3_prefetch_bucket_size), within the reuse distance under these defaults."""
     from itertools import accumulate
 
     from autoshard.memory_model import numel
