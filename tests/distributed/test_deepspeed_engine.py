@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 for real on 2 CPU processes (gloo): a raw engine from our config, then Lightning's Trainer.
 
 Two process pairs in all (imports and DeepSpeed's one-time shared-memory op build dominate): one runs the raw
-engines, one runs every Lightning scenario. Each pair has a hard timeout, and every process group a timeout.
+engines, one runs every Lightning scenario; and one process measures what ZeRO-3 keeps gathered into the backward. Each pair has a hard timeout, and every process group a timeout.
 """
 
 from __future__ import annotations
