@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.adapters.checkpointing import checkpointed_blocks
 from autoshard.adapters.fsdp2 import Unsharded
 from autoshard.adapters.tp_plan import TPCollective, TPPlan
 from autoshard.backends import BACKENDS, get_backend, load, on_backend
@@ -138,10 +139,11 @@ def _layout(
         whole[id(p)] = replace(params[id(p)], shape=tuple(p.shape))
     units = [Unit(u.name, gathered[u.name], reduced[u.name], u.reshard_after_forward, u.role == "teacher") for u in plan_units]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
-    layout = Layout(params, units, whys, notes, largest, precision)
+    recomputed = () if plan is not None else tuple(checkpointed_blocks(module, intent, needs))
+    layout = Layout(params, units, whys, notes, largest, precision, recomputed)
     if tp_plan is None or tp == 1:
         return layout, None
-    full = Layout(whole, units, whys, notes, largest, precision)
+    full = Layout(whole, units, whys, notes, largest, precision, recomputed)
     return layout, TensorParallelCost(tp, full, tuple(tp_plan.collectives(module)), precision.compute.bytes)
 
 

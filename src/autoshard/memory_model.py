@@ -144,6 +144,7 @@ class Layout:
     notes: list[str]
     largest_layer_params: int  # DeepSpeed's notion: most parameters owned directly by one module
     precision: PrecisionPlan  # as the backend runs it (autoshard.backends.on_backend)
+    recomputed: tuple[str, ...] = ()  # without a plan (DeepSpeed): the checkpointed blocks, forwarded again in backward
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""One rank of the DeepSpeed CPU checks; launched twice by test_deepspeed_engine.py through the harness.
+"""One rank of the DeepSpeed CPU checks; launched by test_deepspeed_engine.py through the harness.
 
 ``engine``: raw ZeRO-3 engines built from autoshard's ``deepspeed_config`` train (bf16 AdamW; fp32 SGD compared
 with a single process). ``lightning``: Trainers with AutoShardDeepSpeedStrategy train with automatic, then manual
 optimization, then a probe callback that builds its optimizer in ``setup()`` is refused, all in the same processes.
+``reuse`` (one process): what ZeRO-3 keeps gathered from forward into backward, against the memory estimate.
 Each rank writes ``rank<R>.json``; the test asserts on those numbers.
 """
 
@@ -283,13 +284,62 @@ def probe_refusal(module_class: Any, world: int) -> dict[str, Any]:
     }
 
 
+# Three blocks of two layers and a head, each layer 262,656 elements (its weight above the default persistence
+# threshold, its bias within it); each run: ZeRO-3's stage3_max_reuse_distance in those elements (None: autoshard's
+# config as it is) and activation_checkpointing (2: blocks 0 and 2 forwarded again in the backward).
+WIDTH, LAYER = 512, 512 * 512 + 512
+REUSE_RUNS = ((0, False), (6 * LAYER + 1, False), (6 * LAYER + 1, 2), (10 * LAYER + 1, 2), (None, False), (None, 2))
+
+
+def make_blocks() -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)) for _ in range(3)]
+    return nn.Sequential(*blocks, nn.Linear(WIDTH, WIDTH))
+
+
+def gathered_into_backward(reuse: int | None, checkpointing: bool | int) -> dict[str, Any]:
+    """The partitioned parameters a ZeRO-3 engine (bf16, autoshard's config) holds gathered when a step's forward
+    ends, at the second and third steps (the first records the trace): what the backward starts with. A reuse
+    distance comes without prefetch, which alone keeps a model this small gathered."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from autoshard.adapters.checkpointing import checkpoint_blocks
+    from autoshard.adapters.deepspeed import deepspeed_config
+    from autoshard.intent import ShardingIntent
+
+    intent = ShardingIntent(activation_checkpointing=checkpointing)
+    overrides = {} if reuse is None else {"stage3_max_reuse_distance": reuse, "stage3_prefetch_bucket_size": 0}
+    config = deepspeed_config(intent, world_size=1, micro_batch_size=4, zero_overrides=overrides)
+    model = make_blocks()
+    checkpoint_blocks(model, intent)  # as the strategies do, before the engine is built
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=sgd(model.parameters()), config=config, dist_init_required=False)
+    held: list[int] = []
+    names: list[list[str]] = []
+    for _ in range(3):
+        loss = engine(torch.randn(4, WIDTH, dtype=torch.bfloat16)).float().pow(2).mean()
+        live = [(n, p) for n, p in engine.module.named_parameters() if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist]
+        held.append(sum(int(p.ds_numel) * p.element_size() for _, p in live))
+        names.append([n for n, _ in live])
+        engine.backward(loss)
+        engine.step()
+    return {"reuse": reuse, "checkpointing": checkpointing, "held": held[1:], "names": names[1:]}
+
+
+def run_reuse(rank: int) -> dict[str, Any]:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=PG_TIMEOUT)
+    return {"runs": [gathered_into_backward(reuse, checkpointing) for reuse, checkpointing in REUSE_RUNS]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("mode", choices=("engine", "lightning"))
+    parser.add_argument("mode", choices=("engine", "lightning", "reuse"))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
-    result = {"engine": run_engine, "lightning": run_lightning}[args.mode](rank)
+    result = {"engine": run_engine, "lightning": run_lightning, "reuse": run_reuse}[args.mode](rank)
     write_result(args.out, rank, result)
 
 

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 for real on 2 CPU processes (gloo): a raw engine from our config, then Lightning's Trainer.
 
 Two process pairs in all (imports and DeepSpeed's one-time shared-memory op build dominate): one runs the raw
-engines, one runs every Lightning scenario. Each pair has a hard timeout, and every process group a timeout.
+engines, one runs every Lightning scenario; and one process measures what ZeRO-3 keeps gathered into the backward. Each pair has a hard timeout, and every process group a timeout.
 """
 
 from __future__ import annotations
@@ -104,3 +104,39 @@ def test_probe_optimizer_built_in_setup_is_refused_on_both_ranks(lightning_ranks
         text = refusal["message"]
         assert "multiple optimizers" in text and "callback OnlineProbe" in text, text
         assert "Backend that works: fsdp2" in text and "Fix: use strategy='fsdp2'" in text, text
+
+
+@pytest.fixture(scope="module")
+def reuse_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    (rank,) = run_workers(WORKER, ["reuse"], tmp_path_factory.mktemp("ds_reuse"), nprocs=1, timeout=PAIR_TIMEOUT)
+    return rank["runs"]
+
+
+@pytest.mark.timeout(PAIR_TIMEOUT + 30)
+def test_the_estimate_counts_what_zero3_keeps_gathered_from_forward_into_backward(
+    reuse_runs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trailing layers whose next use is within stage3_max_reuse_distance stay gathered when the backward starts
+    (measured on a real engine, one process: the rule reads the trace, not the ranks); the estimate's gathered row
+    adds exactly their bytes, with and without blocks recomputed in the backward."""
+    from autoshard.backends import deepspeed as deepspeed_backend
+    from autoshard.intent import ShardingIntent
+    from autoshard.memory import estimate_memory
+    from tests.distributed.deepspeed_worker import make_blocks
+
+    def gathered_row(reuse: int, checkpointing: bool | int) -> int:
+        monkeypatch.setattr(deepspeed_backend, "MAX_REUSE_DISTANCE", reuse)
+        intent = ShardingIntent(activation_checkpointing=checkpointing)
+        return estimate_memory(make_blocks(), intent, world_size=1, backend="deepspeed").gathered_block
+
+    default, kept_layers = deepspeed_backend.MAX_REUSE_DISTANCE, []
+    for run in reuse_runs:
+        reuse = default if run["reuse"] is None else run["reuse"]
+        estimated = gathered_row(reuse, run["checkpointing"]) - gathered_row(0, run["checkpointing"])
+        assert run["held"][0] == run["held"][1] == estimated, run
+        kept_layers.append(len(run["names"][0]))
+    # Without recomputation a layer's next use is 2x the layers after it away: 6 layers keep 4 (the head, block 2, the
+    # second layer of block 1). With blocks 0 and 2 recomputed (each forwarded again after its last layer's backward),
+    # block 1's second layer is 8 away (3 after it, then the head, block 2's last layer, block 2 again, its first
+    # layer): out of reach of 6, within 10.
+    assert kept_layers == [0, 4, 3, 5, 7, 7]

@@ -173,6 +173,14 @@ def checkpointable_blocks(module: nn.Module, intent: ShardingIntent, needs: Meth
     return sorted(found, key=lambda n: (-n.count("."), order[n]))
 
 
+def checkpointed_blocks(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds | None = None) -> list[str]:
+    """The blocks ``checkpoint_blocks`` checkpoints, left untouched: what the DeepSpeed estimate sees recomputed."""
+    mode = CheckpointMode.of(intent.activation_checkpointing)
+    if mode.kind is Checkpointing.NONE:
+        return []
+    return [name for index, name in enumerate(checkpointable_blocks(module, intent, needs)) if mode.applies_to(index)]
+
+
 def checkpoint_blocks(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds | None = None) -> list[str]:
     """Checkpoint ``module``'s blocks where no ``fully_shard`` plan does it (DeepSpeed, before its engine is built, so
     its hooks gather a block again for the recomputation); the names checkpointed. Refused when no block trains."""

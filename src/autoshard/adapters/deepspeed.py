@@ -11,7 +11,7 @@ from typing import Any
 
 from autoshard.backends import Availability, on_backend
 from autoshard.backends.deepspeed import BACKEND as DEEPSPEED_BACKEND
-from autoshard.backends.deepspeed import REDUCE_BUCKET_SIZE
+from autoshard.backends.deepspeed import MAX_REUSE_DISTANCE, PERSISTENCE_THRESHOLD, REDUCE_BUCKET_SIZE
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.mesh import ParallelDims
@@ -30,9 +30,9 @@ ZERO3_DEFAULTS: dict[str, Any] = {
     "reduce_bucket_size": REDUCE_BUCKET_SIZE,
     "allgather_bucket_size": 200_000_000,
     "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_param_persistence_threshold": 100_000,
+    "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
     "stage3_max_live_parameters": 1_000_000_000,
-    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_max_reuse_distance": MAX_REUSE_DISTANCE,
     "sub_group_size": 1_000_000_000,
     "stage3_gather_16bit_weights_on_model_save": False,
 }

@@ -11,7 +11,7 @@ from autoshard.errors import IntentError
 from autoshard.precision import Dtype, PrecisionPlan
 
 if TYPE_CHECKING:
-    from autoshard.memory_model import Layout, MemoryEstimate, RankInputs
+    from autoshard.memory_model import Layout, MemoryEstimate, Param, RankInputs
 
 BACKEND_NAME = "deepspeed_zero3"
 # DeepSpeed's estimator counts 18 bytes per parameter for ZeRO-3 model states (Adam in mixed precision).
@@ -21,6 +21,10 @@ ZERO3_BYTES_PER_PARAM = 18
 # allocates this bucket whole, per parameter dtype, when the engine is built (stage3.py, DeepSpeed 0.19), whatever
 # the model's size; DeepSpeed's estimator leaves it out.
 REDUCE_BUCKET_SIZE = 200_000_000
+# The config's stage3_param_persistence_threshold and stage3_max_reuse_distance (DeepSpeed's defaults), in elements:
+# parameters of at most the threshold stay whole on every rank; see kept_gathered for the reuse distance.
+PERSISTENCE_THRESHOLD = 100_000
+MAX_REUSE_DISTANCE = 1_000_000_000
 
 MIN_DEEPSPEED = "0.14"
 INSTALL = 'pip install "autoshard[deepspeed]"'
@@ -165,6 +169,37 @@ def zero3_model_states(
     return int(cpu_mem), int(gpu_mem), largest_layer_memory
 
 
+def kept_gathered(layout: Layout) -> int:
+    """Bytes of the parameters ZeRO-3 keeps gathered, whole on every rank in the gather dtype, from their forward into
+    their backward: all live when the backward starts, the activations' peak. Once its trace is recorded (from the
+    second step) DeepSpeed releases a module's parameters after its forward only when the trace does not reach their
+    next use within MAX_REUSE_DISTANCE elements (partitioned_param_coordinator's __params_to_release, DeepSpeed 0.19).
+    The trace walked here: the modules in registration order, taken as the forward's, then the backward in reverse,
+    where a checkpointed block is forwarded again once its last module is reached. Parameters within the persistence
+    threshold are whole anyway, and not counted. The prefetch also keeps what it has looked past, but it looks 5e7
+    not-yet-gathered elements ahead (stage3_prefetch_bucket_size), within the reuse distance under these defaults."""
+    from itertools import accumulate
+
+    from autoshard.memory_model import numel
+
+    modules: dict[str, list[Param]] = {}
+    for p in layout.params.values():
+        modules.setdefault(p.name.rpartition(".")[0], []).append(p)
+    forward, backward, recomputed = list(modules), list[str](), set[str]()
+    for name in reversed(forward):
+        backward.append(name)
+        block = next((b for b in layout.recomputed if name == b or name.startswith(b + ".")), None)
+        if block is not None and block not in recomputed:  # after its last module's backward fetch (measured)
+            recomputed.add(block)
+            backward += [n for n in forward if n == block or n.startswith(block + ".")]
+    elements = [0, *accumulate(sum(numel(p.shape) for p in modules[n]) for n in forward + backward)]
+    kept = 0
+    for i, name in enumerate(forward):
+        if elements[len(forward) + backward.index(name)] - elements[i + 1] < MAX_REUSE_DISTANCE:  # to its next use
+            kept += sum(numel(p.shape) * p.gather_elsize for p in modules[name] if numel(p.shape) > PERSISTENCE_THRESHOLD)
+    return kept
+
+
 def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam).
     A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators take no shard
@@ -190,6 +225,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, inputs.zero_init
     )
     bucket = REDUCE_BUCKET_SIZE * layout.precision.gather.bytes
+    kept = kept_gathered(layout)
     states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
     params = int(2 * total / world_size)
     grads = int(2 * total / world_size)
@@ -201,6 +237,9 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         "parameters below stage3_param_persistence_threshold stay whole on every rank; DeepSpeed's formula ignores them",
         f"the gathered row adds ZeRO-3's gradient reduce bucket ({fmt_bytes(bucket)}: reduce_bucket_size elements, allocated"
         " whole when the engine is built), which DeepSpeed's formula leaves out",
+        f"the gathered row adds the parameters ZeRO-3 keeps gathered from forward into backward ({fmt_bytes(kept)}: each"
+        f" module whose next use is within stage3_max_reuse_distance ({MAX_REUSE_DISTANCE:,}) elements of the trace,"
+        " whole on every rank), which DeepSpeed's formula leaves out; a reuse distance set in zero_overrides is not modelled",
     ]
     names = {type(o).__name__ for _, o in sourced}
     if names - {"Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam"}:
@@ -218,7 +257,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         optimizer_states=states - params - grads,
         ema_teacher=0,
         unsharded=0,
-        gathered_block=largest_mem + bucket,
+        gathered_block=largest_mem + bucket + kept,
         gathered_unit="",
         full_model_states=ZERO3_BYTES_PER_PARAM * total,
         offloaded=offloaded,
@@ -226,7 +265,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         optimizers=tuple(f"{type(o).__name__} ({s})" for s, o in sourced),
         notes=tuple(notes),
     )
-    assert estimate.device == gpu_mem + bucket, (estimate.device, gpu_mem)  # DeepSpeed's figure, and the bucket
+    assert estimate.device == gpu_mem + bucket + kept, (estimate.device, gpu_mem)  # DeepSpeed's figure, the bucket, the kept parameters
     return estimate
 
 
