@@ -6,6 +6,7 @@ became ``--devices-per-node``); with ``--json`` every error is one JSON object o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import io
@@ -185,12 +186,10 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
 def _drop(stream: TextIO) -> None:
     """After the reader closed the pipe: point stdout at /dev/null, so the interpreter's last flush raises nothing
     (the Python docs' recipe for SIGPIPE)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a file descriptor (a test's buffer)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, stream.fileno())
         os.close(devnull)
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a file descriptor (a test's buffer)
-        pass
 
 
 @contextmanager

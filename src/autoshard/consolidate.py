@@ -93,12 +93,7 @@ def _load_deepspeed(path: Path, tag: str, trust_pickle: bool = False) -> dict[st
 
 
 def consolidate(
-    ckpt: str | os.PathLike[str],
-    out_path: str | os.PathLike[str],
-    *,
-    tag: str | None = None,
-    force: bool = False,
-    trust_pickle: bool = False,
+    ckpt: str | os.PathLike[str], out_path: str | os.PathLike[str], *, tag: str | None = None, force: bool = False, trust_pickle: bool = False
 ) -> Consolidated:
     """Write one plain ``torch.save`` file of full weights from a DCP, DeepSpeed or full checkpoint, in one CPU process
     whatever world size wrote it. ``force`` replaces only a file consolidate wrote."""

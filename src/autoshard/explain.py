@@ -308,7 +308,6 @@ def explain(
     ``batch``: one micro-batch per rank, for a simulated step per world size; ``budget``: device bytes per rank
     (``80GiB``). When either was asked for and the peak lacks part of the step, ``report.incomplete`` says why."""
     o = options or ExplainOptions()
-    accelerator, devices_per_node, simulate, progress = o.accelerator, o.devices_per_node, o.simulate, o.progress
     intent = intent or ShardingIntent()
     if budget is None:  # --intent memory_budget=70GiB asks the same question as --budget 70GiB
         budget = intent.memory_budget
@@ -324,24 +323,23 @@ def explain(
         module=module,
         intent=intent,
         needs=needs,
-        features=features_needed(needs, intent, accelerator),
+        features=features_needed(needs, intent, o.accelerator),
         notes=list(subject.notes),
     )
-    if not _decide_and_plan(report, backend, accelerator, max(world_sizes), o.micro_batch_size):
+    if not _decide_and_plan(report, backend, o.accelerator, max(world_sizes), o.micro_batch_size):
         return report
-    sizes = _fitting_world_sizes(intent, world_sizes, devices_per_node, report.notes)
-    estimates = _Estimates(report, subject, make_batch, devices_per_node, progress)
-    estimates.prepare(simulate)
+    sizes = _fitting_world_sizes(intent, world_sizes, o.devices_per_node, report.notes)
+    estimates = _Estimates(report, subject, make_batch, o)
+    estimates.prepare(o.simulate)
     estimates.sim.model.of(intent, sizes)  # the table's world sizes share one plan
     report.memory = [estimates.estimate(Option(intent, size)) for size in sizes]
-    _say_what_is_missing(report, estimates, asked=budget_bytes is not None or (simulate and make_batch is not None))
+    _say_what_is_missing(report, estimates, asked=budget_bytes is not None or (o.simulate and make_batch is not None))
     if budget_bytes is not None:
         checkpointable = bool(checkpointable_blocks(module, intent, needs))
-        ask = Ask(devices_per_node, rows, checkpointable, _lacks)
+        ask = Ask(o.devices_per_node, rows, checkpointable, _lacks)
         report.budget = check_budget(estimates.estimate, intent, max(sizes), budget_bytes, ask=ask)
         if o.auto:
-            chosen = report.decision.backend  # type: ignore[union-attr]
-            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, simulate, chosen, devices_per_node, progress)
+            report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, report.decision.backend, o)  # type: ignore[union-attr]
     return report
 
 
@@ -384,16 +382,14 @@ class _Estimates:
     run leaves the model states, and why in ``why``. A step costs seconds: the budget search reuses every estimate
     made before it."""
 
-    def __init__(
-        self, report: Report, subject: Subject, make_batch: Callable[[], Any] | None, devices_per_node: int, progress: Callable[[str], None] | None
-    ) -> None:
+    def __init__(self, report: Report, subject: Subject, make_batch: Callable[[], Any] | None, o: ExplainOptions) -> None:
         self.report, self.make_batch = report, make_batch
         self.intent, self.module = report.intent, report.module
         self.chosen = report.decision.backend  # type: ignore[union-attr]
         has_tp = getattr(report.plan, "tp_plan", None) is not None
         tokens = batch_tokens(make_batch) if make_batch is not None and has_tp else None
-        model = ModelStates(subject, self.chosen, resolve_precision(None, self.intent), devices_per_node, tokens=tokens)
-        self.sim = Simulator(model, make_batch, self.intent, progress)
+        model = ModelStates(subject, self.chosen, resolve_precision(None, self.intent), o.devices_per_node, tokens=tokens)
+        self.sim = Simulator(model, make_batch, self.intent, o.progress)
         self.why: dict[str, str] = {}  # an estimate's key -> why its step is partial or missing, with the Fix
         self.failures: list[str] = []  # the table's steps that raised (notes, unless the answer is incomplete anyway)
         self.done: dict[str, MemoryEstimate] = {}
@@ -454,8 +450,7 @@ def _say_what_is_missing(report: Report, estimates: _Estimates, asked: bool) -> 
     else:
         report.notes += [f"activations not counted: {f}" for f in dict.fromkeys(estimates.failures)]
     if estimates.make_batch is not None and not any(e.step_peak or e.activations for e in report.memory):
-        why = "--no-step (model states only)" if not estimates.asked_step else "the step could not run on --batch (see below)"
-        report.unmeasured = why
+        report.unmeasured = "--no-step (model states only)" if not estimates.asked_step else "the step could not run on --batch (see below)"
     if not estimates.sim.whole_step and report.memory and report.memory[0].activations:
         report.notes.append(
             f"activations come from a simulated FSDP2 step of the same method; {estimates.chosen}'s own buffers are its estimator's figures"
@@ -463,20 +458,12 @@ def _say_what_is_missing(report: Report, estimates: _Estimates, asked: bool) -> 
 
 
 def _auto(
-    factory: Any,
-    make_batch: Callable[[], Any] | None,
-    intent: ShardingIntent,
-    sizes: Sequence[int],
-    budget: int,
-    simulate: bool,
-    backend: str,
-    devices_per_node: int,
-    progress: Callable[[str], None] | None,
+    factory: Any, make_batch: Callable[[], Any] | None, intent: ShardingIntent, sizes: Sequence[int], budget: int, backend: str, o: ExplainOptions
 ) -> list[dict[str, Any]]:
     """What ``ShardingIntent(memory_budget=budget)`` would choose at each world size (``budget.auto_entries``), or
     why there is no decision when the step cannot be simulated."""
     why = ""
-    if not simulate:
+    if not o.simulate:
         why = "memory_budget is decided on simulated steps, and --no-step skips them. Fix: drop --no-step"
     elif make_batch is None:
         why = (
@@ -485,7 +472,7 @@ def _auto(
         )
     if why:
         return [{"world_size": n, "budget": budget, "error": {"type": "IncompleteEstimate", "message": why, "min_world_size": None}} for n in sizes]
-    options = DecideOptions(devices_per_node=devices_per_node, progress=progress)
+    options = DecideOptions(devices_per_node=o.devices_per_node, progress=o.progress)
     return auto_entries(factory, make_batch, intent, sizes, budget, backend=backend, options=options)
 
 

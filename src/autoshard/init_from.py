@@ -491,9 +491,7 @@ def load_init_from(module: nn.Module, plan: InitPlan) -> InitReport:
                     if not direct:
                         local.copy_(buffer)
                     continue
-                from safetensors import (
-                    safe_open,  # another placement (Shard(1), tensor parallel): safetensors slices it
-                )
+                from safetensors import safe_open  # another placement (Shard(1), tensor parallel): safetensors slices it
 
                 with safe_open(str(stored.file), framework="pt", device="cpu") as f:
                     part = f.get_slice(key)[rows] if rows else f.get_tensor(key)

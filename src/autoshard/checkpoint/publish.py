@@ -16,6 +16,7 @@ reads a checkpoint's content.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -93,9 +94,8 @@ def fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -103,12 +103,10 @@ def fsync_dir(path: Path) -> None:
 def umask() -> int:
     """This process's umask, read without changing it where Linux says it (``/proc/self/status``), else by setting
     and restoring it at once."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
     current = os.umask(0o022)
     os.umask(current)
     return current
@@ -117,10 +115,8 @@ def umask() -> int:
 def honour_umask(path: Path) -> None:
     """Give a file a library wrote with a private mode (safetensors' ``save_file``: 0600) the mode every other output
     gets, ``0666`` less the umask (0644 under the usual 022). A filesystem that keeps no modes keeps its own."""
-    try:
+    with contextlib.suppress(OSError):
         os.chmod(path, 0o666 & ~umask())
-    except OSError:
-        pass
 
 
 def fsync_file(path: Path) -> None:
@@ -334,10 +330,8 @@ def _forget_locks_in_child() -> None:
     """A forked child (a DataLoader worker, a multiprocessing helper) inherits the descriptors of the locks its parent
     holds, and a flock lasts while any copy is open: the child closes its copies, so the parent's release releases."""
     for fd in list(_HELD_LOCKS):
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _HELD_LOCKS.clear()
 
 
@@ -448,10 +442,8 @@ class Publisher:
         finally:
             if self._fd is not None and self._fd in _HELD_LOCKS:  # not in a forked child: its copy is closed already
                 _HELD_LOCKS.discard(self._fd)
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.lock_file)
-                except FileNotFoundError:
-                    pass
                 os.close(self._fd)
             self._fd = None
 

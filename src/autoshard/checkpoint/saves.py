@@ -105,9 +105,7 @@ def prepare_staging(path: str | os.PathLike[str], token: str = "") -> Path:
     p = Path(path)
     finish_interrupted_commit(p)
     check_replaceable(p)
-    for stale in staged_siblings(sidecar_path(p)):  # before the staged files: alone, a staged sidecar means "swap me in"
-        remove(stale)
-    for stale in staged_siblings(p):
+    for stale in [*staged_siblings(sidecar_path(p)), *staged_siblings(p)]:  # sidecars first: alone, one means "swap me in"
         remove(stale)
     if p.exists() or p.is_symlink():
         remove(aside_path(p))  # ``path`` is complete: whatever stayed aside is older

@@ -57,15 +57,7 @@ def check_stale_local_rank(num_processes: int, num_nodes: int, environment: obje
 
 
 # SLURM's whole-number variables that Lightning or this check read (srun sets them; a bad value was set by hand).
-SLURM_NUMBERS = (
-    "SLURM_NTASKS",
-    "SLURM_NNODES",
-    "SLURM_JOB_NUM_NODES",
-    "SLURM_STEP_NUM_NODES",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-)
+SLURM_NUMBERS = ("SLURM_NTASKS", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_NODES", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 # Of those, what Lightning's SLURMEnvironment itself reads with int() (checked for every strategy: lightning.guards).
 SLURM_READ_BY_LIGHTNING = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 SLURM_TASK_LISTS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")

@@ -11,14 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from autoshard.adapters.compile import Compile, unwrap_compiled
-from autoshard.adapters.fsdp2 import (
-    FSDP2Plan,
-    average_unsharded_gradients,
-    broadcast_unsharded,
-    check_ema_alignment,
-    init_sharded_units,
-    plan_fsdp2,
-)
+from autoshard.adapters.fsdp2 import FSDP2Plan, average_unsharded_gradients, broadcast_unsharded, check_ema_alignment, init_sharded_units, plan_fsdp2
 from autoshard.engine.guarantees import reshard_after_no_grad_forward, reshard_teachers
 from autoshard.engine.launch import check_node_groups
 from autoshard.engine.meta_init import copy_students_into_teachers

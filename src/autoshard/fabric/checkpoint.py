@@ -74,11 +74,7 @@ class FabricCheckpoint:
 
     # -- save ----------------------------------------------------------------------------------------------------
     def save_checkpoint(  # type: ignore[override]
-        self,
-        path: Any,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: Filter | None = None,
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Filter | None = None
     ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -133,11 +129,7 @@ class FabricCheckpoint:
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load_checkpoint(  # type: ignore[override]
-        self,
-        path: Any,
-        state: Any = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if not isinstance(state, dict) or not state:  # load_raw (a module alone), or no state: Lightning's own paths
             return ModelParallelStrategy.load_checkpoint(self, path, state, strict=strict, weights_only=weights_only)  # type: ignore[arg-type]

@@ -154,13 +154,7 @@ class AutoShardDeepSpeedStrategy(FabricBackend, ds.IntentZeRO3, ds.DeepSpeedRunt
             super(AutoShardDeepSpeedStrategy, self).save_checkpoint(str(staged), state)
             self.barrier()  # every rank's files are in before any rank hashes
 
-        publish_deepspeed_save(
-            path,
-            write,
-            self.global_rank,
-            self.world_size,
-            self.broadcast,
-        )
+        publish_deepspeed_save(path, write, self.global_rank, self.world_size, self.broadcast)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
         if isinstance(state, dict) and state and not (self.load_full_weights and self.zero_stage_3):

@@ -350,9 +350,7 @@ _PASS_THROUGH = {
 def _split_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(intent fields, Lightning arguments); config-shaping Lightning arguments are refused with their intent field."""
     fields = {k: kwargs.pop(k) for k in list(kwargs) if k in ShardingIntent.__dataclass_fields__}
-    for key in kwargs:
-        if key in _PASS_THROUGH:
-            continue
+    for key in [k for k in kwargs if k not in _PASS_THROUGH]:
         fix = _CONFIG_ARGUMENTS.get(key, f"pass zero_overrides={{'{key}': ...}} to set a zero_optimization key")
         raise IntentError(f"AutoShardDeepSpeedStrategy does not take {key}=: it builds the DeepSpeed config from the intent. Fix: {fix}")
     return fields, kwargs
