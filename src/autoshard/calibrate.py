@@ -139,10 +139,9 @@ def calibrate(device: str | None = None, *, width: int | None = None, depth: int
     else:
         kept["host_bytes_per_s"] = "no CUDA device: host copies are not measured"
     kept["intra_node_bytes_per_s"] = kept["inter_node_bytes_per_s"] = "collectives need several devices: built-in value"
-    name = torch.cuda.get_device_name(where) if gpu else "cpu"
     return {
         "format": FORMAT,
-        "device": name,
+        "device": torch.cuda.get_device_name(where) if gpu else "cpu",
         "torch": torch.__version__,
         "rates": replace(base, **rates).to_dict(),
         "kept": kept,

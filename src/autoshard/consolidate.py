@@ -66,8 +66,7 @@ class Consolidated:
 
 def _load_dcp(path: Path, trust_pickle: bool = False) -> tuple[dict[str, Any], str | None]:
     """The model entry of a DCP checkpoint; optimizer state stays on disk."""
-    keys = dcp_keys(path)
-    key = model_entry(keys)
+    key = model_entry(dcp_keys(path))
     sd = load_dcp_entries(path, {key} if key else None, trust_pickle)
     return (sd[key] if key else sd), key
 

@@ -36,6 +36,7 @@ from autoshard.budget import (
     batch_tokens,
     check_budget,
 )
+from autoshard.consolidate import command_parser
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
 from autoshard.intent import ShardingIntent
 from autoshard.memory import ACTIVATIONS_HINT, MemoryEstimate, fmt_bytes, memory_table, with_step
@@ -670,12 +671,8 @@ def cmd_explain(args: argparse.Namespace, stream: TextIO | None = None) -> int:
 
 def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``autoshard explain`` to the ``autoshard`` command (cli.py calls this)."""
-    parser = subparsers.add_parser(
-        "explain",
-        allow_abbrev=False,
-        help="show what autoshard would do with a module: needs, backend, plan, memory per rank",
-        description=__doc__.splitlines()[0] if __doc__ else None,
-    )
+    summary = "show what autoshard would do with a module: needs, backend, plan, memory per rank"
+    parser = command_parser(subparsers, "explain", summary, __doc__.splitlines()[0] if __doc__ else None)
     add_arguments(parser)
     parser.set_defaults(func=cmd_explain)
     return parser

@@ -79,9 +79,8 @@ def read_deepspeed(path: Path, tag: str | None, trust_pickle: bool = False) -> T
     head, world = models[0], len(models)
     sub_groups: list[OrderedDict[str, torch.Size]] = list(head["param_shapes"])
     tensors, per_param = _cut_sub_groups(path, sub_groups, optims)
-    inner = optims[0]["optimizer_state_dict"]
     groups = []
-    for group in inner["param_groups"]:
+    for group in optims[0]["optimizer_state_dict"]["param_groups"]:
         names = [_strip(n) for idx in group["params"] for n in sub_groups[idx]]
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
     frozen_shapes = head.get("frozen_param_shapes") or {}

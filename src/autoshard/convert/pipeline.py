@@ -169,7 +169,10 @@ def _check_options(to: str, options: ConvertOptions) -> str | None:
             raise ConvertError(
                 f"--precision is for --to deepspeed (DeepSpeed names its files after it); {to} does not depend on it. Fix: drop --precision"
             )
-        precision = _precision(precision)
+        try:
+            precision = normalize_precision(precision).value
+        except IntentError as exc:
+            raise ConvertError(f"--precision: {exc}") from None
     if options.module is not None and to != "safetensors":
         raise ConvertError(
             f"--module {options.module!r} keeps one submodule's weights, which only --to safetensors writes: a checkpoint to resume needs the whole module. Fix: drop --module, or use --to safetensors"
@@ -203,11 +206,9 @@ def _deepspeed_target(state: TrainingState, world_size: int | None, target_world
             f"{str(state.source)!r} does not record the world size it was saved at, and a DeepSpeed checkpoint is written"
             f" for one. Fix: pass --world-size N, the devices x nodes of the run that resumes it"
         )
-    if precision is None:
-        if state.precision is None:
-            _missing_precision(state.source)
-        precision = state.precision
-    return precision
+    if precision is None and state.precision is None:
+        _missing_precision(state.source)
+    return precision or state.precision
 
 
 def _record(state: TrainingState, to: str, target_world: int | None) -> dict[str, Any]:
@@ -315,13 +316,6 @@ def _missing_precision(source: Path) -> None:
         f" (bf16_zero_pp_rank_* under bf16) and looks for that name only, and {str(source)!r} does not record one."
         f" Fix: pass --precision with the Trainer's precision, e.g. --precision bf16-mixed or --precision 32-true"
     )
-
-
-def _precision(value: str) -> str:
-    try:
-        return normalize_precision(value).value
-    except IntentError as exc:
-        raise ConvertError(f"--precision: {exc}") from None
 
 
 def _check_target(state: TrainingState, to: str) -> None:

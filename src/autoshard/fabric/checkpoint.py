@@ -244,23 +244,18 @@ def _loadable(
         quiet = " (strict=False skips the names the two do not share, and they share none, so it would load nothing)"
         if shared:
             trainer = ", as a Lightning Trainer's checkpoint keeps them" if best == "state_dict" else ""
-            refusals[key] = (
-                problem,
-                CheckpointFormatError(
-                    f"cannot load {str(path)!r} into {name}: {problem}; its weights are under {best!r}{trainer} ({shared} of"
-                    f" the {len(model)} names of {name}){quiet}. Fix: give the model the key its weights are saved under:"
-                    f" fabric.load(path, {{{best!r}: model}}), other entries under their own keys"
-                ),
+            message = (
+                f"cannot load {str(path)!r} into {name}: {problem}; its weights are under {best!r}{trainer} ({shared} of"
+                f" the {len(model)} names of {name}){quiet}. Fix: give the model the key its weights are saved under:"
+                f" fabric.load(path, {{{best!r}: model}}), other entries under their own keys"
             )
         else:
             held = ", ".join(repr(k) for k in saved) or "no tensors"
-            refusals[key] = (
-                problem,
-                CheckpointFormatError(
-                    f"cannot load {str(path)!r} into {name}: {problem}, and no key of the checkpoint ({held}) holds a name of"
-                    f" {name}{quiet}. Fix: load a checkpoint of this model, or load these weights into the model that saved them"
-                ),
+            message = (
+                f"cannot load {str(path)!r} into {name}: {problem}, and no key of the checkpoint ({held}) holds a name of"
+                f" {name}{quiet}. Fix: load a checkpoint of this model, or load these weights into the model that saved them"
             )
+        refusals[key] = (problem, CheckpointFormatError(message))
     if refusals and (strict or len(refusals) == len(modules)):
         raise next(iter(refusals.values()))[1]
     for key, (problem, _) in refusals.items():
