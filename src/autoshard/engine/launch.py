@@ -130,8 +130,7 @@ def check_slurm(num_processes: int, num_nodes: int, environment: object | None =
         tasks = counts[0]
         nodes = nodes or (len(counts) if "(x" in spec[1] or "," in spec[1] else None)
     else:
-        total = int(os.environ["SLURM_NTASKS"])
-        tasks = total // (nodes or max(num_nodes, 1))
+        tasks = int(os.environ["SLURM_NTASKS"]) // (nodes or max(num_nodes, 1))
     nodes = nodes if nodes is not None else num_nodes
     if tasks != num_processes:
         both = f", num_nodes={nodes}" if nodes != num_nodes else ""
