@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autoshard import AutoShardError, EMAPair, MethodNeeds, inspect_needs
-from autoshard.needs import count_optimizers, find_ema_pairs
+from autoshard.needs import find_ema_pairs, returned_optimizers
 
 
 def mlp(width: int = 8) -> nn.Sequential:
@@ -152,10 +152,10 @@ def test_two_optimizers_in_every_return_shape(module_cls):
 
 def test_single_dict_and_none_count_right():
     assert inspect_needs(OneOptimizerDict()).num_optimizers == 1
-    assert count_optimizers(None) == 0
+    assert len(returned_optimizers(None)) == 0
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert count_optimizers(([opt, opt], [])) == 2 and count_optimizers((opt,)) == 1
-    assert count_optimizers([{"optimizer": opt}, {"optimizer": opt}, {"optimizer": opt}]) == 3
+    assert len(returned_optimizers(([opt, opt], []))) == 2 and len(returned_optimizers((opt,))) == 1
+    assert len(returned_optimizers([{"optimizer": opt}, {"optimizer": opt}, {"optimizer": opt}])) == 3
 
 
 def test_ema_teacher_is_a_frozen_mirror_of_the_student():

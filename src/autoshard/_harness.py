@@ -75,15 +75,9 @@ def _run_workers(script: Path, args: list[str], out_dir: Path, nprocs: int, time
             "PYTHONPATH": os.pathsep.join([str(_project_root(script)), os.environ.get("PYTHONPATH", "")]),
         }
         log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, str(script), *args, "--out", str(out_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir
-                ),
-                log,
-            )
-        )
-    wait_for([(f"rank {rank}", proc, log) for rank, (proc, log) in enumerate(procs)], timeout)
+        command = [sys.executable, str(script), *args, "--out", str(out_dir)]
+        procs.append((f"rank {rank}", subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir), log))
+    wait_for(procs, timeout)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 

@@ -64,17 +64,14 @@ def collect_optimizers(module: nn.Module, callbacks: Sequence[object] | None = N
 # -- the layout of one module under a plan --------------------------------------------------------------------------
 def _elsize(p: torch.Tensor, precision: PrecisionPlan) -> int:
     """Bytes per element in training: "-true" low precisions convert every floating parameter (Lightning)."""
-    converted = not precision.autocast and precision.master is not Dtype.FLOAT32
-    if p.is_floating_point() and converted:
+    if p.is_floating_point() and not precision.autocast and precision.master is not Dtype.FLOAT32:
         return precision.master.bytes
     return p.element_size()
 
 
 def _gather_elsize(p: torch.Tensor, precision: PrecisionPlan, elsize: int) -> int:
     """Bytes per element all-gathered: the gather dtype, where it differs from the weights' (as ``policies`` casts)."""
-    if p.is_floating_point() and precision.gather is not precision.master:
-        return precision.gather.bytes
-    return elsize
+    return precision.gather.bytes if p.is_floating_point() and precision.gather is not precision.master else elsize
 
 
 @dataclass(frozen=True)
@@ -155,12 +152,10 @@ def _with_tensor_parallel(estimator: Any, layout: Layout, tp: TensorParallelCost
     join the traffic rows for ``tokens`` tokens per micro-batch (without them, a note gives bytes per token).
     """
     world_size, num_nodes, dims = inputs.world_size, inputs.num_nodes, inputs.dims
-    dp = dims.dp
     per_node = world_size // num_nodes
-    dp_nodes = num_nodes if dp % num_nodes == 0 and per_node % tp.size == 0 else 1
+    dp_nodes = num_nodes if dims.dp % num_nodes == 0 and per_node % tp.size == 0 else 1
     inner = inputs.intent.replace(tensor_parallel_size=1, data_parallel_size=None)
-    dp_dims = replace(dims, tp=1)
-    est = estimator(layout, replace(inputs, intent=inner, dims=dp_dims, rank=inputs.rank // tp.size, num_nodes=dp_nodes))
+    est = estimator(layout, replace(inputs, intent=inner, dims=replace(dims, tp=1), rank=inputs.rank // tp.size, num_nodes=dp_nodes))
     whole = estimator(tp.full, replace(inputs, intent=inner, dims=ParallelDims(), rank=0, num_nodes=1)).full_model_states
     spans_nodes = tp.size > per_node
     traffic: list[Traffic] = []

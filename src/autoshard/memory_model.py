@@ -173,9 +173,7 @@ def shard_rows(rows: int, world_size: int, rank: int) -> int:
 
 
 def local_shape(p: Param, world_size: int, rank: int) -> tuple[int, ...]:
-    if not p.sharded or not p.shape:
-        return p.shape
-    return (shard_rows(p.shape[0], world_size, rank), *p.shape[1:])
+    return (shard_rows(p.shape[0], world_size, rank), *p.shape[1:]) if p.sharded and p.shape else p.shape
 
 
 # -- the estimate ---------------------------------------------------------------------------------------------------

@@ -108,11 +108,6 @@ def held_optimizers(obj: object) -> list[torch.optim.Optimizer]:
     return list(found.values())
 
 
-def count_optimizers(configured: Any) -> int:
-    """Count optimizers in any return shape Lightning accepts from ``configure_optimizers``."""
-    return len(returned_optimizers(configured))
-
-
 def _modules_owning(root: nn.Module, param_ids: set[int]) -> list[str]:
     """Outermost submodules of ``root`` whose parameters all belong to ``param_ids``."""
     owned: list[str] = []
@@ -289,7 +284,7 @@ def _configured_optimizers(module: nn.Module) -> int:
     """Call the user's configure_optimizers once, only to count what it returns. Offline only: during fit no user
     hook is called to inspect it, because hooks may count their calls (stable-pretraining's probes assert one)."""
     try:
-        return count_optimizers(module.configure_optimizers())
+        return len(returned_optimizers(module.configure_optimizers()))
     except Exception as exc:  # the user's hook may need state we do not have; say how to skip it
         raise AutoShardError(
             f"autoshard could not count optimizers: {type(module).__name__}.configure_optimizers() raised"
@@ -337,8 +332,7 @@ ORIG_MOD = "_orig_mod"  # the attribute of torch.compile's OptimizedModule holdi
 
 def eager_name(name: str) -> str:
     """A parameter or module path without torch.compile's ``_orig_mod`` segments: the name in an eager model."""
-    parts = [p for p in name.split(".") if p != ORIG_MOD]
-    return ".".join(parts)
+    return ".".join(p for p in name.split(".") if p != ORIG_MOD)
 
 
 def compiled_modules(module: nn.Module) -> tuple[str, ...]:

@@ -138,10 +138,7 @@ def resolve_precision(trainer_precision: object | None, intent: DtypeRequest) ->
             )
     low = precision.dtype
     gather = Dtype(intent.param_dtype) if intent.param_dtype else low
-    if intent.reduce_dtype:
-        reduce = Dtype(intent.reduce_dtype)
-    else:
-        reduce = Dtype.FLOAT32 if precision.autocast else low
+    reduce = Dtype(intent.reduce_dtype) if intent.reduce_dtype else Dtype.FLOAT32 if precision.autocast else low
     return PrecisionPlan(
         precision=precision,
         compute=low if precision.autocast else gather,

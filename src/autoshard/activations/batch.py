@@ -32,9 +32,7 @@ def where_defined(fn: Any) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     name = name.rpartition("<locals>.")[2]  # a function defined inside another: its own name
     code = getattr(getattr(fn, "func", fn), "__code__", None)  # functools.partial: the wrapped function
-    if code is None:
-        return name
-    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+    return name if code is None else f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
 def call_batch(make_batch: Callable[[], Any]) -> Any:

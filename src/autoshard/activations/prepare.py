@@ -49,17 +49,14 @@ def _fake_parameters(module: nn.Module, callbacks: Sequence[object], dtype: torc
     parameters. Must run inside the FakeTensorMode."""
     new: dict[int, torch.Tensor] = {}
     fake = lambda t: torch.empty(t.shape, dtype=_cast(t, dtype), device="cpu")  # noqa: E731
+    param = lambda p: nn.Parameter(fake(p), requires_grad=p.requires_grad)  # noqa: E731
     for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
-                m._parameters[name] = new[id(p)]  # type: ignore[assignment]
-        for name, b in m._buffers.items():
-            if b is not None:
-                if id(b) not in new:
-                    new[id(b)] = fake(b)
-                m._buffers[name] = new[id(b)]
+        for tensors, make in ((m._parameters, param), (m._buffers, fake)):
+            for name, t in tensors.items():
+                if t is not None:
+                    if id(t) not in new:
+                        new[id(t)] = make(t)
+                    tensors[name] = new[id(t)]  # type: ignore[index]
     for callback in callbacks:
         for optimizer in held_optimizers(callback):
             for group in optimizer.param_groups:

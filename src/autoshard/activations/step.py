@@ -104,12 +104,11 @@ def _forward(run: Run, precision: PrecisionPlan) -> None:
     example = run.batch
     with _autocast(precision):
         if isinstance(example, Mapping):
-            out = run.module(**example)
+            run.module(**example)
         elif isinstance(example, tuple):
-            out = run.module(*example)
+            run.module(*example)
         else:
-            out = run.module(example)
-    del out
+            run.module(example)
 
 
 @contextlib.contextmanager

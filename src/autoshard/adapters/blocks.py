@@ -3,6 +3,7 @@ module tree, for every backend."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Set as AbstractSet
 
 from torch import nn
@@ -94,9 +95,7 @@ def _repeated(module: nn.Module) -> list[tuple[str, nn.Module, int]]:
         return []
     sizes = {name: (child, param_count(child)) for name, child in module.named_children()}
     keys = {name: _repeat_key(child) for name, (child, numel) in sizes.items() if numel}
-    counts: dict[object, int] = {}
-    for key in keys.values():
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter(keys.values())
     return [(name, *sizes[name]) for name, key in keys.items() if counts[key] > 1]
 
 

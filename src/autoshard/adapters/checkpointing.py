@@ -64,9 +64,7 @@ class CheckpointMode:
 
     def applies_to(self, index: int) -> bool:
         """Whether the block at ``index`` (0-based, in forward order among the checkpointable blocks) is checkpointed."""
-        if self.kind is Checkpointing.NONE:
-            return False
-        return self.kind is Checkpointing.SELECTIVE or index % self.every == 0
+        return self.kind is Checkpointing.SELECTIVE or (self.kind is Checkpointing.FULL and index % self.every == 0)
 
     def describe(self) -> str:
         """In words, for plan summaries and budget tables: 'no', 'every block', 'every 2nd block', 'selective (op-level)'."""

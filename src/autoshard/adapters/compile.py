@@ -34,9 +34,7 @@ class Compile(str, Enum):
 
     @classmethod
     def of(cls, value: bool | str) -> Compile:
-        if value is True:
-            return cls.BLOCKS
-        return cls.AUTO if value == COMPILE_AUTO else cls.OFF
+        return cls.BLOCKS if value is True else cls.AUTO if value == COMPILE_AUTO else cls.OFF
 
 
 def unwrap_compiled(module: nn.Module) -> list[str]:

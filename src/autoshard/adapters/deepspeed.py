@@ -151,13 +151,12 @@ def deepspeed_config(
     _positive(world_size=world_size, micro_batch_size=micro_batch_size, accumulate_grad_batches=accumulate_grad_batches)
     precision = precision or resolve_precision(None, intent)
     check_intent(intent, needs, world_size, precision)
-    zero = zero_config(intent, zero_overrides)
 
     config: dict[str, Any] = {
         "train_batch_size": micro_batch_size * accumulate_grad_batches * world_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulate_grad_batches,
-        "zero_optimization": zero,
+        "zero_optimization": zero_config(intent, zero_overrides),
         # Lightning passes the user's torch optimizer: DeepSpeed calls every non-DeepSpeed optimizer "untested".
         "zero_allow_untested_optimizer": True,
         **precision_config(precision),

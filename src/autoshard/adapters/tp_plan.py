@@ -60,13 +60,8 @@ class Style:
         """The dimension of parameter ``param`` (``weight``, ``bias``) this style splits across ranks; None: whole."""
         if self.kind is StyleKind.COLWISE:
             return 0
-        if self.kind is StyleKind.ROWWISE:
-            return 1 if param == "weight" else None
-        if self.kind is StyleKind.EMBEDDING_ROWWISE:
-            return 0 if param == "weight" else None
-        if self.kind is StyleKind.EMBEDDING_COLWISE:
-            return 1 if param == "weight" else None
-        return None
+        weight_dims = {StyleKind.ROWWISE: 1, StyleKind.EMBEDDING_ROWWISE: 0, StyleKind.EMBEDDING_COLWISE: 1}
+        return weight_dims.get(self.kind) if param == "weight" else None
 
     @property
     def collective(self) -> str:
@@ -218,9 +213,7 @@ class TPPlan:
         order = sorted(bad, key=lambda s: (s not in MOE_STYLES, s not in OTHER_STYLES, s))
         parts = []
         for style in order:
-            why = MOE_STYLES.get(style) or OTHER_STYLES.get(style)
-            if why is None:
-                why = "a parameter-level rule" if style in STYLES else "not a style autoshard knows"
+            why = MOE_STYLES.get(style) or OTHER_STYLES.get(style) or ("a parameter-level rule" if style in STYLES else "not a style autoshard knows")
             parts.append(f"'{style}' ({why}) on {_some(bad[style])}")
         moe = any(s in MOE_STYLES for s in bad)
         raise IncompatibleBackendError(
@@ -385,9 +378,7 @@ class TPPlan:
                 continue
             parent, _, leaf = e.path.rpartition(".")
             owner = modules.get(parent)
-            if owner is None or parent in out:
-                continue
-            if leaf not in ATTENTION_PROJECTIONS and "attention" not in type(owner).__name__.lower():
+            if owner is None or parent in out or (leaf not in ATTENTION_PROJECTIONS and "attention" not in type(owner).__name__.lower()):
                 continue
             counts = _heads_of(owner)
             if counts:
@@ -435,12 +426,10 @@ class TPPlan:
                 if group is None or group not in counted:  # siblings reading one input sum its gradient once
                     out.append(TPCollective(group or e.path, "all-reduce", "backward", size_in))
                     counted.add(group or e.path)
-            elif spec.kind is StyleKind.ROWWISE:
+            elif spec.kind in (StyleKind.ROWWISE, StyleKind.EMBEDDING_ROWWISE):
                 out.append(TPCollective(e.path, "all-reduce", "forward", size_out))
                 if spec.split_input:
                     out.append(TPCollective(e.path, "all-gather", "backward", size_in))
-            elif spec.kind is StyleKind.EMBEDDING_ROWWISE:
-                out.append(TPCollective(e.path, "all-reduce", "forward", size_out))
             elif spec.kind is StyleKind.EMBEDDING_COLWISE:
                 out.append(TPCollective(e.path, "all-gather", "forward", size_out))
             elif spec.kind is StyleKind.REPLICATE_SUM_GRADS:
@@ -490,10 +479,7 @@ class TPPlan:
         ties = _tied(module)
         styles = {e.path: _torch_style(e.spec) for e in self.entries if not e.is_param and e.spec and e.spec.module_type}
         for path, style in styles.items():  # one call per concrete path: keys are not patterns here
-            if path:
-                parallelize_module(module, tp_mesh, {path: style})
-            else:
-                parallelize_module(module, tp_mesh, style)
+            parallelize_module(module, tp_mesh, {path: style} if path else style)
         for homes in ties.values():  # parallelize_module gave each home its own Parameter: one tensor again
             first = next((h for h in homes if self._split_of(modules, h) is not None), homes[0])
             shared = modules[first[0]]._parameters[first[1]]

@@ -47,10 +47,8 @@ def require(package: str, minimum: str, install: str) -> Availability:
 
 def require_all(*checks: Availability) -> Availability:
     """The first failed check, or one that lists every version found."""
-    for check in checks:
-        if not check.ok:
-            return check
-    return Availability(True, ", ".join(c.detail for c in checks))
+    failed = next((c for c in checks if not c.ok), None)
+    return failed or Availability(True, ", ".join(c.detail for c in checks))
 
 
 @dataclass(frozen=True)

@@ -153,19 +153,13 @@ def zero3_model_states(
     gpus_factor = 1 / num_nodes
     largest_layer_memory = 4 * largest_layer_params
     if cpu_offload:
-        if cpu_offload_params:
-            gpu_mem = largest_layer_memory
-            per = 18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor)
-        else:
-            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
-            per = 16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor)
+        gpu_mem = largest_layer_memory + (0 if cpu_offload_params else int(2 * total_params / total_gpus))
+        factor = (18 if cpu_offload_params else 16) * gpus_factor
+        per = factor if zero_init else max(4 * num_gpus_per_node, factor)
         cpu_mem = total_params * per * additional_buffer_factor
     else:
         gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
-        if zero_init:
-            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
-        else:
-            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+        cpu_mem = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
     return int(cpu_mem), int(gpu_mem), largest_layer_memory
 
 
@@ -227,8 +221,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     bucket = REDUCE_BUCKET_SIZE * layout.precision.gather.bytes
     kept = kept_gathered(layout)
     states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
-    params = int(2 * total / world_size)
-    grads = int(2 * total / world_size)
+    params = grads = int(2 * total / world_size)  # 16-bit parameters and gradients, 2 bytes each
     offloaded = ("parameters", "gradients", "optimizer_states") if offload_params else ("gradients", "optimizer_states") if offload_opt else ()
     notes = [
         "ZeRO-3 figures are DeepSpeed's estimate_zero3_model_states_mem_needs (18 bytes per parameter, Adam in mixed"

@@ -91,9 +91,8 @@ def check_budget(evaluate: Evaluate, intent: ShardingIntent, world_size: int, bu
     current = evaluate(Option(intent, world_size))
     missing = ask.lacks(current)
     if missing:
-        fits = None if current.device <= budget else False
         why = f"no change is estimated: each estimate would lack {missing} too"
-        return BudgetReport(budget, world_size, current.device, fits, (), (why,), missing)
+        return BudgetReport(budget, world_size, current.device, None if current.device <= budget else False, (), (why,), missing)
     if current.device <= budget:
         return BudgetReport(budget, world_size, current.device, True)
     advisor = _Advisor(evaluate, intent, world_size, budget, ask)

@@ -64,9 +64,7 @@ def cut_batch(make_batch: Callable[[], Any], divisor: int) -> Callable[[], Any]:
     """``make_batch`` with every tensor's dim 0 divided by ``divisor``. Each cut tensor is a copy, never a view: a view
     keeps the whole batch's storage alive, and the simulated step would count it in the peak (the copy is fake: free).
     """
-    if divisor == 1:
-        return make_batch
-    return CutBatch(make_batch, divisor)
+    return make_batch if divisor == 1 else CutBatch(make_batch, divisor)
 
 
 class CutBatch:

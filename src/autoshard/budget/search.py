@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from autoshard.backends import BudgetChoices, get_backend
@@ -93,15 +94,13 @@ def config_cost(sim: Simulator, config: dict[str, Any], world_size: int, flops: 
     ac = config.get("activation_checkpointing", sim.base.activation_checkpointing)
     base_ac = False if "activation_checkpointing" in config else sim.base.activation_checkpointing
     recompute = max(0, flops.get(ac, 0) - flops.get(base_ac, 0)) if ac in flops and base_ac in flops else 0
-    gathered_intra = states.intra_node_bytes
-    gathered_inter = states.inter_node_bytes
     offload = config.get("offload", sim.base.offload)
     reshard = config.get("reshard_after_forward", sim.base.reshard_after_forward)
     host = _choices(sim.backend).host_bytes(states, offload, reshard)  # see the cost order above
-    selective = ac == SELECTIVE and recompute > 0
     compiled = flops.get(ac, 0) if config.get("compile", sim.base.compile) is True else 0
-    cost = Cost(recompute, gathered_intra, gathered_inter, host, selective=selective, compiled_flops=compiled)
-    return Cost(recompute, gathered_intra, gathered_inter, host, cost.at(rates), selective, compiled)
+    selective = ac == SELECTIVE and recompute > 0
+    cost = Cost(recompute, states.intra_node_bytes, states.inter_node_bytes, host, selective=selective, compiled_flops=compiled)
+    return replace(cost, seconds=cost.at(rates))
 
 
 def price(
@@ -125,14 +124,12 @@ def price(
     states = ModelStates(Subject.build(meta_factory(module)), get_backend(backend).name, precision or resolve_precision(None, intent), world_size)
     sim = Simulator(states, batch_function(batch), base, None)
     flops: dict[Any, int] = {}
-    out = []
+    peaks: dict[str, int] = {}
     for config in [{**c, "activation_checkpointing": False} for c in configs] + list(configs):
         estimate, step_flops = sim.step(dict(config), world_size)
         flops.setdefault(config.get("activation_checkpointing", base.activation_checkpointing), step_flops)
-    for config in configs:
-        estimate, _ = sim.step(dict(config), world_size)
-        out.append((estimate.device, config_cost(sim, dict(config), world_size, flops, rates)))
-    return out
+        peaks[config_key(config)] = estimate.device
+    return [(peaks[config_key(c)], config_cost(sim, dict(c), world_size, flops, rates)) for c in configs]
 
 
 def _options(field_name: str, blocks: int, backend: str) -> list[Any]:

@@ -90,8 +90,7 @@ def _candidates(
 
     def exclusive(path: str) -> bool:
         """A unit may not share a parameter (tied weights) with anything outside it."""
-        inside = {path}
-        return all(within(n, inside) for p in modules[path].parameters() for n in names_of[id(p)])
+        return all(within(n, {path}) for p in modules[path].parameters() for n in names_of[id(p)])
 
     roots = [r for r in subtree_roots(module, intent.shard) if not within(r, excluded)]
     roots += [m for p in needs.ema_pairs for m in (p.teacher, p.student) if m not in roots and not within(m, excluded)]
@@ -101,11 +100,9 @@ def _candidates(
         sub = modules[root_path]
         if not any(True for _ in sub.parameters()):
             continue
-        is_teacher = within(root_path, teachers)
-        if not is_teacher and not any(p.requires_grad for p in sub.parameters()):
-            if intent.shard is None:
-                replicated.append(_replicated(root_path, sub.parameters(), Unsharded.FROZEN))
-                continue
+        if intent.shard is None and not within(root_path, teachers) and not any(p.requires_grad for p in sub.parameters()):
+            replicated.append(_replicated(root_path, sub.parameters(), Unsharded.FROZEN))
+            continue
         planned.append(root_path)
     inside = set(planned)
     for name, why in block_units(module, intent.blocks, modules).items():
@@ -261,7 +258,6 @@ def _units(
     for name, own in found:
         kind, why = candidates[name]
         teacher = within(name, teachers)
-        trainable = any(p.requires_grad for p in own)
         units.append(
             ShardUnit(
                 name=name,
@@ -269,7 +265,7 @@ def _units(
                 role=Role.TEACHER if teacher else Role.TRAINABLE,
                 numel=sum(p.numel() for p in own),
                 bytes=sum(p.numel() * p.element_size() for p in own),
-                reshard=_reshard(kept.get(name), teacher, trainable, intent, needs),
+                reshard=_reshard(kept.get(name), teacher, any(p.requires_grad for p in own), intent, needs),
                 checkpointed=name in checkpointed,
                 why=why + _tied(own, names_of),
             )

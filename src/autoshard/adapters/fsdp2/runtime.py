@@ -195,6 +195,7 @@ def grad_buckets(params: Iterable[torch.Tensor], bucket_bytes: int) -> list[list
     return [bucket for own in buckets.values() for bucket in own]
 
 
+@torch.no_grad()  # local() of a DTensor gradient is then the very tensor it holds, written back in place
 def average_gradients(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group: Any) -> int:
     """Average the gradients in ``buckets`` over ``group``, one all_reduce per bucket (``touched``: ids this rank's
     backward reached); returns how many. Bucket k+1 is flattened while k is reduced.
@@ -203,11 +204,6 @@ def average_gradients(buckets: list[list[nn.Parameter]], touched: AbstractSet[in
     the copies back are one call each (DDP's coalesced helpers): with hundreds of small parameters a Python loop of
     tensor ops costs more than the all_reduce saved.
     """
-    with torch.no_grad():  # local() of a DTensor gradient is then the very tensor it holds, written back in place
-        return _average(buckets, touched, group)
-
-
-def _average(buckets: list[list[nn.Parameter]], touched: AbstractSet[int], group: Any) -> int:
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
