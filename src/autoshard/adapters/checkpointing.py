@@ -182,14 +182,13 @@ def checkpointed_blocks(module: nn.Module, intent: ShardingIntent, needs: Method
 def checkpoint_blocks(module: nn.Module, intent: ShardingIntent, needs: MethodNeeds | None = None) -> list[str]:
     """Checkpoint ``module``'s blocks where no ``fully_shard`` plan does it (DeepSpeed, before its engine is built, so
     its hooks gather a block again for the recomputation); the names checkpointed. Refused when no block trains."""
-    mode = CheckpointMode.of(intent.activation_checkpointing)
-    if mode.kind is Checkpointing.NONE:
-        return []
-    blocks = checkpointable_blocks(module, intent, needs)
-    if not blocks:
-        raise nothing_to_checkpoint(module, intent)
+    names = checkpointed_blocks(module, intent, needs)  # the estimate reads the same selection
+    if not names and CheckpointMode.of(intent.activation_checkpointing).kind is not Checkpointing.NONE:
+        raise nothing_to_checkpoint(module, intent)  # every mode checkpoints the first block: none at all means none trains
     modules = dict(module.named_modules())
-    return [name for index, name in enumerate(blocks) if apply_checkpointing(modules[name], mode, index)]
+    for name in names:
+        apply_checkpointing(modules[name], intent.activation_checkpointing, 0)  # selected already: index 0 always applies
+    return names
 
 
 def nothing_to_checkpoint(module: nn.Module, intent: ShardingIntent) -> IntentError:

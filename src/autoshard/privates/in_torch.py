@@ -21,6 +21,10 @@ _BUDGET, _PYTREE = "autoshard.budget", "torch.utils._pytree"
 _HERE = "autoshard.privates.in_torch"  # used by a function below (fsdp2_api, parked_registry, ...)
 _TRACKER, _FAKE, _C10D = "torch.distributed._tools.fsdp2_mem_tracker", "torch._subclasses.fake_tensor", "torch.distributed.distributed_c10d"
 _MEM_TRACKER = f"{_TRACKER}.FSDPMemTracker"
+# torch.distributed's group registry: module globals of distributed_c10d that its ``_world`` object reads through
+# properties, plus the default group's init method and backend name.
+_REGISTRY_GLOBALS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+_REGISTRY_VALUES = ("_group_count", "_backend", "_default_pg_init_method")
 _REGISTRY = "part of the group registry that _world reads: parked and put back (parked_registry)"
 
 TORCH: tuple[Private, ...] = (
@@ -75,11 +79,7 @@ TORCH: tuple[Private, ...] = (
     Private(_PYTREE, "tree_map_only", f"{_ACT}, {_BUDGET}", "fake tensors made from the example batch; empty ones of a batch's shapes"),
     Private(_C10D, "_World", _HERE, "an empty group registry while a live one is parked (parked_registry)"),
     Private(_C10D, "_world", _HERE, "parked and put back, so the live group is never touched"),
-    *(
-        Private(_C10D, name, _HERE, _REGISTRY)
-        for name in ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag", "_group_count", "_backend")
-    ),
-    Private(_C10D, "_default_pg_init_method", _HERE, _REGISTRY),
+    *(Private(_C10D, name, _HERE, _REGISTRY) for name in _REGISTRY_GLOBALS + _REGISTRY_VALUES),
     Private(_C10D, "_unregister_process_group", _HERE, "the fake groups' names leave torch's C++ registry"),
     Private(_C10D, "_register_process_group", _HERE, "the live groups' names registered again after"),
     Private(_C10D, "_update_default_pg", _HERE, "the live default group's rank is torch's again"),
@@ -175,10 +175,6 @@ def empty_group_registry() -> Any:
     return previous
 
 
-# torch.distributed's group registry: module globals of distributed_c10d that its ``_world`` object reads through
-# properties, plus the default group's init method and backend name.
-_REGISTRY_GLOBALS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
-_REGISTRY_VALUES = ("_group_count", "_backend", "_default_pg_init_method")
 # Names of fake groups: far above any live count. A name a fake group once held was seen to stay unresolvable for
 # the live group that took it next (2 gloo ranks, a decision on rank 0 between the mesh and the sharding).
 _FAKE_NAMES = itertools.count(10**9, 10**4)
