@@ -187,9 +187,12 @@ def kept_gathered(layout: Layout) -> int:
             recomputed.add(block)
             backward += [n for n in forward if n == block or n.startswith(block + ".")]
     elements = [0, *accumulate(sum(numel(p.shape) for p in modules[n]) for n in forward + backward)]
+    first_in_backward: dict[str, int] = {}
+    for j, name in enumerate(backward):
+        first_in_backward.setdefault(name, j)
     kept = 0
     for i, name in enumerate(forward):
-        if elements[len(forward) + backward.index(name)] - elements[i + 1] < MAX_REUSE_DISTANCE:  # to its next use
+        if elements[len(forward) + first_in_backward[name]] - elements[i + 1] < MAX_REUSE_DISTANCE:  # to its next use
             kept += sum(numel(p.shape) * p.gather_elsize for p in modules[name] if numel(p.shape) > PERSISTENCE_THRESHOLD)
     return kept
 
