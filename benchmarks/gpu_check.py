@@ -45,7 +45,9 @@ CONFIGS = [
 ]
 # Run with --only NAME, outside the six-minute default: autoshard-deepspeed with the hand-tuned config's bucket,
 # prefetch and persistence sizes (issue 31: which part of the 9.6% gap those three explain).
-EXTRA = [("deepspeed-knobs", 120, 8)]
+# budget-diagnose: budget-20GiB with the same decision made once more before fit, on the module built on the GPU
+# (issue 28: at fit every checkpointing candidate simulated at 26.41 GiB; the tables now say where each peaks).
+EXTRA = [("deepspeed-knobs", 120, 8), ("budget-diagnose", 300, 4)]
 PRICED = {  # the intent fields of each configuration the CPU stage simulates and prices
     "auto-shard": {"activation_checkpointing": False},
     "ac-true": {"activation_checkpointing": True},
@@ -88,6 +90,19 @@ def simulate(out: Path) -> None:
         for name, (peak, cost) in zip(PRICED, priced)
     }
     result["seconds"] = round(time.perf_counter() - start, 1)
+    (out / "simulated.json").write_text(json.dumps(result, indent=1))
+    # The budget row's decision as a fresh CPU process makes it, to set beside the one made at fit on the GPU.
+    from autoshard.budget import DecideOptions, decide
+
+    start = time.perf_counter()
+    try:
+        decision = decide(
+            module_class(args), [ids], intent.replace(memory_budget="20GiB"), 1, device_type="cuda", options=DecideOptions(precision="bf16-mixed")
+        )
+        result["decision"] = {"table": decision.table(), "decision": decision.to_dict()}
+    except Exception as exc:  # noqa: BLE001  the prices above stand
+        result["decision"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    result["decision"]["seconds"] = round(time.perf_counter() - start, 1)
     (out / "simulated.json").write_text(json.dumps(result, indent=1))
 
 

@@ -119,6 +119,8 @@ def strategy_for(name: str, args: argparse.Namespace) -> tuple[Any, type]:
     if name.startswith("ac-"):
         mode = name[3:]
         return FSDP2Strategy(activation_checkpointing={"true": True, "selective": "selective"}.get(mode, mode.isdigit() and int(mode))), plain
+    if name == "budget-diagnose":  # budget-20GiB, decided once more before fit (see run)
+        return FSDP2Strategy(memory_budget="20GiB"), plain
     if name.startswith("budget-"):
         return FSDP2Strategy(memory_budget=name[len("budget-") :]), plain
     if name == "deepspeed":
@@ -190,6 +192,21 @@ def simulated_peak(name: str, args: argparse.Namespace, strategy: Any, module_cl
         args.meta = False
 
 
+def decided_before_fit(model: Any, ids: torch.Tensor, strategy: Any) -> dict[str, Any]:
+    """The budget decided on the module as fit will see it (built on the GPU, CUDA initialised) but before fit (no
+    process group, no Trainer): with the at-fit table and the CPU stage's (simulated.json "decision"), it tells
+    whether a difference comes from the fit's context (session 7: every checkpointing candidate at 26.41 GiB at fit,
+    16.53 GiB for every block in a fresh process)."""
+    from autoshard.budget import DecideOptions, decide
+
+    start = time.perf_counter()
+    try:
+        decision = decide(model, [ids], strategy.requested, 1, device_type="cuda", options=DecideOptions(precision="bf16-mixed"))
+    except Exception as exc:  # noqa: BLE001  the diagnosis reports, the fit still runs
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000], "seconds": round(time.perf_counter() - start, 1)}
+    return {"table": decision.table(), "decision": decision.to_dict(), "seconds": round(time.perf_counter() - start, 1)}
+
+
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -222,6 +239,8 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     model = module_cls()
     params = sum(p.numel() for p in model.parameters())
+    if name == "budget-diagnose":
+        result["before_fit"] = decided_before_fit(model, ids[: args.micro_batch], strategy)
     trainer.fit(model, DataLoader(TensorDataset(ids), batch_size=args.micro_batch))
     result["fit_s"] = round(time.perf_counter() - t, 1)
     step = statistics.median(clock.times)
@@ -244,6 +263,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
         chosen=decision.chosen if decision is not None else None,
         decided_peak=decision.peak if decision is not None else None,
         decision_table=decision.table() if decision is not None else None,
+        decision=decision.to_dict() if decision is not None else None,
     )
     return result
 

@@ -74,6 +74,13 @@ def test_the_cheapest_configuration_that_fits_is_chosen_and_every_cheaper_one_sh
     table = decision.table()
     assert f"chosen: {describe_config(decision.chosen)}" in table and "cheaper, and why each does not fit" in table
     assert all(describe_config(t.config) in table for t in decision.cheaper)
+    # Where each simulated peak is, as the simulated step of that configuration says it: the table shows it.
+    chosen = ShardingIntent(**decision.chosen)
+    assert decision.at == measure_step(Small, chosen, 2, resolve_precision(None, chosen), make_batch=batch).at != ""
+    assert f"per rank (at: {decision.at});" in table
+    for tried in (t for t in decision.cheaper if t.simulated):
+        assert tried.at.startswith(("forward", "backward", "optimizer step", "training_step")), tried
+        assert f"over the budget; at: {tried.at}" in table
 
 
 def test_the_cost_order_decides_when_recomputation_is_dear_offload_wins() -> None:

@@ -144,7 +144,19 @@ def _answer(q: Question) -> BudgetDecision:
     chosen, cheaper, most = search_configs(sim, world_size, limit.limit, rates, free, blocks)
     if chosen is not None:
         return BudgetDecision(
-            limit.budget, world_size, chosen.config, chosen.peak, chosen.cost, cheaper, shapes, kept, rates, num_nodes, limit.backend, limit.headroom
+            limit.budget,
+            world_size,
+            chosen.config,
+            chosen.peak,
+            chosen.cost,
+            cheaper,
+            shapes,
+            kept,
+            rates,
+            num_nodes,
+            limit.backend,
+            limit.headroom,
+            chosen.at,
         )
     raise _refusal(sim, most, world_size, limit, shapes)
 

@@ -146,7 +146,9 @@ class Cost:
 @dataclass(frozen=True)
 class Tried:
     """One configuration the decision looked at. ``simulated=False``: its peak is a lower bound, from a configuration
-    that saves at least as much in every field and already does not fit. ``runs=False``: its step cannot run."""
+    that saves at least as much in every field and already does not fit. ``runs=False``: its step cannot run.
+    ``at``: where in the simulated step its peak is (the tracker's words; "" when no step of its own gave the peak):
+    a peak in the optimizer step is one no activation checkpointing lowers."""
 
     config: dict[str, Any]
     peak: int
@@ -155,6 +157,7 @@ class Tried:
     why: str = ""
     simulated: bool = True
     runs: bool = True
+    at: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -171,6 +174,7 @@ class Tried:
             data.get("why", ""),
             bool(data.get("simulated", True)),
             bool(data.get("runs", True)),
+            str(data.get("at", "")),
         )
 
 
@@ -191,6 +195,7 @@ class BudgetDecision:
     num_nodes: int = 1
     backend: str = "fsdp2"  # the backend the peaks are for: fsdp2's simulated step, or DeepSpeed's estimator + activations
     headroom: Headroom = field(default_factory=Headroom)  # kept free beside the peak: peak <= headroom.limit(budget)
+    at: str = ""  # where in the simulated step the chosen configuration peaks (Tried.at)
 
     def intent(self, base: ShardingIntent) -> ShardingIntent:
         """``base`` with the chosen fields: what the run trains with."""
@@ -210,12 +215,13 @@ class BudgetDecision:
                 else ""
             )
         )
-        lines = [head, f"  chosen: {describe_config(self.chosen)}", f"    peak {fmt_bytes(self.peak)} per rank; {_cost_words(self.cost)}"]
+        at = f" (at: {self.at})" if self.at else ""
+        lines = [head, f"  chosen: {describe_config(self.chosen)}", f"    peak {fmt_bytes(self.peak)} per rank{at}; {_cost_words(self.cost)}"]
         if self.cheaper:
             lines.append("  cheaper, and why each does not fit (cheapest first):")
             for t in self.cheaper:
                 peak = "cannot run" if not t.runs else f"{'>= ' if not t.simulated else ''}{fmt_bytes(t.peak)}"
-                lines.append(f"    {describe_config(t.config):<72} peak {peak:>11}  {t.why}")
+                lines.append(f"    {describe_config(t.config):<72} peak {peak:>11}  {t.why}" + (f"; at: {t.at}" if t.at else ""))
         else:
             lines.append("  nothing cheaper: this is the cheapest configuration")
         if self.kept:
@@ -241,6 +247,7 @@ class BudgetDecision:
             num_nodes=int(data.get("num_nodes", 1)),
             backend=str(data.get("backend", "fsdp2")),
             headroom=Headroom(**data.get("headroom", {})),
+            at=str(data.get("at", "")),
         )
 
 

@@ -157,6 +157,7 @@ def search_configs(
     most = grid[-1]
     flops: dict[Any, int] = {}
     peaks: dict[str, int] = {}
+    ats: dict[str, str] = {}  # where each simulated configuration peaks
     changes = lambda c: sum(c[f] != getattr(sim.base, f) for f in free)  # noqa: E731  ties: fewer changes
     # The cheapest: nothing recomputed, nothing offloaded, the cheapest resharding and shard group by the traffic
     # model (no step needed to price those; at one rank resharding is free, so the default stays).
@@ -167,10 +168,12 @@ def search_configs(
         estimate, step_flops = sim.step(config, world_size)
         flops.setdefault(config.get("activation_checkpointing", sim.base.activation_checkpointing), step_flops)
         peaks[config_key(config)] = estimate.device
+        ats[config_key(config)] = estimate.step_at
         return estimate.device
 
     if simulate(cheapest) <= budget:  # a failure here is the step's own (nothing saved yet): it stands
-        return Tried(cheapest, peaks[config_key(cheapest)], config_cost(sim, cheapest, world_size, flops, rates), True), [], most
+        cost = config_cost(sim, cheapest, world_size, flops, rates)
+        return Tried(cheapest, peaks[config_key(cheapest)], cost, True, at=ats[config_key(cheapest)]), [], most
     if simulate(most) > budget:
         return None, [], most
     cannot: dict[Any, str] = {}  # activation-checkpointing option -> why its step cannot run (the cheapest step ran)
@@ -200,10 +203,11 @@ def search_configs(
         except AutoShardError as exc:
             tried.append(Tried(config, 0, cost, False, cannot_run(sim, config, exc), simulated=False, runs=False))
             continue
+        at = ats.get(config_key(config), "")
         if peak <= budget:
-            return Tried(config, peak, cost, True), tried, most
+            return Tried(config, peak, cost, True, at=at), tried, most
         over.append(config)
-        tried.append(Tried(config, peak, cost, False, f"{fmt_bytes(peak - budget)} over the budget"))
+        tried.append(Tried(config, peak, cost, False, f"{fmt_bytes(peak - budget)} over the budget", at=at))
     return None, tried, most  # unreachable: the most saving configuration fits
 
 
