@@ -155,7 +155,7 @@ def test_88_a_precision_plugin_autoshard_cannot_plan_under_lightnings_deepspeed_
     assert text.endswith("Fix: drop the DoublePrecision plugin and set Trainer(precision='bf16-mixed') (or another listed precision)")
 
 
-# -- 89-91: partial support is a warning ------------------------------------------------------------------------------------
+# -- 89-92: partial support is a warning ------------------------------------------------------------------------------------
 def test_89_offload_optimizer_under_fsdp2_offloads_the_parameters_too() -> None:
     model = Validated()
     run = trainer(strategy=FSDP2Strategy(offload="optimizer"), precision="32-true", max_steps=2, limit_val_batches=1)
@@ -202,3 +202,28 @@ def test_91_several_forwards_per_step_under_zero3(strategy: str) -> None:
     )
     assert "invalidates its parameter prefetch trace at every such step" in caveat
     assert "Fix: use strategy='fsdp2' (or strategy='auto-shard')" in caveat
+
+
+@needs_deepspeed
+def test_92_reshard_after_forward_false_under_zero3_is_warned() -> None:
+    """ZeRO-3 has no reshard_after_forward and autoshard sets nothing for it: the field was accepted without a word.
+    Now the matrix's caveat is a warning, with its Fix; fsdp2, which honours the field, says nothing."""
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    run = trainer(strategy=AutoShardDeepSpeedStrategy(reshard_after_forward=False), precision="32-true")
+    said = autoshard_warnings(lambda: run.fit(Net(), data()))
+    assert run.global_step == 1 and type(run.strategy.model).__name__ == "DeepSpeedEngine"  # it runs: a caveat
+    (caveat,) = [w for w in said if "reshard_after_forward" in w]
+    assert caveat.startswith(
+        "autoshard: partial support on deepspeed_zero3 for parameters kept gathered until backward"
+        " (reshard_after_forward=False) [reshard_after_forward=False]: ZeRO-3 has no such switch, and autoshard sets"
+        " nothing for the field"
+    )
+    assert "within stage3_max_reuse_distance elements of the trace (1,000,000,000, DeepSpeed's default)" in caveat
+    assert caveat.endswith(
+        "Fix: set zero_overrides={'stage3_max_reuse_distance': N} on the strategy to choose how many elements ahead"
+        " ZeRO-3 keeps parameters for (0 releases each module's after its forward), or use strategy='fsdp2' (or"
+        " strategy='auto-shard') for reshard_after_forward=False"
+    )
+    kept = trainer(strategy=FSDP2Strategy(reshard_after_forward=False), precision="32-true")
+    assert autoshard_warnings(lambda: kept.fit(Net(), data())) == []

@@ -136,3 +136,15 @@ def test_a_deepspeed_decision_resumes_as_deepspeed_only_and_with_the_same_fields
     again, said = resume_decision(stored, intent.replace(offload="params"), 2, "deepspeed")
     assert again is None and "you now set offload" in said
     assert stored_differs(stored, decision) == ""
+
+
+def test_reshard_after_forward_false_leaves_a_deepspeed_budget_as_it_was() -> None:
+    """ZeRO-3 has no reshard_after_forward (the matrix's caveat, a warning at setup): asked for under a budget, the
+    decision is the one made without it, the field neither chosen nor named as kept, and nothing refused."""
+    none, optimizer, _ = (priced()[o][0] for o in OFFLOADS)
+    asked = offload_only((none + optimizer) // 2)
+    plain = decide(Wide, wide_batch(), asked, 2, backend="deepspeed")
+    kept = decide(Wide, wide_batch(), asked.replace(reshard_after_forward=False), 2, backend="deepspeed")
+    assert (kept.chosen, kept.peak, kept.kept) == (plain.chosen, plain.peak, plain.kept)
+    assert (plain.chosen, plain.peak, plain.kept) == ({"offload": "optimizer"}, optimizer, ("activation_checkpointing",))
+    assert [(t.config, t.peak) for t in kept.cheaper] == [(t.config, t.peak) for t in plain.cheaper]

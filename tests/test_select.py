@@ -37,6 +37,7 @@ ONE_FEATURE: dict[Feature, tuple[MethodNeeds, dict, str | None]] = {
     Feature.MANUAL_OPTIMIZATION: (MethodNeeds(manual_optimization=True), {}, None),
     Feature.ROOT_PARAMETERS: (MethodNeeds(root_parameters=("cls_token",)), {}, None),
     Feature.PER_BLOCK_SHARDING: (MethodNeeds(), {"shard": ["backbone"]}, None),
+    Feature.KEEP_GATHERED: (MethodNeeds(), {"reshard_after_forward": False}, None),
     Feature.BF16: (MethodNeeds(), {"precision": "bf16-mixed"}, None),
     Feature.BF16_TRUE: (MethodNeeds(), {"precision": "bf16-true"}, None),
     Feature.FP16_MIXED: (MethodNeeds(), {"precision": "16-mixed"}, None),
@@ -248,6 +249,33 @@ def test_several_forwards_run_on_deepspeed_with_the_measured_caveat() -> None:
     assert "invalidates its parameter prefetch trace" in warning and "Fix: use strategy='fsdp2'" in warning
     # auto never leaves fsdp2 for it: a method need that fsdp2 runs fully
     assert select_backend(MethodNeeds(multi_forward=True), available=ALL_INSTALLED).backend == "fsdp2"
+
+
+def test_reshard_after_forward_false_is_a_caveat_under_deepspeed_and_nothing_under_fsdp2() -> None:
+    """ZeRO-3 has no reshard_after_forward and autoshard sets nothing for it: asking for it is warned, with the Fix."""
+    kept = ShardingIntent(reshard_after_forward=False)
+    decision = select_backend(MethodNeeds(), kept, prefer="autoshard-deepspeed", available=ALL_INSTALLED)
+    cell = matrix()["deepspeed_zero3"][Feature.KEEP_GATHERED]
+    assert decision.warnings() == [
+        "autoshard: partial support on deepspeed_zero3 for parameters kept gathered until backward"
+        f" (reshard_after_forward=False) [reshard_after_forward=False]: {cell.reason}. Fix: {cell.remedy}"
+    ]
+    assert "stage3_max_reuse_distance elements of the trace (1,000,000,000, DeepSpeed's default)" in cell.reason
+    assert cell.remedy.startswith("set zero_overrides={'stage3_max_reuse_distance': N} on the strategy")
+    assert cell.remedy.endswith("or use strategy='fsdp2' (or strategy='auto-shard') for reshard_after_forward=False")
+    assert select_backend(MethodNeeds(), kept, prefer="fsdp2", available=ALL_INSTALLED).caveats == ()
+    # the default (True) needs nothing: a DeepSpeed run that did not ask says nothing
+    assert select_backend(MethodNeeds(), prefer="autoshard-deepspeed", available=ALL_INSTALLED).warnings() == []
+    assert select_backend(MethodNeeds(), kept, available=ALL_INSTALLED).backend == "fsdp2"
+
+
+def test_auto_with_reshard_after_forward_false_weighs_it_like_any_intent_feature() -> None:
+    """NVMe offload still needs DeepSpeed (fsdp2 cannot), with the caveat; beside offload='optimizer', each backend
+    does one of the two only partly, so the tie keeps preference order: fsdp2."""
+    nvme = select_backend(MethodNeeds(), ShardingIntent(**NVME, reshard_after_forward=False), available=ALL_INSTALLED)
+    assert nvme.backend == "deepspeed_zero3" and [c.feature for c in nvme.caveats] == [Feature.KEEP_GATHERED]
+    both = select_backend(MethodNeeds(), ShardingIntent(offload="optimizer", reshard_after_forward=False), available=ALL_INSTALLED)
+    assert both.backend == "fsdp2" and [c.feature for c in both.caveats] == [Feature.CPU_OFFLOAD_OPTIMIZER]
 
 
 # -- bad input -----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ class Feature(str, Enum):
     MANUAL_OPTIMIZATION = "manual optimization"
     ROOT_PARAMETERS = "parameters on the module root"
     PER_BLOCK_SHARDING = "per-block sharding"
+    KEEP_GATHERED = "parameters kept gathered until backward (reshard_after_forward=False)"
     BF16 = "bf16 precision"
     BF16_TRUE = "bf16 weights (bf16-true)"
     FP16_MIXED = "fp16 mixed precision (16-mixed)"
@@ -43,6 +44,7 @@ class Feature(str, Enum):
 INTENT_FEATURES = frozenset(
     {
         Feature.PER_BLOCK_SHARDING,
+        Feature.KEEP_GATHERED,
         Feature.CPU_OFFLOAD_PARAMS,
         Feature.CPU_OFFLOAD_OPTIMIZER,
         Feature.NVME_OFFLOAD,

@@ -34,6 +34,8 @@ def features_needed(
     named = [f"{key}=" + ", ".join(value) for key, value in (("shard", intent.shard), ("blocks", intent.blocks)) if value is not None]
     if named:
         out[Feature.PER_BLOCK_SHARDING] = "; ".join(named)
+    if intent.reshard_after_forward is False:  # only as asked: a budget under DeepSpeed never chooses this field
+        out[Feature.KEEP_GATHERED] = "reshard_after_forward=False"
     stated = (precision or resolve_precision(None, intent)).precision
     out[stated.feature] = f"precision='{stated}'"
     if intent.offload_device == "nvme":

@@ -57,6 +57,18 @@ ROW = {
         "ZeRO-3 partitions each parameter and gathers per module through hooks; there is no per-block plan to inspect",
         "use strategy='fsdp2' to control the sharded units",
     ),
+    # What ZeRO-3 does instead: partitioned_param_coordinator's __params_to_release (DeepSpeed 0.19.8), modelled by kept_gathered.
+    Feature.KEEP_GATHERED: partial(
+        "ZeRO-3 has no such switch, and autoshard sets nothing for the field: once its trace is recorded (from the"
+        " second step) ZeRO-3 keeps a module's parameters gathered after its forward only when their next use is within"
+        f" stage3_max_reuse_distance elements of the trace ({MAX_REUSE_DISTANCE:,}, DeepSpeed's default): the rest of"
+        " the forward and the backward up to that module, about twice the parameters after it (three times where blocks"
+        " are checkpointed). So the trailing blocks stay gathered (every block of a model of a few hundred million"
+        " parameters), and the rest are released and gathered again in backward",
+        "set zero_overrides={'stage3_max_reuse_distance': N} on the strategy to choose how many elements ahead ZeRO-3"
+        " keeps parameters for (0 releases each module's after its forward), or use strategy='fsdp2' (or"
+        " strategy='auto-shard') for reshard_after_forward=False",
+    ),
     Feature.BF16: yes("no autocast: the engine converts the model, every op computes in bf16; fp32 master copy"),
     Feature.BF16_TRUE: yes("fp32 master copy in the optimizer"),
     Feature.FP16_MIXED: yes("every op in fp16, fp32 master copy, dynamic loss scaling"),

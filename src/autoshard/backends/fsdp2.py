@@ -30,6 +30,10 @@ ROW = {
         "move them into a child module, or pass parallelize_fn to shard them yourself",
     ),
     Feature.PER_BLOCK_SHARDING: yes("blocks are the parameter-owning elements of every ModuleList / Sequential"),
+    Feature.KEEP_GATHERED: yes(
+        "fully_shard's own reshard_after_forward=False on each planned unit: its parameters stay gathered until its"
+        " backward, which gathers nothing again; EMA teachers and forwards without grad still reshard"
+    ),
     Feature.BF16: yes("autocast; parameters all-gathered in bf16, gradients reduced in fp32, fp32 weights updated"),
     Feature.BF16_TRUE: partial(
         "the module is converted to bf16 (Lightning's meaning of bf16-true): no fp32 master copy, so updates smaller"

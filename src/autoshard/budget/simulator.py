@@ -108,8 +108,8 @@ class Simulator:
         batch, ``example_input_array``'s forward); what it raises, it raises."""
         from autoshard.activations import measure_step
 
-        if not self.whole_step:
-            intent = self.base.replace(activation_checkpointing=intent.activation_checkpointing)
+        if not self.whole_step:  # ZeRO-3 has no reshard_after_forward: its estimate counts what it keeps (kept_gathered)
+            intent = self.base.replace(activation_checkpointing=intent.activation_checkpointing, reshard_after_forward=True)
         key = (repr(intent), world_size, divisor)
         if key not in self.measured:
             if self.progress is not None:
