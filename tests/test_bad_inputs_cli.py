@@ -1,4 +1,5 @@
-"""The bad-input catalog, rows 70-84 (docs/bad-inputs.md): the command line and ``explain``.
+"""The bad-input catalog, rows 70-84 and 167-168 (docs/bad-inputs.md): the command line, ``explain`` and the rates
+files of ``autoshard calibrate``.
 
 Nothing here is silently something else: no option is abbreviated, ``--json`` answers JSON whatever went wrong, a
 user error is a message with a Fix (never a traceback), and a budget verdict is never "fits" on a partial estimate.
@@ -282,3 +283,62 @@ def test_84_write_matrix_into_a_missing_directory_is_a_message(capsys: pytest.Ca
     code, answer = run_json(capsys, "explain", "--write-matrix", str(target))
     assert code == 1 and answer["error"]["message"].startswith(f"cannot write the capability matrix page to {target}: No such file or directory")
     assert not target.parent.exists()
+
+
+def _rates_file(path: Path, **rates: float) -> None:
+    """A rates file as ``autoshard calibrate`` writes it (its measurement is tested in tests/test_calibrate.py)."""
+    from autoshard.budget import RATES_FORMAT, Rates
+    from autoshard.calibrate import write_rates
+
+    write_rates({"format": RATES_FORMAT, "rates": {**Rates().to_dict(), **rates}}, path)
+
+
+def test_167_a_bad_rates_files_fix_is_one_calibrate_carries_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to say "Fix: autoshard calibrate --out THAT_PATH" for any unreadable file, and calibrate then refused a
+    file it did not write: the Fix names that path only where calibrate writes it."""
+    from autoshard.budget import RATES_ENV, Rates, default_rates, read_rates
+    from autoshard.calibrate import CalibrateError, write_rates
+    from autoshard.errors import IntentError
+
+    missing, ours, theirs = tmp_path / "missing.json", tmp_path / "ours.json", tmp_path / "notes.json"
+    _rates_file(ours, flops_per_s=0)
+    theirs.write_text("my notes")
+    for path in (missing, ours):
+        with pytest.raises(IntentError, match=rf"Fix: autoshard calibrate --out '{path}'$"):
+            read_rates(path)
+        _rates_file(path)  # what that Fix runs: written
+        assert read_rates(path) == Rates()
+    monkeypatch.setenv(RATES_ENV, str(theirs))
+    with pytest.raises(IntentError) as refused:
+        default_rates()
+    assert str(refused.value).endswith(
+        "Fix: autoshard calibrate --out NEW.json (it replaces only a rates file it wrote) and AUTOSHARD_RATES=NEW.json, or unset AUTOSHARD_RATES"
+    )
+    with pytest.raises(CalibrateError):  # the path it no longer names: refused
+        write_rates({}, theirs)
+    assert theirs.read_text() == "my notes"
+
+
+def test_168_calibrate_out_onto_a_file_it_did_not_write_names_a_free_path(tmp_path: Path) -> None:
+    """``--out rates.json`` over someone's rates.json said "Fix: --out a new path, e.g. 'rates.json'": the same path."""
+    from autoshard.calibrate import CalibrateError
+
+    taken = tmp_path / "rates.json"
+    taken.write_text("mine")
+    (tmp_path / "rates-1.json").write_text("mine too")
+    with pytest.raises(CalibrateError, match=r"did not write .*Fix: --out a new path, e\.g\. '.*/rates-2\.json'$"):
+        _rates_file(taken)
+    assert taken.read_text() == "mine"
+    _rates_file(tmp_path / "rates-2.json")  # the Fix's path: written
+
+
+def test_168_calibrate_refuses_its_out_before_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import autoshard.calibrate
+
+    def measured(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("measured before the path was checked")
+
+    monkeypatch.setattr(autoshard.calibrate, "calibrate", measured)
+    (tmp_path / "notes.json").write_text("mine")
+    assert cli.main(["calibrate", "--out", str(tmp_path / "notes.json")]) != 0
+    assert "refusing to write" in capsys.readouterr().err and (tmp_path / "notes.json").read_text() == "mine"

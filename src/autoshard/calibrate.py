@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.budget import RATES_ENV, Rates, read_rates
+from autoshard.budget import RATES_ENV, RATES_FORMAT, Rates, is_rates_file, read_rates
+from autoshard.checkpoint.saves import unused_sibling
 from autoshard.consolidate import command_parser
 from autoshard.errors import AutoShardError
-
-FORMAT = "autoshard-rates"  # the key a rates file carries: calibrate replaces only files that have it
 
 
 class CalibrateError(AutoShardError):
@@ -140,7 +139,7 @@ def calibrate(device: str | None = None, *, width: int | None = None, depth: int
         kept["host_bytes_per_s"] = "no CUDA device: host copies are not measured"
     kept["intra_node_bytes_per_s"] = kept["inter_node_bytes_per_s"] = "collectives need several devices: built-in value"
     return {
-        "format": FORMAT,
+        "format": RATES_FORMAT,
         "device": torch.cuda.get_device_name(where) if gpu else "cpu",
         "torch": torch.__version__,
         "rates": replace(base, **rates).to_dict(),
@@ -150,11 +149,16 @@ def calibrate(device: str | None = None, *, width: int | None = None, depth: int
     }
 
 
-def write_rates(result: dict[str, Any], out: Path) -> None:
-    """Write ``result`` to ``out`` atomically, replacing only a rates file calibrate wrote (its ``format`` key)."""
-    if out.is_dir() or (out.exists() and not _ours(out)):
+def check_out(out: Path) -> None:
+    """Refuse ``out`` unless calibrate may write it there: a new path, or a rates file calibrate wrote (its ``format`` key)."""
+    if out.is_dir() or (out.exists() and not is_rates_file(out)):
         what = "a directory" if out.is_dir() else "a file calibrate did not write (no 'format': 'autoshard-rates' in it)"
-        raise CalibrateError(f"refusing to write {str(out)!r}: it is {what}. Fix: --out a new path, e.g. {str(out.with_name('rates.json'))!r}")
+        raise CalibrateError(f"refusing to write {str(out)!r}: it is {what}. Fix: --out a new path, e.g. {str(unused_sibling(out))!r}")
+
+
+def write_rates(result: dict[str, Any], out: Path) -> None:
+    """Write ``result`` to ``out`` atomically, replacing only a rates file calibrate wrote (``check_out``)."""
+    check_out(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staged = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -164,13 +168,6 @@ def write_rates(result: dict[str, Any], out: Path) -> None:
         raise CalibrateError(f"cannot write {str(out)!r} ({exc.strerror or exc}). Fix: --out a path in a directory you can write") from exc
 
 
-def _ours(path: Path) -> bool:
-    try:
-        return json.loads(path.read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def default_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoshard" / "rates.json"
 
@@ -178,6 +175,7 @@ def default_path() -> Path:
 def cmd_calibrate(args: argparse.Namespace, stream: Any = None) -> int:
     stream = stream or sys.stdout
     out = Path(args.out) if args.out else default_path()
+    check_out(out)  # before the minute of measuring, not after
     result = calibrate(args.device, repeats=args.repeats)
     write_rates(result, out)
     read_rates(out)  # what decide will read: refused here, not at the next fit, if it does not parse

@@ -11,6 +11,7 @@ from autoshard.budget.decide import DecideOptions, auto_entries, decide
 from autoshard.budget.decision import (
     CUDA_HEADROOM,
     RATES_ENV,
+    RATES_FORMAT,
     BudgetDecision,
     BudgetRefusedError,
     Cost,
@@ -18,6 +19,7 @@ from autoshard.budget.decision import (
     Rates,
     default_rates,
     describe_config,
+    is_rates_file,
     read_rates,
 )
 from autoshard.budget.ranks import whole_nodes
@@ -28,6 +30,8 @@ from autoshard.budget.simulator import ModelStates, Simulator, Subject
 __all__ = [
     "CUDA_HEADROOM",
     "RATES_ENV",
+    "RATES_FORMAT",
+    "is_rates_file",
     "Subject",
     "default_rates",
     "read_rates",

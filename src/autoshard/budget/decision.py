@@ -53,21 +53,35 @@ class Rates:
 
 
 RATES_ENV = "AUTOSHARD_RATES"  # a rates file of `autoshard calibrate`, read by every decision of the process
+RATES_FORMAT = "autoshard-rates"  # the "format" a rates file carries: calibrate replaces only files that have it
+
+
+def is_rates_file(path: Path) -> bool:
+    """Whether ``path`` holds a rates file ``autoshard calibrate`` wrote (one it may replace)."""
+    try:
+        return json.loads(path.read_text()).get("format") == RATES_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read_rates(path: str | os.PathLike[str]) -> Rates:
     """The rates in a file ``autoshard calibrate`` wrote (JSON: nothing is unpickled), refused in words otherwise."""
-    where = f"{str(path)!r}" + (f" (named by {RATES_ENV})" if os.environ.get(RATES_ENV) == str(path) else "")
+    named = os.environ.get(RATES_ENV) == str(path)
+    where = f"{str(path)!r}" + (f" (named by {RATES_ENV})" if named else "")
+    # calibrate replaces a rates file of its own, or writes a new one; never a file someone else wrote
+    if not Path(path).exists() or is_rates_file(Path(path)):
+        fix = f"autoshard calibrate --out {str(path)!r}"
+    else:
+        fix = f"autoshard calibrate --out NEW.json (it replaces only a rates file it wrote){f' and {RATES_ENV}=NEW.json' if named else ''}"
+    fix += f", or unset {RATES_ENV}" if named else ""
     try:
         data = json.loads(Path(path).read_text())
         rates = Rates(**data["rates"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise IntentError(
-            f"cannot read the rates file {where}: {type(exc).__name__}: {exc}. Fix: autoshard calibrate --out {str(path)!r}, or unset {RATES_ENV}"
-        ) from None
+        raise IntentError(f"cannot read the rates file {where}: {type(exc).__name__}: {exc}. Fix: {fix}") from None
     bad = [k for k, v in rates.to_dict().items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
     if bad:
-        raise IntentError(f"the rates file {where} has {', '.join(bad)} not a positive number. Fix: autoshard calibrate --out {str(path)!r}")
+        raise IntentError(f"the rates file {where} has {', '.join(bad)} not a positive number. Fix: {fix}")
     return rates
 
 

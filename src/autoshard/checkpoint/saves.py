@@ -58,10 +58,10 @@ def check_replaceable(path: str | os.PathLike[str]) -> None:
             return
         raise CheckpointFormatError(
             f"refusing to save over {str(p)!r}: it is {info.detail}, and {foreign}; a save replaces it whole, and"
-            f" autoshard replaces only its own earlier saves. Fix: save to a new path, e.g. {str(_unused_sibling(p))!r},"
+            f" autoshard replaces only its own earlier saves. Fix: save to a new path, e.g. {str(unused_sibling(p))!r},"
             f" or move {str(p)!r} away first"
         )
-    new = p / "model.ckpt" if p.is_dir() else _unused_sibling(p)
+    new = p / "model.ckpt" if p.is_dir() else unused_sibling(p)
     raise CheckpointFormatError(
         f"refusing to save over {str(p)!r}: it is {info.detail}, and a save replaces it whole. Fix: save to a new"
         f" path, e.g. {str(new)!r}, or move it away first"
@@ -89,7 +89,7 @@ def _trainer_checkpoint(path: Path, fmt: Format) -> bool:
         return False
 
 
-def _unused_sibling(path: Path) -> Path:
+def unused_sibling(path: Path) -> Path:
     """``last.ckpt`` -> ``last-1.ckpt`` (the first such name nothing holds): a new path beside one that is taken."""
     stem, suffix = path.stem, path.suffix
     for n in range(1, 1000):
