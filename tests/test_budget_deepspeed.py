@@ -148,3 +148,33 @@ def test_reshard_after_forward_false_leaves_a_deepspeed_budget_as_it_was() -> No
     assert (kept.chosen, kept.peak, kept.kept) == (plain.chosen, plain.peak, plain.kept)
     assert (plain.chosen, plain.peak, plain.kept) == ({"offload": "optimizer"}, optimizer, ("activation_checkpointing",))
     assert [(t.config, t.peak) for t in kept.cheaper] == [(t.config, t.peak) for t in plain.cheaper]
+
+
+def test_the_sizes_a_run_sets_in_zero_overrides_are_the_ones_its_peak_counts() -> None:
+    """reduce_bucket_size (allocated whole only with contiguous_gradients), stage3_max_reuse_distance and
+    stage3_param_persistence_threshold from the strategy's zero_overrides, in the estimate, the decision and at fit."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from autoshard.budget import DecideOptions
+    from autoshard.memory import EstimateOptions, estimate_memory
+    from tests.test_bad_inputs_budget import budget_strategy, one_device_fit
+    from tests.test_bad_inputs_round3_budget import Two, rows
+
+    def gathered(**zero: Any) -> int:
+        options = EstimateOptions(precision=None, zero_overrides=zero)
+        return estimate_memory(Wide(), FP32, world_size=2, backend="deepspeed", options=options).gathered_block
+
+    kept = 4 * 2 * 2 * 256 * 1024  # both blocks' 256x1024 weights, whole (as above)
+    assert gathered() - gathered(reduce_bucket_size=1000) == 4 * (REDUCE_BUCKET_SIZE - 1000)
+    assert gathered() - gathered(contiguous_gradients=False) == 4 * REDUCE_BUCKET_SIZE
+    assert gathered() - gathered(stage3_max_reuse_distance=0) == kept
+    assert gathered() - gathered(stage3_param_persistence_threshold=10**9) == kept  # whole anyway: not counted twice
+    # The decision prices with them, and so does the strategy's decision at fit.
+    zero = {"reduce_bucket_size": 1000}
+    intent = FP32.replace(memory_budget="1GiB")
+    default = decide(Two, rows(2), intent, 1, backend="deepspeed")
+    smaller = decide(Two, rows(2), intent, 1, backend="deepspeed", options=DecideOptions(zero_overrides=zero))
+    assert default.peak - smaller.peak == 4 * (REDUCE_BUCKET_SIZE - 1000)
+    strategy = budget_strategy("autoshard-deepspeed", intent=intent, zero_overrides=zero)
+    loader = DataLoader(TensorDataset(rows(4)[0]), batch_size=2)
+    assert one_device_fit(strategy, Two(), loader).strategy.budget_decision == smaller

@@ -284,6 +284,7 @@ class EstimateOptions:
     state_tensors: Mapping[str, int] | None = None
     sourced: Sequence[tuple[str, torch.optim.Optimizer]] | None = None
     tokens: int | None = None
+    zero_overrides: Mapping[str, Any] | None = None  # DeepSpeed: the strategy's zero_overrides (the sizes its estimate reads)
 
 
 def estimate_memory(
@@ -336,7 +337,7 @@ def estimate_memory_many(
             raise AutoShardError(f"rank {o.rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
         nodes = o.num_nodes if o.devices_per_node is None else nodes_for(world_size, o.devices_per_node)
         dims = _dims(intent, world_size, nodes, tp)
-        inputs = RankInputs(sourced, intent, dims, o.rank, nodes, dict(o.state_tensors or {}), o.zero_init)
+        inputs = RankInputs(sourced, intent, dims, o.rank, nodes, dict(o.state_tensors or {}), o.zero_init, dict(o.zero_overrides or {}))
         out.append(estimator(layout, inputs) if tp is None else _with_tensor_parallel(estimator, layout, tp, inputs, o.tokens))
     return out
 

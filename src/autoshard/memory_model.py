@@ -151,7 +151,8 @@ class Layout:
 class RankInputs:
     """What a backend's estimator (``Backend.memory(layout, inputs)``) reads besides the layout: the optimizers (as
     ``memory.collect_optimizers`` found them), the intent, the resolved layout of the ranks it shards over, which rank,
-    the nodes they fill, per-class state counts that override the built-in ones, and DeepSpeed's ``zero_init``."""
+    the nodes they fill, per-class state counts that override the built-in ones, DeepSpeed's ``zero_init``, and the
+    zero_optimization keys the user set (``zero_overrides``: the sizes DeepSpeed's estimate reads from them)."""
 
     sourced: Sequence[tuple[str, torch.optim.Optimizer]]
     intent: ShardingIntent
@@ -160,6 +161,7 @@ class RankInputs:
     num_nodes: int = 1
     overrides: Mapping[str, int] = field(default_factory=dict)
     zero_init: bool = True
+    zero_overrides: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

@@ -113,26 +113,23 @@ def reuse_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
 
 
 @pytest.mark.timeout(PAIR_TIMEOUT + 30)
-def test_the_estimate_counts_what_zero3_keeps_gathered_from_forward_into_backward(
-    reuse_runs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_estimate_counts_what_zero3_keeps_gathered_from_forward_into_backward(reuse_runs: list[dict[str, Any]]) -> None:
     """The trailing layers whose next use is within stage3_max_reuse_distance stay gathered when the backward starts
-    (measured on a real engine, one process: the rule reads the trace, not the ranks); the estimate's gathered row
-    adds exactly their bytes, with and without blocks recomputed in the backward."""
-    from autoshard.backends import deepspeed as deepspeed_backend
+    (measured on a real engine, one process: the rule reads the trace, not the ranks); the estimate's gathered row,
+    given the zero_overrides the engine's config was built with, adds exactly their bytes, with and without blocks
+    recomputed in the backward."""
     from autoshard.intent import ShardingIntent
-    from autoshard.memory import estimate_memory
+    from autoshard.memory import EstimateOptions, estimate_memory
     from tests.distributed.deepspeed_worker import make_blocks
 
-    def gathered_row(reuse: int, checkpointing: bool | int) -> int:
-        monkeypatch.setattr(deepspeed_backend, "MAX_REUSE_DISTANCE", reuse)
+    def gathered_row(reuse: int | None, checkpointing: bool | int) -> int:
+        options = EstimateOptions(zero_overrides={} if reuse is None else {"stage3_max_reuse_distance": reuse})
         intent = ShardingIntent(activation_checkpointing=checkpointing)
-        return estimate_memory(make_blocks(), intent, world_size=1, backend="deepspeed").gathered_block
+        return estimate_memory(make_blocks(), intent, world_size=1, backend="deepspeed", options=options).gathered_block
 
-    default, kept_layers = deepspeed_backend.MAX_REUSE_DISTANCE, []
+    kept_layers = []
     for run in reuse_runs:
-        reuse = default if run["reuse"] is None else run["reuse"]
-        estimated = gathered_row(reuse, run["checkpointing"]) - gathered_row(0, run["checkpointing"])
+        estimated = gathered_row(run["reuse"], run["checkpointing"]) - gathered_row(0, run["checkpointing"])
         assert run["held"][0] == run["held"][1] == estimated, run
         kept_layers.append(len(run["names"][0]))
     # Without recomputation a layer's next use is 2x the layers after it away: 6 layers keep 4 (the head, block 2, the

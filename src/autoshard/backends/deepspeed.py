@@ -175,14 +175,19 @@ def zero3_model_states(
     return int(cpu_mem), int(gpu_mem), largest_layer_memory
 
 
-def kept_gathered(layout: Layout) -> int:
+def zero_size(inputs: RankInputs, key: str, default: int) -> int:
+    """A zero_optimization size as the run's config has it: the user's zero_overrides, else autoshard's default."""
+    return int(inputs.zero_overrides.get(key, default))
+
+
+def kept_gathered(layout: Layout, reuse_distance: int = MAX_REUSE_DISTANCE, persistence: int = PERSISTENCE_THRESHOLD) -> int:
     """Bytes of the parameters ZeRO-3 keeps gathered, whole on every rank in the gather dtype, from their forward into
     their backward: all live when the backward starts, the activations' peak. Once its trace is recorded (from the
     second step) DeepSpeed releases a module's parameters after its forward only when the trace does not reach their
-    next use within MAX_REUSE_DISTANCE elements (partitioned_param_coordinator's __params_to_release, DeepSpeed 0.19).
+    next use within ``reuse_distance`` elements (partitioned_param_coordinator's __params_to_release, DeepSpeed 0.19).
     The trace walked here: the modules in registration order, taken as the forward's, then the backward in reverse,
     where a checkpointed block is forwarded again once its last module is reached. Parameters within the persistence
-    threshold are whole anyway, and not counted. The prefetch also keeps what it has looked past, but it looks 5e7
+    threshold (``persistence`` elements) are whole anyway, and not counted. The prefetch also keeps what it has looked past, but it looks 5e7
     not-yet-gathered elements ahead (stage3_prefetch_bucket_size), within the reuse distance under these defaults."""
     from itertools import accumulate
 
@@ -204,13 +209,14 @@ def kept_gathered(layout: Layout) -> int:
         first_in_backward.setdefault(name, j)
     kept = 0
     for i, name in enumerate(forward):
-        if elements[len(forward) + first_in_backward[name]] - elements[i + 1] < MAX_REUSE_DISTANCE:  # to its next use
-            kept += sum(numel(p.shape) * p.gather_elsize for p in modules[name] if numel(p.shape) > PERSISTENCE_THRESHOLD)
+        if elements[len(forward) + first_in_backward[name]] - elements[i + 1] < reuse_distance:  # to its next use
+            kept += sum(numel(p.shape) * p.gather_elsize for p in modules[name] if numel(p.shape) > persistence)
     return kept
 
 
 def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
-    """DeepSpeed's own estimator figures, split into categories; ``overrides`` is unused (its formula assumes Adam).
+    """DeepSpeed's own estimator figures, split into categories, with the sizes of the run's zero_optimization config
+    (``zero_overrides`` over autoshard's defaults); ``overrides`` is unused (its formula assumes Adam).
     A ``shard_size`` that makes replicas is refused, as the matrix refuses it: DeepSpeed's estimators take no shard
     group."""
     from autoshard.errors import AutoShardError, IncompatibleBackendError
@@ -233,8 +239,10 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
     cpu_mem, gpu_mem, largest_mem = zero3_model_states(
         total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, inputs.zero_init
     )
-    bucket = REDUCE_BUCKET_SIZE * layout.precision.gather.bytes
-    kept = kept_gathered(layout)
+    contiguous = bool(inputs.zero_overrides.get("contiguous_gradients", True))  # the bucket is allocated whole only then
+    bucket = zero_size(inputs, "reduce_bucket_size", REDUCE_BUCKET_SIZE) * layout.precision.gather.bytes if contiguous else 0
+    reuse_distance = zero_size(inputs, "stage3_max_reuse_distance", MAX_REUSE_DISTANCE)
+    kept = kept_gathered(layout, reuse_distance, zero_size(inputs, "stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD))
     states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
     params = grads = int(2 * total / world_size)  # 16-bit parameters and gradients, 2 bytes each
     offloaded = ("parameters", "gradients", "optimizer_states") if offload_params else ("gradients", "optimizer_states") if offload_opt else ()
@@ -246,8 +254,8 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         f"the gathered row adds ZeRO-3's gradient reduce bucket ({fmt_bytes(bucket)}: reduce_bucket_size elements, allocated"
         " whole when the engine is built), which DeepSpeed's formula leaves out",
         f"the gathered row adds the parameters ZeRO-3 keeps gathered from forward into backward ({fmt_bytes(kept)}: each"
-        f" module whose next use is within stage3_max_reuse_distance ({MAX_REUSE_DISTANCE:,}) elements of the trace,"
-        " whole on every rank), which DeepSpeed's formula leaves out; a reuse distance set in zero_overrides is not modelled",
+        f" module whose next use is within stage3_max_reuse_distance ({reuse_distance:,}) elements of the trace,"
+        " whole on every rank), which DeepSpeed's formula leaves out",
     ]
     names = {type(o).__name__ for _, o in sourced}
     if names - {"Adam", "AdamW", "DeepSpeedCPUAdam", "FusedAdam"}:

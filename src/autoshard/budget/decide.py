@@ -7,7 +7,7 @@ order of ``autoshard.budget.search``), or a refusal naming what would fit; ``aut
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,7 @@ class DecideOptions:
     callbacks: Sequence[Any] = ()
     rates: Rates | None = None
     progress: Callable[[str], None] | None = None
+    zero_overrides: Mapping[str, Any] | None = None  # DeepSpeed: the strategy's zero_optimization keys (sizes its estimate reads)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def _answer(q: Question) -> BudgetDecision:
     if num_nodes == 1:
         num_nodes = nodes_for(world_size, devices_per_node)
     base = q.intent.replace(memory_budget=None, memory_headroom=None, pinned=())
-    states = ModelStates(Subject.build(meta_factory(q.module, o.callbacks)), limit.backend, precision, devices_per_node, num_nodes)
+    subject = Subject.build(meta_factory(q.module, o.callbacks))
+    states = ModelStates(subject, limit.backend, precision, devices_per_node, num_nodes, zero_overrides=o.zero_overrides)
     sim = Simulator(states, make_batch, base, o.progress)
     with torch.device("meta"):
         shapes = describe_batch(make_batch())

@@ -4,7 +4,7 @@ the simulated steps (seconds each); explain's table, the ``--budget`` advice and
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,13 +44,25 @@ class ModelStates:
     """The model states of one ``Subject`` on ``backend``, for any intent at any world size, cached (``memory.estimate_memory_many``)."""
 
     def __init__(
-        self, subject: Subject, backend: str, precision: Any, devices_per_node: int | None, num_nodes: int = 1, tokens: int | None = None
+        self,
+        subject: Subject,
+        backend: str,
+        precision: Any,
+        devices_per_node: int | None,
+        num_nodes: int = 1,
+        tokens: int | None = None,
+        zero_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         from autoshard.memory import EstimateOptions
 
         self.subject, self.backend = subject, backend
         self.options = EstimateOptions(
-            num_nodes=num_nodes, devices_per_node=devices_per_node, precision=precision, sourced=subject.sourced, tokens=tokens
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            precision=precision,
+            sourced=subject.sourced,
+            tokens=tokens,
+            zero_overrides=zero_overrides,
         )
         self.cache: dict[tuple[str, int], Any] = {}
 

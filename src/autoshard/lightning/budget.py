@@ -12,7 +12,7 @@ import itertools
 import random
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -213,7 +213,9 @@ def resuming_from(trainer: pl.Trainer) -> tuple[Any, bool | None]:
     return run_arguments(trainer) or (trainer.ckpt_path, None)
 
 
-def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, backend: str) -> BudgetDecision:
+def decide_for_fit(
+    strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, backend: str, zero_overrides: Mapping[str, Any] | None = None
+) -> BudgetDecision:
     """The decision this fit trains with, the same on every rank: on rank 0 the checkpoint's when the fit resumes with
     the same budget, world, backend and micro-batch, else ``decide`` on a meta copy of the module and the first batch
     (the live process group's registry parked meanwhile); broadcast, and a refusal raised on every rank."""
@@ -246,6 +248,7 @@ def decide_for_fit(strategy: Any, trainer: pl.Trainer, intent: ShardingIntent, b
                     num_nodes=strategy.num_nodes,
                     precision=strategy.precision_plan,
                     callbacks=[c for c in trainer.callbacks if held_optimizers(c)],
+                    zero_overrides=zero_overrides,
                 ),
             )
         return {"decision": decision.to_dict(), "said": said}

@@ -418,7 +418,7 @@ class AutoShardDeepSpeedStrategy(IntentZeRO3, GuardedDeepSpeedStrategy):
     def _before_config(self, trainer: pl.Trainer | None) -> None:
         """The run, decided before the config is formatted from it, before anything is partitioned."""
         if trainer is not None and not self.config_final:
-            self._decide_run(trainer, lambda: decide_for_fit(self, trainer, self.requested, BACKEND))
+            self._decide_run(trainer, lambda: decide_for_fit(self, trainer, self.requested, BACKEND, self.zero_overrides))
 
     def _autoshard_format_config(self) -> bool:
         self.config_final = True
