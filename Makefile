@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: demo test lint venv bench clean spt-check gpu-check
+.PHONY: demo test lint venv bench clean spt-check gpu-check gpu-check-smoke
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ GPU_OUT ?= gpu-check-out
 
 gpu-check:
 	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT)
+
+# The same script on CPU with a tiny model (about 90 s): every configuration (the --only extras too), table and JSON
+# exercised, nothing measured. Run it before a GPU session, so the device's minutes are not spent on a broken script.
+gpu-check-smoke: $(STAMP)
+	PYTHONPATH=src $(PY) benchmarks/gpu_check.py --out gpu-check-smoke --smoke --skip-tests --deadline 900
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -56,6 +56,10 @@ PRICED = {  # the intent fields of each configuration the CPU stage simulates an
     "compile": {"activation_checkpointing": False, "compile": True},
 }
 GIB = 2**30
+# The H200 benchmark's model (shared/README.md, fifth pass), and a tiny one for --smoke (the whole script on CPU, in
+# about two minutes: every configuration, table and JSON exercised before a GPU session spends its minutes on them).
+SHAPES = {"layers": 16, "hidden": 2048, "ffn": 5632, "heads": 16, "kv_heads": 8, "vocab": 32000, "seq": 2048, "micro_batch": 4}
+TINY = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4, "kv_heads": 2, "vocab": 256, "seq": 32, "micro_batch": 2}
 
 
 def stage(command: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -68,7 +72,7 @@ def stage(command: list[str], log: Path, timeout: float, env: dict[str, str] | N
     return {"rc": rc, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def simulate(out: Path) -> None:
+def simulate(out: Path, shapes: dict[str, int]) -> None:
     """Stage 3, in a CPU-only process: simulated peak and price of each fsdp2 configuration (world size 1)."""
     import torch
 
@@ -79,7 +83,7 @@ def simulate(out: Path) -> None:
     from autoshard.intent import ShardingIntent
     from autoshard.precision import resolve_precision
 
-    args = argparse.Namespace(layers=16, hidden=2048, ffn=5632, heads=16, kv_heads=8, vocab=32000, seq=2048, micro_batch=4, meta=True)
+    args = argparse.Namespace(**shapes, meta=True)
     ids = torch.zeros(args.micro_batch, args.seq, dtype=torch.long)
     intent = ShardingIntent()
     configs = list(PRICED.values())
@@ -121,7 +125,7 @@ def table(out: Path, names: list[str]) -> str:
             rows.append(f"| {name} | {r['error'][:160]} | | | | | | |")
             continue
         sim = (simulated.get(name) or {}).get("simulated_peak") or r.get("decided_peak")
-        ratio = f"{sim / r['peak_allocated']:.3f}" if sim else ""
+        ratio = f"{sim / r['peak_allocated']:.3f}" if sim and r["peak_allocated"] else ""
         rows.append(
             f"| {name}{' -> ' + json.dumps(r['chosen']) if r.get('chosen') else ''} | {r['step_ms']} ({r['step_ms_min']}-{r['step_ms_max']}, {r['steps_timed']} steps) | {r['tokens_per_s']:,} |"
             f" {r['mfu']:.1%} | {r['peak_allocated'] / GIB:.2f} | {r['peak_reserved'] / GIB:.2f} | {sim / GIB if sim else 0:.2f} | {ratio} |"
@@ -130,7 +134,10 @@ def table(out: Path, names: list[str]) -> str:
     lines = ["\n".join(rows), ""]
     if ran:
         outside = max(r["outside_allocator"] for r in ran)
-        frag = max((r["peak_reserved"] / r["peak_allocated"] - 1 for r in ran if not r["config"].startswith("deepspeed")), default=0.0)
+        frag = max(
+            (r["peak_reserved"] / r["peak_allocated"] - 1 for r in ran if r["peak_allocated"] and not r["config"].startswith("deepspeed")),
+            default=0.0,
+        )
         lines.append(f"Headroom measured: outside the caching allocator up to {outside / GIB:.2f} GiB (CUDA context, NCCL, libraries);")
         lines.append(f"reserved over max allocated up to {frag:.1%} (fsdp2 and plain configurations).")
     timed = {n: results[n]["step_ms"] for n in PRICED if n in results and "error" not in results[n]}
@@ -149,12 +156,14 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=345.0, help="seconds for every stage together")
     parser.add_argument("--only", default="", help="comma-separated configurations (default: all)")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the whole script on CPU with a tiny model: checks the script, measures nothing")
     parser.add_argument("--simulate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    shapes = TINY if args.smoke else SHAPES
     if args.simulate_only:
-        simulate(out)
+        simulate(out, shapes)
         return
     start = time.perf_counter()
     left = lambda: args.deadline - (time.perf_counter() - start)  # noqa: E731
@@ -171,7 +180,11 @@ def main() -> None:
     )
     sim_log = (out / "simulated.log").open("w")
     sim = subprocess.Popen(
-        [sys.executable, __file__, "--out", str(out), "--simulate-only"], stdout=sim_log, stderr=subprocess.STDOUT, cwd=ROOT, env=cpu_env
+        [sys.executable, __file__, "--out", str(out), "--simulate-only", *(["--smoke"] if args.smoke else [])],
+        stdout=sim_log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=cpu_env,
     )
     if not args.skip_tests:
         summary["tests"] = stage(
@@ -182,7 +195,7 @@ def main() -> None:
         )
         print("gpu tests:", summary["tests"], flush=True)
     names = [n for n, _, _ in CONFIGS if not args.only or n in args.only.split(",")]
-    names += [n for n, _, _ in EXTRA if n in args.only.split(",")]
+    names += [n for n, _, _ in EXTRA if n in args.only.split(",") or (args.smoke and not args.only)]
     for name, box, steps in CONFIGS + EXTRA:
         if name not in names:
             continue
@@ -190,6 +203,7 @@ def main() -> None:
             summary[name] = {"rc": "not run (time box)"}
             continue
         command = [sys.executable, str(HERE / "gpu_worker.py"), name, "--out", str(out / f"{name}.json"), "--steps", str(steps)]
+        command += [f"--{k.replace('_', '-')}={v}" for k, v in shapes.items()] + (["--warmup=1", "--steps=2"] if args.smoke else [])
         summary[name] = stage(command, out / f"{name}.log", min(box, left()), env)
         print(name, summary[name], flush=True)
     try:

@@ -21,6 +21,14 @@ from typing import Any
 import torch
 
 PEAK_BF16 = 989.4e12  # H100/H200 SXM dense bf16 (the MFU denominator of shared/README.md's fifth pass)
+# --cpu: the smoke run of the whole script on a machine without a GPU (gpu_check.py --smoke): timings and allocator
+# figures mean nothing there, but every configuration, the decision tables and the JSON are exercised.
+CUDA = torch.cuda.is_available()
+
+
+def cuda_figure(read: Any) -> int:
+    """An allocator figure on CUDA; 0 in a CPU smoke run."""
+    return int(read()) if CUDA else 0
 
 
 def llama_config(args: argparse.Namespace) -> Any:
@@ -151,13 +159,15 @@ class StepClock:
 
         class Clock(pl.Callback):
             def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-                torch.cuda.synchronize()
-                if batch_idx == clock.warmup:
+                if CUDA:
+                    torch.cuda.synchronize()
+                if batch_idx == clock.warmup and CUDA:
                     torch.cuda.reset_peak_memory_stats()
                 clock.start = time.perf_counter()
 
             def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-                torch.cuda.synchronize()
+                if CUDA:
+                    torch.cuda.synchronize()
                 if batch_idx >= clock.warmup:
                     clock.times.append(time.perf_counter() - clock.start)
 
@@ -225,7 +235,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     clock = StepClock(args.warmup)
     trainer = pl.Trainer(
         strategy=strategy,
-        accelerator="gpu",
+        accelerator="gpu" if CUDA else "cpu",
         devices=1,
         precision="bf16-mixed",
         max_steps=steps,
@@ -246,7 +256,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     step = statistics.median(clock.times)
     tokens = args.micro_batch * args.seq
     flops = (6 * params + 12 * args.layers * args.hidden * args.seq) * tokens
-    free, total = torch.cuda.mem_get_info()
+    free, total = torch.cuda.mem_get_info() if CUDA else (0, 0)
     decision = getattr(trainer.strategy, "budget_decision", None)
     result.update(
         params=params,
@@ -255,9 +265,9 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
         step_ms_max=round(max(clock.times) * 1e3, 2),
         tokens_per_s=round(tokens / step),
         mfu=round(flops / step / PEAK_BF16, 4),
-        peak_allocated=torch.cuda.max_memory_allocated(),
-        peak_reserved=torch.cuda.max_memory_reserved(),
-        outside_allocator=(total - free) - torch.cuda.memory_reserved(),  # the CUDA context, NCCL, library workspaces
+        peak_allocated=cuda_figure(torch.cuda.max_memory_allocated),
+        peak_reserved=cuda_figure(torch.cuda.max_memory_reserved),
+        outside_allocator=(total - free) - cuda_figure(torch.cuda.memory_reserved),  # the CUDA context, NCCL, library workspaces
         device_total=total,
         steps_timed=len(clock.times),
         chosen=decision.chosen if decision is not None else None,
