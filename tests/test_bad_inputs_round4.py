@@ -1,11 +1,11 @@
-"""The bad-input catalog, rows 169-176 (docs/bad-inputs.md, "Round four: the newest features").
+"""The bad-input catalog, rows 169-177 (docs/bad-inputs.md, "Round four: the newest features").
 
 The newest features given wrong, odd and hostile values: ``autoshard calibrate``'s ``--device``, ``--repeats`` and
 ``--out`` are refused before anything is measured (in JSON under ``--json``), never with a raw traceback or rates
 timed on a meta device; ``autoshard.ThroughputMonitor``'s arguments are refused when it is built, not mid-run or
-with a negative MFU; a memory budget keeps the headroom of the device named, however it is spelt, in ``decide`` and
-in ``explain --budget`` alike; and the budget's ``at:`` says where a peak outside any module is. In one process, no
-fit: each test costs a second or two.
+with a negative MFU; ``memory_headroom`` reads sizes as ``memory_budget`` does; a memory budget keeps the headroom of
+the device named, however it is spelt, in ``decide`` and in ``explain --budget`` alike; and the budget's ``at:`` says
+where a peak outside any module is. In one process, no fit: each test costs a second or two.
 """
 
 from __future__ import annotations
@@ -134,6 +134,18 @@ def test_174_decide_keeps_the_cuda_headroom_for_a_cuda_device_however_it_is_name
     assert decide(Small, batch(), intent, 2, device_type="cpu:0").headroom == Headroom()
     with pytest.raises(IntentError, match=r"decide\(device_type='gpu'\): not a device type torch knows.*Fix: device_type='cuda'"):
         decide(Small, batch(), intent, 2, device_type="gpu")
+
+
+def test_177_memory_headroom_reads_sizes_as_memory_budget_does_and_any_zero_is_zero() -> None:
+    """``memory_headroom='0GiB'`` was refused with "must be at least one byte. Fix: e.g. memory_headroom 2GiB" where
+    ``0`` means "tensors may fill the budget", and YAML's ``2.0e+9`` (a float) was refused where memory_budget takes it."""
+    for zero in ("0GiB", "0 B", 0.0, "0"):
+        assert ShardingIntent(memory_budget="80GiB", memory_headroom=zero).memory_headroom == 0, zero
+    assert ShardingIntent(memory_budget="80GiB", memory_headroom=2.0e9).memory_headroom == 2_000_000_000
+    with pytest.raises(IntentError, match=r"memory_headroom -5 must not be negative\. Fix: e\.g\. memory_headroom 2GiB"):
+        ShardingIntent(memory_budget="80GiB", memory_headroom=-5)
+    with pytest.raises(IntentError, match=r"'10%' is not a size\. Fix: write it as 2GiB, 500MB or a number of bytes$"):
+        ShardingIntent(memory_budget="80GiB", memory_headroom="10%")
 
 
 def small(**kwargs: Any) -> Small:
