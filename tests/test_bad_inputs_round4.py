@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -107,6 +108,7 @@ def test_172_throughput_monitor_refuses_a_peak_or_flops_that_is_not_a_positive_n
     assert message.startswith(f"autoshard.ThroughputMonitor({name}={value!r})") and fix in message
     fixed = float(value) if isinstance(value, str) else 989.4e12 if name == "peak_flops" else 1e9
     autoshard.ThroughputMonitor(**{name: fixed})  # the Fix's value is taken
+    autoshard.ThroughputMonitor(**{name: numpy.float64(fixed)})  # numpy's numbers too (a YAML or a computed peak)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -147,7 +148,8 @@ class Meter(Throughput):
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and value != float("inf")
+    """A finite number above 0 (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < float(value) < float("inf")
 
 
 def _as_number(value: Any, example: str) -> str:
