@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autoshard import cli
+from autoshard.budget import CUDA_HEADROOM, Headroom
 from autoshard.demo import DinoLike, make_batch
 from autoshard.errors import AutoShardError, IntentError
 from autoshard.explain import ExplainOptions, Report, explain
@@ -49,6 +50,7 @@ def test_json_memory_entries_carry_activations_and_the_total_includes_them(capsy
         "changes": [],
         "notes": [],
         "missing": "",
+        "headroom": (CUDA_HEADROOM if torch.cuda.is_available() else Headroom()).to_dict(),  # what decide keeps free here
     }
     (entry,) = out["memory"]
     assert entry["activations"] > 0

@@ -114,10 +114,43 @@ def _host_bytes_per_s(device: torch.device) -> float | None:
     return 2 * n / (to_device + to_host)
 
 
+def measured_device(device: str | None) -> torch.device:
+    """``--device`` as a device calibrate can time, refused before anything is measured: a device type torch does
+    not know, ``meta`` (no data, so its "timings" are Python's overhead, written as rates), a CUDA device this machine
+    does not have, or another accelerator (calibrate synchronises CUDA only, so its timings would be launch times)."""
+    cudas = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    here = "cpu" if not cudas else "one of " + ", ".join(["cpu", *(f"cuda:{i}" for i in range(cudas))])
+    if device is None:
+        return torch.device("cuda" if cudas else "cpu")
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        fix = "--device cuda" if device.strip().lower().startswith("gpu") and cudas else f"--device {here}"
+        raise CalibrateError(f"--device {device!r} is not a device torch knows. Fix: {fix}") from None
+    if where.type == "cuda" and (where.index or 0) >= cudas:
+        has = f"{cudas} CUDA device(s)" if cudas else "no CUDA device (torch " + torch.__version__ + ")"
+        raise CalibrateError(
+            f"--device {device!r}: this machine has {has}, and the rates are measured on the device itself. Fix: run"
+            f" calibrate on the machine whose GPU the runs use, or --device {here}"
+        )
+    if where.type not in ("cpu", "cuda"):
+        why = "meta tensors hold no data, so nothing would be computed to time" if where.type == "meta" else "calibrate times cpu and cuda only"
+        raise CalibrateError(f"--device {device!r}: {why}. Fix: --device {here}")
+    return where
+
+
+def check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        raise CalibrateError(
+            f"--repeats {repeats}: each rate is the median of the timed repeats, so it needs at least one. Fix: --repeats 5 (the default)"
+        )
+
+
 def calibrate(device: str | None = None, *, width: int | None = None, depth: int = 4, tokens: int | None = None, repeats: int = 5) -> dict[str, Any]:
     """Measure the rates on ``device`` (default: CUDA when there is one); a figure within noise (a small or busy
     machine) keeps the built-in value, and ``kept`` says why."""
-    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    where = measured_device(device)
+    check_repeats(repeats)
     gpu = where.type == "cuda"
     width = width or (2048 if gpu else 256)
     tokens = tokens or (8192 if gpu else 512)
@@ -154,6 +187,12 @@ def check_out(out: Path) -> None:
     if out.is_dir() or (out.exists() and not is_rates_file(out)):
         what = "a directory" if out.is_dir() else "a file calibrate did not write (no 'format': 'autoshard-rates' in it)"
         raise CalibrateError(f"refusing to write {str(out)!r}: it is {what}. Fix: --out a new path, e.g. {str(unused_sibling(out))!r}")
+    parent = next(p for p in out.absolute().parents if p.exists() or p == p.parent)  # what mkdir would start from
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        what = "is a file, not a directory" if not parent.is_dir() else "is a directory you cannot write"
+        raise CalibrateError(
+            f"cannot write {str(out)!r}: {str(parent)!r} {what}. Fix: --out a path in a directory you can write, e.g. {str(default_path())!r}"
+        )
 
 
 def write_rates(result: dict[str, Any], out: Path) -> None:
@@ -175,8 +214,10 @@ def default_path() -> Path:
 def cmd_calibrate(args: argparse.Namespace, stream: Any = None) -> int:
     stream = stream or sys.stdout
     out = Path(args.out) if args.out else default_path()
-    check_out(out)  # before the minute of measuring, not after
-    result = calibrate(args.device, repeats=args.repeats)
+    where = measured_device(args.device)  # each refused before the minute of measuring, not after
+    check_repeats(args.repeats)
+    check_out(out)
+    result = calibrate(str(where), repeats=args.repeats)
     write_rates(result, out)
     read_rates(out)  # what decide will read: refused here, not at the next fit, if it does not parse
     if args.json:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+import torch
 from torch import nn
 
 from autoshard.activations import load_batch
@@ -35,6 +36,7 @@ from autoshard.budget import (
     batch_rows,
     batch_tokens,
     check_budget,
+    headroom_for,
 )
 from autoshard.consolidate import command_parser
 from autoshard.errors import AutoShardError, IncompatibleBackendError, IntentError
@@ -338,7 +340,8 @@ def explain(
     if budget_bytes is not None:
         checkpointable = bool(checkpointable_blocks(module, intent, needs))
         ask = Ask(o.devices_per_node, rows, checkpointable, _lacks)
-        report.budget = check_budget(estimates.estimate, intent, max(sizes), budget_bytes, ask=ask)
+        headroom = headroom_for(intent, _device_type(o.accelerator))
+        report.budget = check_budget(estimates.estimate, intent, max(sizes), budget_bytes, ask=ask, headroom=headroom)
         if o.auto:
             report.auto = _auto(factory, make_batch, intent, sizes, budget_bytes, report.decision.backend, o)  # type: ignore[union-attr]
     return report
@@ -474,7 +477,17 @@ def _auto(
     if why:
         return [{"world_size": n, "budget": budget, "error": {"type": "IncompleteEstimate", "message": why, "min_world_size": None}} for n in sizes]
     options = DecideOptions(devices_per_node=o.devices_per_node, progress=o.progress)
-    return auto_entries(factory, make_batch, intent, sizes, budget, backend=backend, options=options)
+    return auto_entries(factory, make_batch, intent, sizes, budget, backend=backend, options=options, device_type=_device_type(o.accelerator))
+
+
+def _device_type(accelerator: str | None) -> str:
+    """The device whose headroom the budget keeps: ``--accelerator``'s (a laptop explaining a GPU run with
+    ``--accelerator gpu`` prices it as the run's own decision at fit will), else this machine's, as ``decide``."""
+    if accelerator in ("gpu", "cuda"):
+        return "cuda"
+    if accelerator == "cpu":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _lacks(estimate: MemoryEstimate) -> str:

@@ -156,9 +156,8 @@ def _memory_headroom(value: object, budget: int | None) -> int | None:
         raise IntentError(
             f"memory_headroom={value!r} without memory_budget keeps nothing free. Fix: add memory_budget='70GiB', or drop memory_headroom"
         )
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise IntentError(f"memory_headroom must be a size such as '2GiB', or 0, got {value!r}. Fix: memory_headroom='2GiB'")
-    headroom = 0 if str(value).strip() == "0" else parse_size(value, option="memory_headroom", example="2GiB", error=IntentError)
+    # As memory_budget reads sizes (a whole float such as YAML's 2.0e+9 too), and any zero ('0GiB', 0.0) is 0.
+    headroom = parse_size(value, option="memory_headroom", example="2GiB", error=IntentError, minimum=0)  # type: ignore[arg-type]
     if headroom >= budget:
         raise IntentError(
             f"memory_headroom={value!r} leaves nothing of memory_budget for the run. Fix: a headroom below the budget, e.g. memory_headroom='2GiB'"

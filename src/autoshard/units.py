@@ -21,9 +21,12 @@ _SCALES: dict[str, int] = {
 }
 
 
-def parse_size(text: str | int | float, option: str = "--budget", example: str = "80GiB", error: type[AutoShardError] = AutoShardError) -> int:
+def parse_size(
+    text: str | int | float, option: str = "--budget", example: str = "80GiB", error: type[AutoShardError] = AutoShardError, minimum: int = 1
+) -> int:
     """``80GiB`` (binary), ``5GB`` (decimal, as Hugging Face and disk vendors count), or a number of bytes: an int
-    (numpy's too), a float that is a whole number (YAML reads ``8.0e+10`` as one), or such a number as a string."""
+    (numpy's too), a float that is a whole number (YAML reads ``8.0e+10`` as one), or such a number as a string.
+    ``minimum=0`` where nothing is a size too (``memory_headroom='0GiB'``)."""
     if isinstance(text, bool) or not isinstance(text, (str, numbers.Real)):
         raise error(
             f"{option} must be a number of bytes (an int) or a size string such as '{example}', got"
@@ -36,7 +39,9 @@ def parse_size(text: str | int | float, option: str = "--budget", example: str =
     else:
         m = _SIZE.match(text)
         if not m or len(m.group(2)) > 3:  # a word, not a misspelt unit ('70 gigs')
-            raise error(f"{option} {text!r} is not a size. Fix: write it as {example}, 500MB, 2GiB or a number of bytes")
+            raise error(
+                f"{option} {text!r} is not a size. Fix: write it as {', '.join(dict.fromkeys([example, '500MB', '2GiB']))} or a number of bytes"
+            )
         number, unit = m.group(1), m.group(2)
         scale = _SCALES.get(unit.upper())
         if scale is None:
@@ -48,8 +53,8 @@ def parse_size(text: str | int | float, option: str = "--budget", example: str =
                 f" for bytes. Fix: {option} {fixed!r}" + ("" if meant else " (or the unit you meant)")
             )
         size = _whole_bytes(float(number) * scale, text, option, example, error) if scale == 1 else int(float(number) * scale)
-    if size < 1:
-        raise error(f"{option} {text!r} must be at least one byte. Fix: e.g. {option} {example}")
+    if size < minimum:
+        raise error(f"{option} {text!r} {'must be at least one byte' if minimum == 1 else 'must not be negative'}. Fix: e.g. {option} {example}")
     return size
 
 

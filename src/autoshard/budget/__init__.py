@@ -19,6 +19,7 @@ from autoshard.budget.decision import (
     Rates,
     default_rates,
     describe_config,
+    headroom_for,
     is_rates_file,
     read_rates,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "cut_batch",
     "decide",
     "describe_config",
+    "headroom_for",
     "price",
     "resume_decision",
     "stored_differs",

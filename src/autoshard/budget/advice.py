@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoshard.budget.batch import largest_micro_batch
+from autoshard.budget.decision import Headroom
 from autoshard.budget.ranks import MAX_RANKS, smallest_world
 from autoshard.intent import ShardingIntent
 from autoshard.memory import MemoryEstimate, fmt_bytes
@@ -53,6 +54,7 @@ class BudgetReport:
     changes: tuple[Change, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     missing: str = ""
+    headroom: Headroom = field(default_factory=Headroom)  # kept free beside the peak, as decide keeps it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +62,10 @@ class BudgetReport:
     def text(self) -> str:
         head = f"budget {fmt_bytes(self.budget)} per rank, world size {self.world_size}: peak"
         share = f" ({self.peak / self.budget:.0%} of the budget)"
+        if self.headroom != Headroom():
+            limit = self.headroom.limit(self.budget)
+            head = f"budget {fmt_bytes(self.budget)} per rank, less its {self.headroom.words()} (the peak may reach {fmt_bytes(limit)}), world size {self.world_size}: peak"
+            share = f" ({self.peak / limit:.0%} of what it may reach)"
         if self.missing:
             verdict = "cannot tell whether it fits" if self.fits is None else "does NOT fit, even without them"
             head += f" at least {fmt_bytes(self.peak)}{share} with {self.missing} not counted: {verdict}"
@@ -85,19 +91,24 @@ class BudgetReport:
         return "\n".join(lines)
 
 
-def check_budget(evaluate: Evaluate, intent: ShardingIntent, world_size: int, budget: int, *, ask: Ask) -> BudgetReport:
+def check_budget(
+    evaluate: Evaluate, intent: ShardingIntent, world_size: int, budget: int, *, ask: Ask, headroom: Headroom | None = None
+) -> BudgetReport:
     """The verdict for ``world_size`` and, when it does not fit, the fewest changes that do (``_Advisor.advise``).
-    A partial estimate (``ask.lacks``) is never "fits": a lower bound under the budget proves nothing."""
+    A partial estimate (``ask.lacks``) is never "fits": a lower bound under the budget proves nothing. A peak fits
+    when it leaves ``headroom`` free, as ``decide`` judges it, so that the advice and the decision agree."""
+    headroom = headroom or Headroom()
+    limit = headroom.limit(budget)
     current = evaluate(Option(intent, world_size))
     missing = ask.lacks(current)
     if missing:
         why = f"no change is estimated: each estimate would lack {missing} too"
-        return BudgetReport(budget, world_size, current.device, None if current.device <= budget else False, (), (why,), missing)
-    if current.device <= budget:
-        return BudgetReport(budget, world_size, current.device, True)
-    advisor = _Advisor(evaluate, intent, world_size, budget, ask)
+        return BudgetReport(budget, world_size, current.device, None if current.device <= limit else False, (), (why,), missing, headroom)
+    if current.device <= limit:
+        return BudgetReport(budget, world_size, current.device, True, headroom=headroom)
+    advisor = _Advisor(evaluate, intent, world_size, limit, ask)
     advisor.advise()
-    return BudgetReport(budget, world_size, current.device, False, tuple(advisor.changes), tuple(advisor.notes))
+    return BudgetReport(budget, world_size, current.device, False, tuple(advisor.changes), tuple(advisor.notes), headroom=headroom)
 
 
 @dataclass(frozen=True)

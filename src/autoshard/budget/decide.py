@@ -92,6 +92,22 @@ class _Limit:
     backend: str
 
 
+def _device_type(given: str | None) -> str:
+    """The type of the device the run trains on (this machine's when None): ``'cuda:0'`` and ``torch.device('cuda')``
+    are ``'cuda'``, whose headroom the budget keeps; a name torch does not know (``'gpu'``) is refused, not priced as
+    a device without headroom."""
+    if given is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(given).type
+    except (RuntimeError, TypeError, ValueError):
+        fix = "'cuda'" if str(given).strip().lower().startswith("gpu") else "'cuda' or 'cpu'"
+        raise IntentError(
+            f"decide(device_type={given!r}): not a device type torch knows; it says which headroom the budget keeps free"
+            f" beside the tensors. Fix: device_type={fix} (or leave it out for this machine's)"
+        ) from None
+
+
 def _limit(q: Question) -> _Limit:
     """The budget checked against the question, or refused in words."""
     from autoshard.units import parse_size
@@ -107,7 +123,7 @@ def _limit(q: Question) -> _Limit:
             f" data parallel only. Fix: drop memory_budget and set the fields yourself, or set tensor_parallel_size=1"
         )
     backend = _check_budget_backend(intent.replace(memory_budget=budget_bytes, memory_headroom=None), q.backend)
-    device_type = q.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = _device_type(q.device_type)
     headroom = headroom_for(intent, device_type)
     limit = headroom.limit(budget_bytes)
     if limit < 1:
@@ -249,14 +265,23 @@ def _beside_live_group(run: Callable[[], BudgetDecision]) -> BudgetDecision:
 
 
 def auto_entries(
-    factory: Any, batch: Any, intent: ShardingIntent, world_sizes: Sequence[int], budget: int, *, backend: str, options: DecideOptions
+    factory: Any,
+    batch: Any,
+    intent: ShardingIntent,
+    world_sizes: Sequence[int],
+    budget: int,
+    *,
+    backend: str,
+    options: DecideOptions,
+    device_type: str | None = None,
 ) -> list[dict[str, Any]]:
     """``explain --budget B --json``'s "auto": per world size, ``BudgetDecision.to_dict()``, or
-    ``{"world_size", "budget", "error": {"type", "message", "min_world_size"}}`` when there is no decision."""
+    ``{"world_size", "budget", "error": {"type", "message", "min_world_size"}}`` when there is no decision.
+    ``device_type``: the run's (explain's ``--accelerator``), whose headroom it keeps, not the machine explain runs on."""
     out: list[dict[str, Any]] = []
     for n in world_sizes:
         try:
-            out.append(decide(factory, batch, intent, n, backend=backend, budget=budget, options=options).to_dict())
+            out.append(decide(factory, batch, intent, n, backend=backend, budget=budget, device_type=device_type, options=options).to_dict())
         except AutoShardError as exc:
             error = {"type": type(exc).__name__, "message": str(exc), "min_world_size": getattr(exc, "min_world_size", None)}
             out.append({"world_size": n, "budget": budget, "error": error})

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -145,6 +147,57 @@ class Meter(Throughput):
         return metrics
 
 
+def _positive(value: Any) -> bool:
+    """A finite number above 0 (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < float(value) < float("inf")
+
+
+def _as_number(value: Any, example: str) -> str:
+    """``value`` written as the number it stands for (``'989e12'`` -> ``9.89e+14``), else ``example``."""
+    try:
+        number = float(str(value).strip().replace("_", ""))
+    except ValueError:
+        return example
+    return f"{number:g}" if 0 < number < float("inf") and not isinstance(value, bool) else example
+
+
+def check_arguments(batch_size_fn: Any, length_fn: Any, peak_flops: Any, flops_per_batch: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse at construction what Lightning takes without a word and then fails on mid-run (a string peak, a
+    ``length_fn`` that is not a function), or logs wrong without failing (a negative peak gives a negative MFU, a zero
+    one drops it silently), naming the argument and its value."""
+    where = "autoshard.ThroughputMonitor"
+    for name, value in (("peak_flops", peak_flops), ("flops_per_batch", flops_per_batch)):
+        if value is not None and not _positive(value):
+            what = "the dense peak FLOP/s of one device" if name == "peak_flops" else "the FLOPs of one training batch on one device"
+            leave = "leave it out to log no MFU" if name == "peak_flops" else "leave it out to have them counted"
+            example = "989.4e12 (an H100 or H200 in bf16)" if name == "peak_flops" else "6 * parameters * tokens per batch (a transformer's estimate)"
+            raise AutoShardError(
+                f"{where}({name}={value!r}): {name} is {what}, a positive number. Fix: {name}={_as_number(value, example)}, or {leave}"
+            )
+    for name, value, ok in (
+        ("batch_size_fn", batch_size_fn, "None (the first dimension of the first tensor)"),
+        ("length_fn", length_fn, "'tokens' (the default), None"),
+    ):
+        if value is not None and not callable(value) and not (name == "length_fn" and value == "tokens"):
+            raise AutoShardError(
+                f"{where}({name}={value!r}): {name} is a function of the batch returning a count. Fix: {name}=lambda batch: ..., or {ok}"
+            )
+    unknown = sorted(set(kwargs) - {"window_size", "separator"})
+    if unknown:
+        known = ["batch_size_fn", "length_fn", "peak_flops", "flops_per_batch", "window_size", "separator"]
+        close = {k: difflib.get_close_matches(k, known, n=1, cutoff=0.5) for k in unknown}
+        fix = ", ".join(f"{c[0]}={kwargs[k]!r} instead of {k}=" if c else f"drop {k}" for k, c in close.items())
+        raise AutoShardError(
+            f"{where} got {', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}: its keyword arguments are {', '.join(known[:4])}"
+            f" and Lightning's window_size and separator. Fix: {fix}"
+        )
+    window = kwargs.get("window_size", 100)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise AutoShardError(
+            f"{where}(window_size={window!r}): rates are measured between the first and last of window_size batches, so at least 2. Fix: window_size=100 (the default)"
+        )
+
+
 class _Flops:
     """Handed to Lightning's ThroughputMonitor instead of the user's module (never given an attribute): it reads only
     ``flops_per_batch``."""
@@ -177,6 +230,7 @@ class ThroughputMonitor(LightningThroughputMonitor):
         flops_per_batch: int | None = None,
         **kwargs: Any,
     ) -> None:
+        check_arguments(batch_size_fn, length_fn, peak_flops, flops_per_batch, kwargs)
         super().__init__(batch_size_fn or batch_size, token_count if length_fn == "tokens" else length_fn, **kwargs)  # type: ignore[arg-type]
         self.peak_flops = peak_flops
         self.flops_per_batch = flops_per_batch
