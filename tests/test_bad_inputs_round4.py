@@ -180,7 +180,7 @@ class LossPeak(Small):
 def test_176_at_says_where_a_peak_outside_any_module_is() -> None:
     """A peak in the backward of the loss said "at: backward", as if it named a place."""
     decision = decide(LossPeak, batch(), ShardingIntent(memory_budget="1GiB"), 1, device_type="cpu")
-    assert decision.at == "backward of training_step's own ops outside any module, e.g. the loss or a residual add", decision.at
+    assert decision.at == "backward of training_step's own ops (outside any module: the loss, residual adds)", decision.at
     assert f"(at: {decision.at})" in decision.table()
 
 

@@ -76,7 +76,7 @@ class _StepParts:
         phase = "backward" if self._mod_tracker.is_bw else "forward"
         if deepest:
             return f"{phase} of {deepest}"
-        return f"{'backward' if phase == 'backward' else 'forward'} of training_step's own ops outside any module, e.g. the loss or a residual add"
+        return f"{'backward' if phase == 'backward' else 'forward'} of training_step's own ops (outside any module: the loss, residual adds)"
 
     def peak_by_kind(self) -> dict[str, int]:
         """The peak snapshot of the device with the highest peak, by category name (and "Total")."""
