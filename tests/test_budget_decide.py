@@ -17,7 +17,7 @@ from autoshard.activations import measure_step
 from autoshard.budget import BudgetDecision, DecideOptions, Rates, decide, describe_config, resume_decision
 from autoshard.errors import IntentError
 from autoshard.intent import ShardingIntent
-from autoshard.memory import EstimateOptions, estimate_memory, with_step
+from autoshard.memory import EstimateOptions, estimate_memory, fmt_bytes, with_step
 from autoshard.precision import resolve_precision
 from tests.test_activations import Stack
 
@@ -226,7 +226,9 @@ def test_a_budget_is_what_the_device_has_the_peak_leaves_the_headroom_free() -> 
     kept = decide(Small, batch(), ShardingIntent(memory_budget=budget, memory_headroom=room + 1), 2, device_type="cpu")
     assert kept.headroom == Headroom(fixed=room + 1) and kept.peak + room + 1 <= budget < plain + room + 1
     assert kept.chosen != {"reshard_after_forward": False, "activation_checkpointing": False, "offload": "none"}
-    assert "headroom 64.00 KiB" in kept.table() and "over the budget" in kept.table()
+    limit = fmt_bytes(budget - room - 1)  # "over" is over what the headroom leaves, never the budget itself
+    assert "headroom 64.00 KiB" in kept.table() and f"over the {limit} left after the headroom" in kept.table()
+    assert all(t.why.endswith(f"over the {limit} left after the headroom") for t in kept.cheaper if t.simulated), kept.cheaper
     with pytest.raises(IntentError, match=r"less than the headroom 2\.00 GiB \+ 10% of the peak a cuda run keeps free.*Fix: .*memory_headroom=0"):
         decide(Small, batch(), ShardingIntent(memory_budget=budget), 2, device_type="cuda")
     roomy = decide(Small, batch(), ShardingIntent(memory_budget="4GiB"), 2, device_type="cuda")

@@ -159,7 +159,8 @@ def _answer(q: Question) -> BudgetDecision:
     free = free_fields(q.intent, num_nodes, limit.backend)
     kept = _kept(q.intent, free, limit.backend)
     blocks = sim.blocks() if "activation_checkpointing" in free else 0
-    chosen, cheaper, most = search_configs(sim, world_size, limit.limit, rates, free, blocks)
+    words = "the budget" if limit.limit == limit.budget else f"the {fmt_bytes(limit.limit)} left after the headroom"
+    chosen, cheaper, most = search_configs(sim, world_size, limit.limit, rates, free, blocks, words)
     if chosen is not None:
         return BudgetDecision(
             limit.budget,

@@ -144,14 +144,15 @@ def _options(field_name: str, blocks: int, backend: str) -> list[Any]:
 
 
 def search_configs(
-    sim: Simulator, world_size: int, budget: int, rates: Rates, free: list[str], blocks: int
+    sim: Simulator, world_size: int, budget: int, rates: Rates, free: list[str], blocks: int, limit_words: str = "the budget"
 ) -> tuple[Tried | None, list[Tried], dict[str, Any]]:
     """(the cheapest configuration that fits or None, every cheaper one tried, the most saving configuration).
 
     Order of work, to simulate few steps: the cheapest configuration first (it fits: done); then the most saving
     one (it does not: nothing fits at this world size); then one step per activation-checkpointing option (its
     recomputed FLOPs are its price); then the rest in price order, skipping (as lower bounds) those that save no
-    more than one already over the budget.
+    more than one already over the budget. ``budget`` is the largest peak admitted (the budget less its headroom, which
+    ``limit_words`` names in the table).
     """
     grid = [dict(zip(free, values)) for values in itertools.product(*(_options(f, blocks, sim.backend) for f in free))]
     most = grid[-1]
@@ -195,7 +196,7 @@ def search_configs(
         dominant = next((o for o in over if _saves_at_least(o, config)), None)
         if config_key(config) not in peaks and dominant is not None:
             bound = peaks[config_key(dominant)]
-            why = f"saves no more than {describe_config(dominant)}, which peaks at {fmt_bytes(bound)} (over the budget): not simulated"
+            why = f"saves no more than {describe_config(dominant)}, which peaks at {fmt_bytes(bound)} (over {limit_words}): not simulated"
             tried.append(Tried(config, bound, cost, False, why, simulated=False))
             continue
         try:
@@ -207,7 +208,7 @@ def search_configs(
         if peak <= budget:
             return Tried(config, peak, cost, True, at=at), tried, most
         over.append(config)
-        tried.append(Tried(config, peak, cost, False, f"{fmt_bytes(peak - budget)} over the budget", at=at))
+        tried.append(Tried(config, peak, cost, False, f"{fmt_bytes(peak - budget)} over {limit_words}", at=at))
     return None, tried, most  # unreachable: the most saving configuration fits
 
 
