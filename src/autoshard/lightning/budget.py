@@ -218,7 +218,8 @@ def decide_for_fit(
 ) -> BudgetDecision:
     """The decision this fit trains with, the same on every rank: on rank 0 the checkpoint's when the fit resumes with
     the same budget, world, backend and micro-batch, else ``decide`` on a meta copy of the module and the first batch
-    (the live process group's registry parked meanwhile); broadcast, and a refusal raised on every rank."""
+    (the live process group's registry parked meanwhile; DeepSpeed's peaks with the strategy's ``zero_overrides``);
+    broadcast, and a refusal raised on every rank."""
     module = strategy.lightning_module
     world = strategy.world_size
 
