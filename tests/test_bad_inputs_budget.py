@@ -131,6 +131,7 @@ def test_125_a_budget_no_world_size_meets_names_the_micro_batch_that_fits() -> N
     error = info.value
     assert error.min_world_size is None and error.micro_batch is not None and error.micro_batch < 32
     assert "no world size up to 4096 fits: activations and what stays whole do not shrink with ranks" in str(error)
+    assert re.search(r"peaks at [\d.]+ KiB per rank \(at: (forward|backward) of [^)]*\) on the micro-batch", str(error)), str(error)
     n = error.micro_batch
     assert f"Fix: DataLoader(batch_size={n}) with Trainer(accumulate_grad_batches={32 // n}) keeps the global batch" in str(error)
     fits = decide(Small, [torch.randn(n, 16, 32)], intent, 2)  # and it does fit

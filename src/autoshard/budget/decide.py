@@ -184,7 +184,8 @@ def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limi
     """Nothing fits: the smallest world size at which the most saving configuration does, else the largest
     micro-batch that fits here, else neither, in words."""
     num_nodes, budget_bytes = sim.num_nodes, limit.budget
-    peak = sim.step(most, world_size)[0].device
+    estimate = sim.step(most, world_size)[0]
+    peak, at = estimate.device, f" (at: {estimate.step_at})" if estimate.step_at else ""
     choices = get_backend(limit.backend).budget
     assert choices is not None  # _check_budget_backend refused a backend without one
     where = f"world size {world_size}" + (f" ({num_nodes} nodes)" if num_nodes > 1 else "")
@@ -193,7 +194,7 @@ def _refusal(sim: Simulator, most: dict[str, Any], world_size: int, limit: _Limi
         + (f" (a peak of {fmt_bytes(limit.limit)} with its {limit.headroom.words()})" if limit.limit != budget_bytes else "")
         + f" cannot be met at {where}"
         + (f" under {choices.peaks}" if choices.peaks else "")
-        + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank on the micro-batch {described}"
+        + f": even {describe_config(most)} peaks at {fmt_bytes(peak)} per rank{at} on the micro-batch {described}"
         + (f" ({choices.limits})" if choices.limits else "")
     )
     full, states = (lambda n: sim.step(most, n)[0]), (lambda n: sim.states(most, n))
