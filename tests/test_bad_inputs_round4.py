@@ -168,6 +168,21 @@ def test_175_explain_budget_keeps_the_headroom_of_the_accelerator_it_explains(ca
     assert code == 0 and report["budget"]["fits"] is True and report["auto"][0]["headroom"] == Headroom().to_dict()
 
 
+def test_175_a_budget_below_the_headroom_is_no_negative_limit_and_its_fix_works(capsys: pytest.CaptureFixture[str]) -> None:
+    """Below the headroom the verdict said "the peak may reach -1.82 GiB" and "-0% of what it may reach"; it says why
+    nothing fits instead, and the Fix it names is taken."""
+    argv = ["explain", f"{__name__}:small", "--batch", "tests.test_budget_decide:batch", "--world-sizes", "2", "--budget", "150KiB"]
+    cli.main([*argv, "--accelerator", "gpu"])
+    text = capsys.readouterr().out
+    assert "budget 150.00 KiB per rank: less than its headroom 2.00 GiB + 10% of the peak: does NOT fit" in text
+    assert "may reach -" not in text and "-0%" not in text
+    fix = text.split("Fix: ")[1].split(", or --intent ")[1].split(" to let")[0]  # "memory_budget=153600 --intent memory_headroom=0"
+    intent = [arg for pair in fix.split(" --intent ") for arg in ("--intent", pair)]
+    _, report = run_json(capsys, *argv, "--accelerator", "gpu", *intent)
+    assert report["budget"]["headroom"] == Headroom().to_dict() and report["budget"]["fits"] is False  # a verdict on the peak
+    assert report["budget"]["changes"] and "headroom" not in report["auto"][0]["error"]["message"]  # refused for the peak alone
+
+
 # -- the budget table's at: ------------------------------------------------------------------------------------------
 class LossPeak(Small):
     """A step whose peak is in the backward of training_step's own ops: a wide loss outside any module."""

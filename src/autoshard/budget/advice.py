@@ -64,6 +64,11 @@ class BudgetReport:
         share = f" ({self.peak / self.budget:.0%} of the budget)"
         if self.headroom != Headroom():
             limit = self.headroom.limit(self.budget)
+            if limit < 1:  # check_budget's note says why, with the Fix
+                return "\n".join(
+                    [f"budget {fmt_bytes(self.budget)} per rank: less than its {self.headroom.words()}: does NOT fit"]
+                    + [f"  note: {n}" for n in self.notes]
+                )
             head = f"budget {fmt_bytes(self.budget)} per rank, less its {self.headroom.words()} (the peak may reach {fmt_bytes(limit)}), world size {self.world_size}: peak"
             share = f" ({self.peak / limit:.0%} of what it may reach)"
         if self.missing:
@@ -100,6 +105,13 @@ def check_budget(
     headroom = headroom or Headroom()
     limit = headroom.limit(budget)
     current = evaluate(Option(intent, world_size))
+    if limit < 1:  # as decide refuses it: no configuration leaves the headroom free
+        why = (
+            f"the budget is less than the {headroom.words()} a CUDA run keeps free beside its tensors (CUDA context,"
+            f" communication buffers, allocator fragmentation), so no configuration fits. Fix: --budget of the whole device,"
+            f" or --intent memory_budget={budget} --intent memory_headroom=0 to let tensors fill it, or --accelerator cpu for a CPU run"
+        )
+        return BudgetReport(budget, world_size, current.device, False, (), (why,), headroom=headroom)
     missing = ask.lacks(current)
     if missing:
         why = f"no change is estimated: each estimate would lack {missing} too"
