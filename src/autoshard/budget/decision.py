@@ -68,20 +68,22 @@ def read_rates(path: str | os.PathLike[str]) -> Rates:
     """The rates in a file ``autoshard calibrate`` wrote (JSON: nothing is unpickled), refused in words otherwise."""
     named = os.environ.get(RATES_ENV) == str(path)
     where = f"{str(path)!r}" + (f" (named by {RATES_ENV})" if named else "")
-    # calibrate replaces a rates file of its own, or writes a new one; never a file someone else wrote
-    if not Path(path).exists() or is_rates_file(Path(path)):
-        fix = f"autoshard calibrate --out {str(path)!r}"
-    else:
-        fix = f"autoshard calibrate --out NEW.json (it replaces only a rates file it wrote){f' and {RATES_ENV}=NEW.json' if named else ''}"
-    fix += f", or unset {RATES_ENV}" if named else ""
+
+    def fix() -> str:  # on refusal only: calibrate replaces a rates file of its own, never a file someone else wrote
+        if not Path(path).exists() or is_rates_file(Path(path)):
+            command = f"autoshard calibrate --out {str(path)!r}"
+        else:
+            command = f"autoshard calibrate --out NEW.json (it replaces only a rates file it wrote){f' and {RATES_ENV}=NEW.json' if named else ''}"
+        return command + (f", or unset {RATES_ENV}" if named else "")
+
     try:
         data = json.loads(Path(path).read_text())
         rates = Rates(**data["rates"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise IntentError(f"cannot read the rates file {where}: {type(exc).__name__}: {exc}. Fix: {fix}") from None
+        raise IntentError(f"cannot read the rates file {where}: {type(exc).__name__}: {exc}. Fix: {fix()}") from None
     bad = [k for k, v in rates.to_dict().items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
     if bad:
-        raise IntentError(f"the rates file {where} has {', '.join(bad)} not a positive number. Fix: {fix}")
+        raise IntentError(f"the rates file {where} has {', '.join(bad)} not a positive number. Fix: {fix()}")
     return rates
 
 
