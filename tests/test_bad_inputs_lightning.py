@@ -227,3 +227,18 @@ def test_92_reshard_after_forward_false_under_zero3_is_warned() -> None:
     )
     kept = trainer(strategy=FSDP2Strategy(reshard_after_forward=False), precision="32-true")
     assert autoshard_warnings(lambda: kept.fit(Net(), data())) == []
+
+
+@needs_deepspeed
+def test_178_keep_gathered_fix_is_not_what_the_user_already_set() -> None:
+    """With zero_overrides={'stage3_max_reuse_distance': N} already set, the caveat's Fix still said to set it. Now it
+    names the user's distance and only the Fix left: fsdp2."""
+    from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+    strategy = AutoShardDeepSpeedStrategy(reshard_after_forward=False, zero_overrides={"stage3_max_reuse_distance": 0})
+    run = trainer(strategy=strategy, precision="32-true")
+    said = autoshard_warnings(lambda: run.fit(Net(), data()))
+    (caveat,) = [w for w in said if "reshard_after_forward" in w]
+    assert "within stage3_max_reuse_distance elements of the trace (0, set by zero_overrides)" in caveat
+    assert "zero_overrides={" not in caveat and "DeepSpeed's default" not in caveat
+    assert caveat.endswith("Fix: use strategy='fsdp2' (or strategy='auto-shard') for reshard_after_forward=False")

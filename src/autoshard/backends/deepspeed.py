@@ -6,7 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from autoshard.backends.base import Availability, Backend, BudgetChoices, require, require_all
-from autoshard.capability import Feature, Format, no, partial, yes
+from autoshard.capability import Cell, Feature, Format, no, partial, yes
 from autoshard.errors import IntentError
 from autoshard.precision import Dtype, PrecisionPlan
 
@@ -29,6 +29,28 @@ MAX_REUSE_DISTANCE = 1_000_000_000
 MIN_DEEPSPEED = "0.14"
 INSTALL = 'pip install "autoshard[deepspeed]"'
 TO_FSDP2 = "use strategy='fsdp2' (or strategy='auto-shard')"
+
+# What ZeRO-3 does instead: partitioned_param_coordinator's __params_to_release (DeepSpeed 0.19.8), modelled by kept_gathered.
+def keep_gathered_cell(distance: float | None = None) -> Cell:
+    """The ``KEEP_GATHERED`` cell, with the run's ``stage3_max_reuse_distance`` when its ``zero_overrides`` set one
+    (``distance``): then the Fix no longer tells the user to set what they set, only to move to fsdp2."""
+    reach = "DeepSpeed's default" if distance is None else "set by zero_overrides"
+    reason = (
+        "ZeRO-3 has no such switch, and autoshard sets nothing for the field: once its trace is recorded (from the"
+        " second step) ZeRO-3 keeps a module's parameters gathered after its forward only when their next use is within"
+        f" stage3_max_reuse_distance elements of the trace ({MAX_REUSE_DISTANCE if distance is None else distance:,}, {reach})"
+    )
+    fsdp2 = f"{TO_FSDP2} for reshard_after_forward=False"
+    if distance is not None:
+        return partial(f"{reason}; the rest are released and gathered again in backward", fsdp2)
+    return partial(
+        f"{reason}: the rest of the forward and the backward up to that module, about twice the parameters after it"
+        " (three times where blocks are checkpointed). So the trailing blocks stay gathered (every block of a model of"
+        " a few hundred million parameters), and the rest are released and gathered again in backward",
+        "set zero_overrides={'stage3_max_reuse_distance': N} on the strategy to choose how many elements ahead ZeRO-3"
+        f" keeps parameters for (0 releases each module's after its forward), or {fsdp2}",
+    )
+
 
 ROW = {
     Feature.MULTIPLE_OPTIMIZERS: no(
@@ -57,18 +79,7 @@ ROW = {
         "ZeRO-3 partitions each parameter and gathers per module through hooks; there is no per-block plan to inspect",
         "use strategy='fsdp2' to control the sharded units",
     ),
-    # What ZeRO-3 does instead: partitioned_param_coordinator's __params_to_release (DeepSpeed 0.19.8), modelled by kept_gathered.
-    Feature.KEEP_GATHERED: partial(
-        "ZeRO-3 has no such switch, and autoshard sets nothing for the field: once its trace is recorded (from the"
-        " second step) ZeRO-3 keeps a module's parameters gathered after its forward only when their next use is within"
-        f" stage3_max_reuse_distance elements of the trace ({MAX_REUSE_DISTANCE:,}, DeepSpeed's default): the rest of"
-        " the forward and the backward up to that module, about twice the parameters after it (three times where blocks"
-        " are checkpointed). So the trailing blocks stay gathered (every block of a model of a few hundred million"
-        " parameters), and the rest are released and gathered again in backward",
-        "set zero_overrides={'stage3_max_reuse_distance': N} on the strategy to choose how many elements ahead ZeRO-3"
-        " keeps parameters for (0 releases each module's after its forward), or use strategy='fsdp2' (or"
-        " strategy='auto-shard') for reshard_after_forward=False",
-    ),
+    Feature.KEEP_GATHERED: keep_gathered_cell(),
     Feature.BF16: yes("no autocast: the engine converts the model, every op computes in bf16; fp32 master copy"),
     Feature.BF16_TRUE: yes("fp32 master copy in the optimizer"),
     Feature.FP16_MIXED: yes("every op in fp16, fp32 master copy, dynamic loss scaling"),

@@ -7,6 +7,7 @@ Importing this module does not import deepspeed.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Mapping
 from typing import Any
@@ -116,6 +117,19 @@ class IntentZeRO3(BackendMixin):
 
     def _intent_to_check(self) -> ShardingIntent:
         return self.intent
+
+    def _select(self, needs: MethodNeeds, prefer: str | None = None) -> Decision:
+        """The decision, its ``KEEP_GATHERED`` caveat with the run's ``stage3_max_reuse_distance`` when
+        ``zero_overrides`` sets it: a Fix never asks for what the user already set."""
+        decision = super()._select(needs, prefer)  # type: ignore[misc]
+        distance = self.zero_overrides.get("stage3_max_reuse_distance")
+        if not isinstance(distance, (int, float)) or isinstance(distance, bool):
+            return decision
+        cell = deepspeed_backend.keep_gathered_cell(distance)
+        told = tuple(
+            dataclasses.replace(c, reason=cell.reason, remedy=cell.remedy) if c.feature is Feature.KEEP_GATHERED else c for c in decision.caveats
+        )
+        return dataclasses.replace(decision, caveats=told)
 
     def _resolve_precision(self) -> PrecisionPlan:
         plan = resolve_precision(self.precision_plugin.precision, self.intent)
