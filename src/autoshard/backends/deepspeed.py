@@ -30,6 +30,7 @@ MIN_DEEPSPEED = "0.14"
 INSTALL = 'pip install "autoshard[deepspeed]"'
 TO_FSDP2 = "use strategy='fsdp2' (or strategy='auto-shard')"
 
+
 # What ZeRO-3 does instead: partitioned_param_coordinator's __params_to_release (DeepSpeed 0.19.8), modelled by kept_gathered.
 def keep_gathered_cell(distance: float | None = None) -> Cell:
     """The ``KEEP_GATHERED`` cell, with the run's ``stage3_max_reuse_distance`` when its ``zero_overrides`` set one
