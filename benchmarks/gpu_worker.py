@@ -217,6 +217,38 @@ def decided_before_fit(model: Any, ids: torch.Tensor, strategy: Any) -> dict[str
     return {"table": decision.table(), "decision": decision.to_dict(), "seconds": round(time.perf_counter() - start, 1)}
 
 
+class StepLog:
+    """Every simulated step this process runs (before fit and at fit, where CUDA keeps the decision in this process),
+    by kind at its peak: which tensors make a peak, e.g. the flat 26.41 GiB = 32 bytes per parameter of session 7
+    (at fit, AdamW fused; the CPU stage's price had fused=False). Wraps ``autoshard.activations.measure_step``,
+    which the simulator looks up at each call."""
+
+    def __init__(self) -> None:
+        import autoshard.activations as activations
+
+        self.module, self.original, self.steps = activations, activations.measure_step, []
+        activations.measure_step = self.measure
+
+    def measure(self, factory: Any, intent: Any, *args: Any, **kwargs: Any) -> Any:
+        step = self.original(factory, intent, *args, **kwargs)
+        self.steps.append(
+            {
+                "activation_checkpointing": intent.activation_checkpointing,
+                "offload": intent.offload,
+                "cuda_initialized": torch.cuda.is_initialized(),
+                "peak": step.peak,
+                "at": step.at,
+                "by_kind": dict(step.by_kind),
+                "forward_only": step.forward_only,
+            }
+        )
+        return step
+
+    def close(self) -> list[dict[str, Any]]:
+        self.module.measure_step = self.original
+        return self.steps
+
+
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -249,9 +281,14 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     model = module_cls()
     params = sum(p.numel() for p in model.parameters())
+    log = StepLog() if name.startswith("budget-") else None
     if name == "budget-diagnose":
         result["before_fit"] = decided_before_fit(model, ids[: args.micro_batch], strategy)
-    trainer.fit(model, DataLoader(TensorDataset(ids), batch_size=args.micro_batch))
+    try:
+        trainer.fit(model, DataLoader(TensorDataset(ids), batch_size=args.micro_batch))
+    finally:
+        if log is not None:
+            result["simulated_steps"] = log.close()
     result["fit_s"] = round(time.perf_counter() - t, 1)
     step = statistics.median(clock.times)
     tokens = args.micro_batch * args.seq

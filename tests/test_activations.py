@@ -354,3 +354,30 @@ def test_tensor_parallel_is_refused_by_the_simulated_step_with_the_reason() -> N
     assert str(caught.value).endswith(
         "Fix: measure with tensor_parallel_size=1 (the activations of a data-parallel rank), or measure on real devices"
     )
+
+
+def test_dtensor_sharding_propagation_is_not_counted_in_the_peak() -> None:
+    """DTensor learns an op's output shapes by running it once more on fake tensors of its own: no memory of the step.
+    torch 2.11 did that at every fused or foreach optimizer step, and the tracker counted it: the simulated step of a
+    0.9B Llama with AdamW(fused=True) peaked at 32 bytes per parameter where the GPU held 20 (session 7's flat
+    26.41 GiB, every checkpointing candidate alike). On this torch it happens at an op's first sight: the same op
+    costs the same, seen first or again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autoshard.activations.tracker import step_tracker
+    from autoshard.activations.world import fake_world
+    from autoshard.privates import in_torch
+
+    peaks = []
+    with fake_world(1, 0):
+        mesh = init_device_mesh("cpu", (1,))
+        with in_torch.FakeTensorMode(allow_non_fake_inputs=True):
+            x = DTensor.from_local(torch.empty(1000, 1000), mesh, [Shard(0)])  # 4 MB
+            for _ in range(2):
+                tracker = step_tracker(nn.Linear(2, 2))
+                with tracker:
+                    y = torch.mul(x, 3.0)  # first time: DTensor propagates its sharding (a 4 MB fake tensor)
+                    del y
+                peaks.append(tracker.peak_by_kind()["Activation"])
+    assert peaks == [4_000_000, 4_000_000]

@@ -71,6 +71,14 @@ TORCH: tuple[Private, ...] = (
     Private(_MEM_TRACKER, "_update_and_maybe_create_winfos", _ACT, "called: tensors no unit owns"),
     Private(_MEM_TRACKER, "_track_optimizer_states", _ACT, "called: each optimizer's states"),
     Private("torch.distributed._tools.mem_tracker", "MemTracker", _ACT, "its __init__ is called directly (no FSDP root needed)"),
+    Private(_MEM_TRACKER, "__torch_dispatch__", _ACT, "wrapped: DTensor's sharding propagation is not counted (torch < 2.13 did)"),
+    Private("torch.distributed.tensor._sharding_prop", "ShardingPropagator", _ACT, "DTensor's sharding propagation, whose ops are not counted"),
+    Private(
+        "torch.distributed.tensor._sharding_prop.ShardingPropagator",
+        "_propagate_tensor_meta_non_cached",
+        _ACT,
+        "wrapped while a step is tracked: the ops it runs to learn output shapes hold no memory of the step (torch < 2.13 counted them)",
+    ),
     Private("torch.testing._internal.distributed.fake_pg", "FakeStore", _ACT, "the store of the 'fake' process group"),
     Private(_FAKE, "FakeTensorMode", _ACT, "the tensors of the simulated step"),
     Private(_FAKE, "DataDependentOutputException", _ACT, "a step that reads tensor values, said in words"),
@@ -114,6 +122,7 @@ PROVIDED = {
     "FSDPRefType": f"{_TRACKER}:_FSDPRefType",
     "FSDPState": f"{_TRACKER}:_FSDPState",
     "MemTracker": "torch.distributed._tools.mem_tracker:MemTracker",
+    "ShardingPropagator": "torch.distributed.tensor._sharding_prop:ShardingPropagator",
     "FakeStore": "torch.testing._internal.distributed.fake_pg:FakeStore",  # importing it registers the "fake" backend
     "FakeTensorMode": f"{_FAKE}:FakeTensorMode",
     "DataDependentOutputException": f"{_FAKE}:DataDependentOutputException",
