@@ -208,3 +208,17 @@ def test_a_decision_stored_without_at_still_loads_and_resumes() -> None:
     for tried in stored["cheaper"]:
         tried.pop("at", None)
     assert "at:" not in BudgetDecision.from_dict(stored).table()
+
+
+# -- price's precision ------------------------------------------------------------------------------------------------
+def test_179_price_takes_the_precision_a_trainer_takes() -> None:
+    """``price(..., precision="bf16-mixed")`` raised ``AttributeError: 'str' object has no attribute 'precision'``,
+    where ``decide`` takes the same string. Now both resolve it: the string prices as its resolved plan does."""
+    from autoshard.budget import price
+    from autoshard.precision import resolve_precision
+
+    config = [{"activation_checkpointing": False}]
+    ((mixed, _),) = price(Small, batch(), ShardingIntent(), 1, config, precision="bf16-mixed")
+    ((resolved, _),) = price(Small, batch(), ShardingIntent(), 1, config, precision=resolve_precision("bf16-mixed", ShardingIntent()))
+    ((true, _),) = price(Small, batch(), ShardingIntent(), 1, config, precision="bf16-true")
+    assert mixed == resolved and true < mixed  # bf16-true: parameters, gradients and moments in bf16

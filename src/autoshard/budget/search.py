@@ -116,12 +116,13 @@ def price(
 ) -> list[tuple[int, Cost]]:
     """(device peak per rank, price) of each configuration (ShardingIntent fields over ``intent``), as ``decide``
     computes them on ``backend``: one simulated step each, plus one without activation checkpointing for the
-    recomputed FLOPs."""
-    from autoshard.precision import resolve_precision
+    recomputed FLOPs. ``precision``: a resolved plan, or what a Trainer takes ("bf16-mixed"), as ``decide``."""
+    from autoshard.precision import PrecisionPlan, resolve_precision
 
     rates = rates or default_rates()
     base = intent.replace(memory_budget=None, memory_headroom=None, pinned=())
-    states = ModelStates(Subject.build(meta_factory(module)), get_backend(backend).name, precision or resolve_precision(None, intent), world_size)
+    plan = precision if isinstance(precision, PrecisionPlan) else resolve_precision(precision, intent)
+    states = ModelStates(Subject.build(meta_factory(module)), get_backend(backend).name, plan, world_size)
     sim = Simulator(states, batch_function(batch), base, None)
     flops: dict[Any, int] = {}
     peaks: dict[str, int] = {}
