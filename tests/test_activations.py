@@ -381,3 +381,42 @@ def test_dtensor_sharding_propagation_is_not_counted_in_the_peak() -> None:
                     del y
                 peaks.append(tracker.peak_by_kind()["Activation"])
     assert peaks == [4_000_000, 4_000_000]
+
+
+def test_a_measured_step_that_raises_leaves_no_tracker_behind() -> None:
+    """measuring_callback enters its tracker at the batch's start and left it only at the batch's end: a step that
+    raised kept its dispatch mode and its wrapper of DTensor's sharding propagation in the process."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from autoshard.activations import measuring_callback
+
+    class Raises(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 1:
+                raise RuntimeError("the step failed")
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        callbacks=[measuring_callback(1)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        trainer.fit(Raises(), data)
+    assert ShardingPropagator._propagate_tensor_meta_non_cached is original
+    assert _get_current_dispatch_mode_stack() == []

@@ -257,4 +257,10 @@ def measuring_callback(batch_index: int = 1) -> Any:
             self.result = self.tracker.step_memory(trainer.world_size, trainer.global_rank)
             self.tracker = None
 
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            """A step that raised leaves no tracker entered: its hooks and dispatch mode are this process's."""
+            if self.tracker is not None:
+                self.tracker.__exit__(type(exception), exception, exception.__traceback__)
+                self.tracker = None
+
     return MeasuredStep()
