@@ -4,6 +4,7 @@ what sharding does (model states / N, activations unchanged), and the fallbacks 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -420,3 +421,40 @@ def test_a_measured_step_that_raises_leaves_no_tracker_behind() -> None:
         trainer.fit(Raises(), data)
     assert ShardingPropagator._propagate_tensor_meta_non_cached is original
     assert _get_current_dispatch_mode_stack() == []
+
+
+FORK_AFTER_A_STEP = """
+import os, torch
+from autoshard.activations import measure_step
+from autoshard.intent import ShardingIntent
+from autoshard.precision import resolve_precision
+from tests.test_budget_decide import Small, batch
+measure_step(Small, ShardingIntent(), 2, resolve_precision(None, ShardingIntent()), make_batch=batch)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        x = torch.ones(2, requires_grad=True)
+        (x * 2).sum().backward()
+        os.write(write, b"ok")
+    except Exception as exc:
+        os.write(write, str(exc).encode()[:200])
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(read, 200).decode())
+"""
+
+
+def test_a_process_that_simulated_a_step_can_still_fork_a_child_that_trains() -> None:
+    """The decision beside a live gloo group runs in a forked child. Where torch is built with CUDA and has no GPU (a
+    CPU run of the usual pip wheel), a fake step first in the process left every later child unable to run a backward
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing"): FakeTensorMode's
+    stand-in CUDA guard counts a device. Seen with torch 2.11's CUDA wheel on this machine (where this test failed);
+    this suite's CPU build never showed it. A fresh process, so that nothing else started autograd's engine first."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(Path(__file__).parents[1])])}
+    done = subprocess.run([sys.executable, "-c", FORK_AFTER_A_STEP], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout[-2000:]

@@ -18,7 +18,7 @@ from autoshard.activations.failures import describe_failure, reads_values
 from autoshard.activations.prepare import Run, fake_example, prepare_run
 from autoshard.activations.step_memory import StepMemory
 from autoshard.activations.tracker import step_tracker, tracker_base
-from autoshard.activations.world import fake_world
+from autoshard.activations.world import fake_world, settle_autograd_engine
 from autoshard.errors import AutoShardError
 from autoshard.intent import ShardingIntent
 from autoshard.precision import Dtype, PrecisionPlan
@@ -150,6 +150,7 @@ def measure_step(
     if not 0 <= rank < world_size:
         raise AutoShardError(f"rank {rank} is not in a world of {world_size} ranks. Fix: rank= 0 to {world_size - 1}")
     tracker_base()
+    settle_autograd_engine()  # before any fake tensor: later forks of this process can still run a backward
     extra: dict[str, Any] = {"precision": precision.precision.value, "activation_checkpointing": intent.activation_checkpointing}
     step = _Step(factory, intent, world_size, precision, num_nodes, rank)
     failed = ""  # why the training step could not run on make_batch's batch, with its Fix

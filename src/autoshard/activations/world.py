@@ -4,6 +4,7 @@ forked child, and the data-parallel mesh the plan shards on."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import sys
@@ -39,6 +40,21 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
             elif not live:
                 dist.destroy_process_group()
             sys.excepthook = excepthook
+
+
+@functools.cache
+def settle_autograd_engine() -> None:
+    """Start autograd's engine (one real backward of a CPU scalar) before this process makes a fake tensor, while the
+    engine counts no device but the CPU. Where torch is built with CUDA and no GPU is usable (a CPU run of the usual
+    pip wheel), entering a FakeTensorMode gives CUDA a stand-in device guard that counts one device: the engine,
+    started by the first backward after it, starts a thread for that device, and every child forked later refuses
+    any backward ("Unable to handle autograd's threading in combination with fork-based multiprocessing"), so a
+    decision beside a live gloo group failed once the process had simulated a step in it (torch 2.11's CUDA wheel).
+    With a GPU the engine counts it whatever happens here: nothing is done."""
+    if torch.cuda.is_available():
+        return
+    leaf = torch.zeros((), requires_grad=True)
+    (leaf * 1).backward()
 
 
 _DETACHED = False  # True in the child process of in_detached_world only
