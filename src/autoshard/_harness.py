@@ -167,22 +167,35 @@ def count_collectives() -> Iterator[dict[str, dict[str, int]]]:
     import torch.distributed as dist
 
     counts: dict[str, dict[str, int]] = {"all_gather": {}, "reduce_scatter": {}}
-    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+    gather_name, scatter_name = fsdp2_collectives()
+    gather, scatter = getattr(dist, gather_name), getattr(dist, scatter_name)
 
     def add(kind: str, t: Any) -> None:
         key = str(t.dtype).removeprefix("torch.")
         counts[kind][key] = counts[kind].get(key, 0) + t.numel() * t.element_size()
 
-    def all_gather_single(output_tensor: Any, input_tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    def all_gather(output_tensor: Any, input_tensor: Any, *args: Any, **kwargs: Any) -> Any:
         add("all_gather", output_tensor)
         return gather(output_tensor, input_tensor, *args, **kwargs)
 
-    def reduce_scatter_single(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def reduce_scatter(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
         add("reduce_scatter", input)
         return scatter(output, input, *args, **kwargs)
 
-    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    setattr(dist, gather_name, all_gather)
+    setattr(dist, scatter_name, reduce_scatter)
     try:
         yield counts
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+        setattr(dist, gather_name, gather)
+        setattr(dist, scatter_name, scatter)
+
+
+def fsdp2_collectives() -> tuple[str, str]:
+    """The names of the all-gather and reduce-scatter FSDP2 calls in torch.distributed: the ``*_single`` pair since
+    torch 2.13, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` before (torch 2.11, the GPU image's)."""
+    import torch.distributed as dist
+
+    if hasattr(dist, "all_gather_single"):
+        return "all_gather_single", "reduce_scatter_single"
+    return "all_gather_into_tensor", "reduce_scatter_tensor"

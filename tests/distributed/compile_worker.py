@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from autoshard.demo import ema_update
 from autoshard.lightning import FSDP2Strategy
-from tests.distributed.harness import quiet_trainer, run_scenarios
+from tests.distributed.harness import fsdp2_collectives, quiet_trainer, run_scenarios
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -87,22 +87,25 @@ class Collectives:
 
     def __enter__(self) -> Collectives:
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
-        self.saved = dist.all_gather_single, dist.reduce_scatter_single
+        self.names = fsdp2_collectives()
+        self.saved = tuple(getattr(dist, name) for name in self.names)
         gather, scatter = self.saved
 
-        def all_gather_single(*args: Any, **kwargs: Any) -> Any:
+        def all_gather(*args: Any, **kwargs: Any) -> Any:
             self.counts["all_gather"] += 1
             return gather(*args, **kwargs)
 
-        def reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+        def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
             self.counts["reduce_scatter"] += 1
             return scatter(*args, **kwargs)
 
-        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+        for name, wrapper in zip(self.names, (all_gather, reduce_scatter)):
+            setattr(dist, name, wrapper)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.all_gather_single, dist.reduce_scatter_single = self.saved
+        for name, original in zip(self.names, self.saved):
+            setattr(dist, name, original)
 
 
 def graphs() -> int:

@@ -30,6 +30,7 @@ from autoshard._harness import (  # noqa: F401  (re-exported: the workers and te
     QUIET,
     count_collectives,
     free_port,
+    fsdp2_collectives,
     quiet_trainer,
     run_workers,
     write_result,

@@ -17,7 +17,7 @@ from autoshard.activations.batch import call_batch, describe_batch, load_batch, 
 from autoshard.activations.step import measure_step
 from autoshard.activations.step_memory import ACTIVATIONS, GATHERED, MODEL_STATES, StepMemory
 from autoshard.activations.tracker import measuring_callback, step_tracker
-from autoshard.activations.world import fake_world, in_detached_world
+from autoshard.activations.world import fake_world, in_detached_world, settle_autograd_engine
 
 __all__ = [
     "ACTIVATIONS",
@@ -31,6 +31,7 @@ __all__ = [
     "load_batch",
     "measure_step",
     "measuring_callback",
+    "settle_autograd_engine",
     "step_tracker",
     "where_defined",
 ]

@@ -107,6 +107,7 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
         # An empty registry: the inherited live group is not this process's to use.
         _INHERITED = in_torch.empty_group_registry()
         torch.set_num_threads(1)
+        _check_autograd_forked()
         payload: dict[str, Any] = {"result": fn()}
     except AutoShardError as exc:
         extra = {k: v for k, v in vars(exc).items() if isinstance(v, (int, str, type(None)))}
@@ -118,6 +119,25 @@ def _detached_child(fn: Callable[[], Any], send: Any) -> None:
         send.close()
     finally:
         os._exit(0)
+
+
+def _check_autograd_forked() -> None:
+    """Refuse in words, before the step, where autograd cannot run in this forked child: the parent started autograd's
+    engine after something (fully_shard, a fake tensor) gave CUDA a stand-in device on a machine without a GPU,
+    before autoshard could start it first (``settle_autograd_engine``). The step's failure blamed the batch."""
+    leaf = torch.zeros((), requires_grad=True)
+    try:
+        (leaf * 1).backward()
+    except RuntimeError as exc:
+        if "fork" not in str(exc):
+            raise
+        raise AutoShardError(
+            "the simulated step runs in a child forked from this process (beside its live process group), and autograd"
+            " cannot run in a forked child here: this process ran a backward after torch gave CUDA a stand-in device (a"
+            " fake tensor, or fully_shard, before autoshard started autograd's engine) on a machine with torch's CUDA"
+            f" build and no GPU ({exc}). Fix: build the Trainer (or Fabric) with the autoshard strategy before anything"
+            " else in the process runs fully_shard or a backward, or run this fit in a fresh process"
+        ) from None
 
 
 def data_parallel_mesh(dims: ParallelDims) -> Any:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from autoshard.activations import settle_autograd_engine
 from autoshard.engine.front_end import FrontEnd
 from autoshard.engine.launch import check_launch
 from autoshard.engine.run import Run
@@ -48,6 +49,8 @@ class BackendMixin:
     cluster_environment: Any
 
     def _configure_launcher(self) -> None:  # private Lightning hook: autoshard.privates.in_lightning
+        # Before fully_shard (torch's own FakeTensorMode) or a simulated step: a budget's forked decision can still train
+        settle_autograd_engine()
         try:
             self.precision_plan = self._resolve_precision()
             # Under srun or torchrun Lightning starts no launcher, so its own validate_settings never runs: the world
