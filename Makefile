@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: demo test lint venv bench clean spt-check gpu-check gpu-check-smoke
+.PHONY: demo test lint venv bench clean spt-check gpu-check gpu-check-smoke image-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,7 +54,20 @@ gpu-check:
 # The same script on CPU with a tiny model (about 90 s): every configuration (the --only extras too), table and JSON
 # exercised, nothing measured. Run it before a GPU session, so the device's minutes are not spent on a broken script.
 gpu-check-smoke: $(STAMP)
-	PYTHONPATH=src $(PY) benchmarks/gpu_check.py --out gpu-check-smoke --smoke --skip-tests --deadline 900
+	PYTHONPATH=src $(SMOKE_PY) benchmarks/gpu_check.py --out gpu-check-smoke --smoke --skip-tests --deadline 900
+SMOKE_PY ?= $(PY)
+
+# Opt-in, about 3 GB and 40 minutes: the CPU suite and the smoke run of the GPU script under the GPU image's torch
+# (2.11; its CUDA wheel runs on a CPU), in $(IMAGE_VENV). Run it before a GPU session: what differs on that torch is
+# found here, not in the device's 15 minutes (session 11 found three: docs/benchmarks.md).
+IMAGE_VENV ?= .venv-image
+IMAGE_TORCH ?= torch==2.11.0
+image-check:
+	test -x $(IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(IMAGE_VENV)
+	$(IMAGE_VENV)/bin/pip install -q "$(IMAGE_TORCH)"
+	$(IMAGE_VENV)/bin/pip install -q -e ".[test,deepspeed]"
+	CUDA_VISIBLE_DEVICES= $(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(MAKE) gpu-check-smoke SMOKE_PY=$(abspath $(IMAGE_VENV))/bin/python
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
