@@ -32,7 +32,8 @@ def tracker_base() -> type:
 
 class _StepParts:
     """What ``StepTracker`` adds to torch's tracker that reads none of its private types: a unit called twice at top
-    level, Lightning's closure-style ``optimizer.step(closure)``, and the peak (its place in words, by kind)."""
+    level, Lightning's closure-style ``optimizer.step(closure)``, DTensor's sharding propagation left out, and the peak
+    (its place in words, by kind)."""
 
     # Units called more than once at top level in one step (torch raises "multiple iterative calls").
     def _fsdp_state_pre_forward(self, fsdp_mod: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,6 +67,33 @@ class _StepParts:
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_outside_step}
         return (args[0], closure_outside_step, *args[2:]), kwargs
+
+    # DTensor's sharding propagation runs an op once more on fake tensors of its own to learn its output's
+    # shapes: no memory of the step. torch 2.13 keeps those from the tracker's counts (its propagation is cached
+    # under fake tensors); torch 2.11 counted them, so a fused or foreach optimizer step (list ops on DTensors)
+    # peaked at 32 bytes per parameter where the real step holds 16 (session 7's flat 26.41 GiB on a GPU).
+    def __enter__(self) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        self._dtensor, self._propagating = DTensor, 0
+        self._uncounted = _propagation_uncounted(self)
+        self._uncounted.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._uncounted.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            self._uncounted.__exit__(None, None, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._propagating and not any(t is self._dtensor for t in types):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _where(self) -> str:
         if self._stepping:
@@ -166,31 +194,6 @@ def _tracker_class() -> type:
             for handle in self._plain_handles:
                 handle.remove()
             self._plain_handles.clear()
-
-        # DTensor's sharding propagation runs an op once more on fake tensors of its own to learn its output's
-        # shapes: no memory of the step. torch 2.13 keeps those from the tracker's counts (its propagation is cached
-        # under fake tensors); torch 2.11 counted them, so a fused or foreach optimizer step (list ops on DTensors)
-        # peaked at 32 bytes per parameter where the real step holds 16 (session 7's flat 26.41 GiB on a GPU).
-        def __enter__(self) -> Any:
-            self._propagating = 0
-            self._uncounted = _propagation_uncounted(self)
-            self._uncounted.__enter__()
-            try:
-                return super().__enter__()
-            except BaseException:
-                self._uncounted.__exit__(None, None, None)
-                raise
-
-        def __exit__(self, *args: Any) -> None:
-            try:
-                super().__exit__(*args)
-            finally:
-                self._uncounted.__exit__(None, None, None)
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if self._propagating and not any(t is DTensor for t in types):
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             before = sum(self._peak_mem.values())
