@@ -31,6 +31,12 @@ def pytest_configure(config: pytest.Config) -> None:
         # engines would then place models on the CPU and broadcast them on an nccl group.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _ENVIRON.update({k: os.environ.get(k) for k in _WATCHED})
+    # As an autoshard strategy does when it is built: autograd's engine started before any test makes a fake tensor
+    # (fully_shard does), or with torch's CUDA wheel and no GPU every forked budget decision after it fails its
+    # backward, and the suite's outcome depends on its order (tests/test_activations.py: ..._fork_a_child_that_trains).
+    from autoshard.activations import settle_autograd_engine
+
+    settle_autograd_engine()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

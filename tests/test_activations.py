@@ -423,13 +423,22 @@ def test_a_measured_step_that_raises_leaves_no_tracker_behind() -> None:
     assert _get_current_dispatch_mode_stack() == []
 
 
-FORK_AFTER_A_STEP = """
-import os, torch
-from autoshard.activations import measure_step
-from autoshard.intent import ShardingIntent
-from autoshard.precision import resolve_precision
-from tests.test_budget_decide import Small, batch
-measure_step(Small, ShardingIntent(), 2, resolve_precision(None, ShardingIntent()), make_batch=batch)
+FORK_AFTER = """
+import os, sys, torch
+if sys.argv[1] == "step":  # a simulated step: explain, decide before fit
+    from autoshard.activations import measure_step
+    from autoshard.intent import ShardingIntent
+    from autoshard.precision import resolve_precision
+    from tests.test_budget_decide import Small, batch
+
+    measure_step(Small, ShardingIntent(), 2, resolve_precision(None, ShardingIntent()), make_batch=batch)
+else:  # a fit under the strategy: torch's fully_shard makes fake tensors itself, then the training's backward
+    from autoshard._harness import quiet_trainer
+    from autoshard.lightning import FSDP2Strategy
+    from tests.test_budget_decide import Small, batch
+
+    trainer = quiet_trainer(strategy=FSDP2Strategy(), devices=1, max_steps=1)
+    trainer.fit(Small(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(batch()[0]), batch_size=4))
 read, write = os.pipe()
 pid = os.fork()
 if pid == 0:
@@ -445,16 +454,18 @@ print(os.read(read, 200).decode())
 """
 
 
-def test_a_process_that_simulated_a_step_can_still_fork_a_child_that_trains() -> None:
+@pytest.mark.parametrize("before", ["step", "fit"])
+def test_a_process_that_simulated_a_step_or_fit_can_still_fork_a_child_that_trains(before: str) -> None:
     """The decision beside a live gloo group runs in a forked child. Where torch is built with CUDA and has no GPU (a
-    CPU run of the usual pip wheel), a fake step first in the process left every later child unable to run a backward
-    ("Unable to handle autograd's threading in combination with fork-based multiprocessing"): FakeTensorMode's
-    stand-in CUDA guard counts a device. Seen with torch 2.11's CUDA wheel on this machine (where this test failed);
-    this suite's CPU build never showed it. A fresh process, so that nothing else started autograd's engine first."""
+    CPU run of the usual pip wheel), a fake step, or a fit (fully_shard makes fake tensors), first in the process left
+    every later child unable to run a backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"): FakeTensorMode's stand-in CUDA guard counts a device. Seen with torch 2.11's CUDA wheel on this
+    machine (where both cases failed: a second fit could not decide its budget); this suite's CPU build never showed
+    it. A fresh process each, so that nothing else started autograd's engine first."""
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(Path(__file__).parents[1])])}
-    done = subprocess.run([sys.executable, "-c", FORK_AFTER_A_STEP], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, "-c", FORK_AFTER, before], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout[-2000:]
