@@ -69,9 +69,9 @@ class _StepParts:
         return (args[0], closure_outside_step, *args[2:]), kwargs
 
     # DTensor's sharding propagation runs an op once more on fake tensors of its own to learn its output's
-    # shapes: no memory of the step. torch 2.13 keeps those from the tracker's counts (its propagation is cached
-    # under fake tensors); torch 2.11 counted them, so a fused or foreach optimizer step (list ops on DTensors)
-    # peaked at 32 bytes per parameter where the real step holds 16 (session 7's flat 26.41 GiB on a GPU).
+    # shapes: no memory of the step, but torch's tracker counted it. torch 2.13 propagates an op at its first sight
+    # (the warm-up step, unless the measured step meets a new one); torch 2.11 at every fused or foreach optimizer
+    # step (list ops on DTensors): 32 bytes per parameter where the real step holds 16 (the flat 26.41 GiB on a GPU).
     def __enter__(self) -> Any:
         from torch.distributed.tensor import DTensor
 
