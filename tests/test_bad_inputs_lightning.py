@@ -242,3 +242,6 @@ def test_178_keep_gathered_fix_is_not_what_the_user_already_set() -> None:
     assert "within stage3_max_reuse_distance elements of the trace (0, set by zero_overrides)" in caveat
     assert "zero_overrides={" not in caveat and "DeepSpeed's default" not in caveat
     assert caveat.endswith("Fix: use strategy='fsdp2' (or strategy='auto-shard') for reshard_after_forward=False")
+    from autoshard.backends.deepspeed import keep_gathered_cell
+
+    assert "trace (1,000,000,000, set by zero_overrides)" in keep_gathered_cell(1e9).reason  # YAML's float, as a count

@@ -36,10 +36,11 @@ def keep_gathered_cell(distance: float | None = None) -> Cell:
     """The ``KEEP_GATHERED`` cell, with the run's ``stage3_max_reuse_distance`` when its ``zero_overrides`` set one
     (``distance``): then the Fix no longer tells the user to set what they set, only to move to fsdp2."""
     reach = "DeepSpeed's default" if distance is None else "set by zero_overrides"
+    shown = MAX_REUSE_DISTANCE if distance is None else int(distance) if float(distance).is_integer() else distance  # 1e9: 1,000,000,000
     reason = (
         "ZeRO-3 has no such switch, and autoshard sets nothing for the field: once its trace is recorded (from the"
         " second step) ZeRO-3 keeps a module's parameters gathered after its forward only when their next use is within"
-        f" stage3_max_reuse_distance elements of the trace ({MAX_REUSE_DISTANCE if distance is None else distance:,}, {reach})"
+        f" stage3_max_reuse_distance elements of the trace ({shown:,}, {reach})"
     )
     fsdp2 = f"{TO_FSDP2} for reshard_after_forward=False"
     if distance is not None:
