@@ -465,10 +465,9 @@ def test_a_process_that_simulated_a_step_or_fit_can_still_fork_a_child_that_trai
     import subprocess
     import sys
 
-    # A fresh world: this process's MASTER_PORT may be held by a group an earlier test left to its module's end
-    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(Path(__file__).parents[1])])
+    from autoshard._harness import child_env
+
+    env = child_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), str(Path(__file__).parents[1])]))
     done = subprocess.run([sys.executable, "-c", FORK_AFTER, before], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout[-2000:]

@@ -51,8 +51,12 @@ def settle_autograd_engine() -> None:
     any backward ("Unable to handle autograd's threading in combination with fork-based multiprocessing"), so a
     decision beside a live gloo group failed once the process had simulated a step in it (torch 2.11's CUDA wheel).
     With a GPU the engine counts it whatever happens here: nothing is done."""
-    if torch.cuda.is_available():
-        return
+    if not torch.cuda.is_available():
+        _one_backward()
+
+
+def _one_backward() -> None:
+    """A backward of a CPU scalar: starts autograd's engine, or fails where a forked child cannot run one."""
     leaf = torch.zeros((), requires_grad=True)
     (leaf * 1).backward()
 
@@ -125,9 +129,8 @@ def _check_autograd_forked() -> None:
     """Refuse in words, before the step, where autograd cannot run in this forked child: the parent started autograd's
     engine after something (fully_shard, a fake tensor) gave CUDA a stand-in device on a machine without a GPU,
     before autoshard could start it first (``settle_autograd_engine``). The step's failure blamed the batch."""
-    leaf = torch.zeros((), requires_grad=True)
     try:
-        (leaf * 1).backward()
+        _one_backward()
     except RuntimeError as exc:
         if "fork" not in str(exc):
             raise
