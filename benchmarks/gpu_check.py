@@ -140,6 +140,11 @@ def table(out: Path, names: list[str]) -> str:
         )
         lines.append(f"Headroom measured: outside the caching allocator up to {outside / GIB:.2f} GiB (CUDA context, NCCL, libraries);")
         lines.append(f"reserved over max allocated up to {frag:.1%} (fsdp2 and plain configurations).")
+    compiled = {n: r["dynamo"] for n, r in results.items() if "compile" in n and "error" not in r and "dynamo" in r}
+    if compiled:  # the compiled rows should have compiled alike: a gap with more graphs or frames is autoshard's
+        lines.append(
+            "Dynamo: " + "; ".join(f"{n} {d['graphs']} graphs, {d['frames']} frames, {d['graph_breaks']} breaks" for n, d in compiled.items())
+        )
     timed = {n: results[n]["step_ms"] for n in PRICED if n in results and "error" not in results[n]}
     predicted = {n: simulated[n]["predicted_s"] for n in PRICED if n in simulated}
     both = [n for n in timed if n in predicted]

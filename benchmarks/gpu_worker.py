@@ -311,8 +311,22 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
         decided_peak=decision.peak if decision is not None else None,
         decision_table=decision.table() if decision is not None else None,
         decision=decision.to_dict() if decision is not None else None,
+        dynamo=dynamo_counts(),
     )
     return result
+
+
+def dynamo_counts() -> dict[str, Any]:
+    """What dynamo compiled in this run: the compiled rows should read alike (same graphs, frames, no break); autoshard's
+    hooks traced on frames of their own had made compile=True one graph per block call more (issue 31)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "frames": int(counters["frames"]["total"]),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "recompiles": sum(counters["recompiles"].values()),
+    }
 
 
 def main() -> None:

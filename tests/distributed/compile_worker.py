@@ -115,6 +115,22 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def autoshard_frames() -> list[str]:
+    """autoshard's functions dynamo has compiled a frame of (a cache entry on their code): none, as for fully_shard's
+    own hooks. A hook traced on its own frame costs a guard check per call, and clone_view_outputs had become a
+    compiled graph returning its input: one more compiled call and autograd node per block (issue 31's gap)."""
+    import gc
+    import types
+
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    import autoshard
+
+    root = str(Path(autoshard.__file__).parent)
+    codes = {f.__code__ for f in gc.get_objects() if type(f) is types.FunctionType and f.__code__.co_filename.startswith(root)}
+    return sorted(f"{Path(c.co_filename).name}:{c.co_name}" for c in codes if _debug_get_cache_entry_list(c))
+
+
 def checkpoint_keys(path: Path) -> list[str]:
     """The tensor keys a DCP checkpoint directory holds (model and optimizer state), as torch reads them."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -151,6 +167,7 @@ def fit(module: LlamaWithTeacher, strategy: Any, name: str, ckpt_path: str | Non
         "keys": checkpoint_keys(WORK / name / f"epoch={EPOCHS - 1}.ckpt"),
         "collectives": collectives.counts,
         "graphs": graphs() - before,
+        "autoshard_frames": autoshard_frames(),
         "layers": layers(module),
         "units": [u.name for u in plan.units],
         "blocks": [u.name for u in plan.units if u.kind.value == "block"],
@@ -213,6 +230,7 @@ def scenario_fabric() -> dict[str, Any]:
             "losses": losses,
             "collectives": collectives.counts,
             "graphs": graphs() - before,
+            "autoshard_frames": autoshard_frames(),
             "layers": layers(module),
             "keys": sorted(model.state_dict()),
         }

@@ -49,6 +49,9 @@ def test_compile_true_trains_like_eager_with_the_same_keys(ranks: list[dict[str,
         assert all(v == {"unit": True, "compiled": True, "shard": 0.5} for v in compiled["layers"].values()), compiled["layers"]
         assert not any(v["compiled"] for v in eager["layers"].values())
         assert compiled["graphs"] > 0 and eager["graphs"] == 0  # dynamo really traced the blocks
+        # ... and none of autoshard's hooks on them: they run eager, as fully_shard's own (a traced hook is a guard
+        # check per call; clone_view_outputs had become a graph of its own, one more compiled call per block)
+        assert compiled["autoshard_frames"] == [] and r["user_compiled"]["autoshard_frames"] == []
 
 
 @pytest.mark.timeout(450)
@@ -93,4 +96,5 @@ def test_fabric_compile_true_trains_like_eager(ranks: list[dict[str, Any]]) -> N
         assert all(v == {"unit": True, "compiled": True, "shard": 0.5} for v in compiled["layers"].values()), compiled["layers"]
         assert not any(v["compiled"] for v in eager["layers"].values())
         assert compiled["keys"] == eager["keys"] and not any("_orig_mod" in k for k in compiled["keys"])
+        assert compiled["autoshard_frames"] == []
     assert ranks[0]["fabric"]["eager"]["losses"] != ranks[1]["fabric"]["eager"]["losses"]  # each rank its own batches

@@ -7,6 +7,10 @@ hooks in the torch release Accelerate's first regional compile ran on (9.8% MFU 
 hooks fire through it). A model the user compiled is unwrapped at setup (``unwrap_compiled``), so the plan and every
 checkpoint see the eager names, and its blocks are compiled in place as for ``compile=True``.
 
+Every hook autoshard adds to a module runs eager (``torch.compiler.disable``), as fully_shard's own do: dynamo traces
+each hook of a block compiled in place as a frame of its own, with its own guards, and ``clone_view_outputs`` became a
+graph of its own that returns its input: one more compiled call and autograd node per block, per step.
+
 ``AUTOSHARD_COMPILE_BACKEND`` names the ``torch.compile`` backend (default inductor); tests use ``aot_eager``.
 """
 

@@ -60,7 +60,7 @@ def reshard_after_no_grad_forward(module: nn.Module) -> int:
     units = fsdp_units(module)
     for _, unit in units:
         if not getattr(unit, _RESHARD_HOOK, False):
-            unit.register_forward_hook(_reshard_if_no_grad)
+            unit.register_forward_hook(torch.compiler.disable(_reshard_if_no_grad))  # eager: adapters.compile
             object.__setattr__(unit, _RESHARD_HOOK, True)
     return len(units)
 
@@ -74,7 +74,7 @@ def track_forwards(module: nn.Module) -> set[int]:
         object.__setattr__(module, _FORWARD_LOG, log)  # not a buffer, not a module: nn.Module.__setattr__ is not needed
     for _, unit in fsdp_units(module):
         if not getattr(unit, _FORWARD_LOG, False):
-            unit.register_forward_pre_hook(lambda m, args, _log=log: _log.add(id(m)))
+            unit.register_forward_pre_hook(torch.compiler.disable(lambda m, args, _log=log: _log.add(id(m))))  # eager
             object.__setattr__(unit, _FORWARD_LOG, True)
     return log
 

@@ -84,7 +84,7 @@ def _sync_buffers_before_forward(module: nn.Module, mesh: Any) -> None:
         if m.training:
             sync_buffers(m, mesh)
 
-    module.register_forward_pre_hook(sync)
+    module.register_forward_pre_hook(torch.compiler.disable(sync))  # eager: adapters.compile
     object.__setattr__(module, _BUFFER_HOOK, True)
 
 

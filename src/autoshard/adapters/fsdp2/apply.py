@@ -80,7 +80,8 @@ def apply_plan(plan: PlanToApply, module: nn.Module, mesh: DeviceMesh | Parallel
     for unit in plan.units:
         sub = module.get_submodule(unit.name)
         if outermost(unit.name, names) != unit.name:  # an inner unit: see clone_view_outputs
-            sub.register_forward_hook(clone_view_outputs, prepend=True)  # runs before fully_shard's own hook
+            # runs before fully_shard's own hook; eager, as fully_shard's own are (adapters.compile)
+            sub.register_forward_hook(torch.compiler.disable(clone_view_outputs), prepend=True)
         if unit.checkpointed:  # the intent's mode decides which of the checkpointed blocks, by their order
             apply_checkpointing(sub, plan.intent.activation_checkpointing, checkpointed)
             checkpointed += 1

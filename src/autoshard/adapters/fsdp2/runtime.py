@@ -86,7 +86,7 @@ def average_unsharded_gradients(module: nn.Module, mesh: DeviceMesh | ParallelMe
     fsdp_module = in_torch.fsdp2_api()[1]
     for unit in module.modules():
         if state.params and isinstance(unit, fsdp_module) and not getattr(unit, _ARMS, False):
-            unit.register_forward_hook(state.arm)
+            unit.register_forward_hook(torch.compiler.disable(state.arm))  # eager: adapters.compile
             object.__setattr__(unit, _ARMS, True)
     return count
 
