@@ -47,7 +47,9 @@ CONFIGS = [
 # prefetch and persistence sizes (issue 31: which part of the 9.6% gap those three explain).
 # budget-diagnose: budget-20GiB with the same decision made once more before fit, on the module built on the GPU
 # (issue 28: at fit every checkpointing candidate simulated at 26.41 GiB; the tables now say where each peaks).
-EXTRA = [("deepspeed-knobs", 120, 8), ("budget-diagnose", 300, 4)]
+# deepspeed-matched: autoshard-deepspeed with every speed key of the tuned config and its bf16 gradient reduction
+# (autoshard's bf16-mixed reduces in fp32): with deepspeed-knobs, the gap split into sizes, reduction dtype, autoshard.
+EXTRA = [("deepspeed-knobs", 120, 8), ("deepspeed-matched", 120, 8), ("budget-diagnose", 300, 4)]
 PRICED = {  # the intent fields of each configuration the CPU stage simulates and prices
     "auto-shard": {"activation_checkpointing": False},
     "ac-true": {"activation_checkpointing": True},

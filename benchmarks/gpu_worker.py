@@ -105,6 +105,14 @@ def tuned_deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def matched_deepspeed_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """``AutoShardDeepSpeedStrategy``'s arguments for the tuned config: its zero block, and its gradient reduction in
+    bf16 (DeepSpeed's default under bf16, where autoshard's bf16-mixed reduces in fp32 as FSDP2 does). DeepSpeed reads
+    the same ZeRO config from both (tests/adapters/test_deepspeed_config.py), so what the two rows differ by is
+    autoshard's own."""
+    return {"reduce_dtype": "bfloat16", "zero_overrides": dict(tuned_deepspeed_config(args)["zero_optimization"])}
+
+
 def strategy_for(name: str, args: argparse.Namespace) -> tuple[Any, type]:
     """(the Trainer's strategy, the module class) of one configuration."""
     from autoshard.lightning.fsdp2 import FSDP2Strategy
@@ -139,6 +147,10 @@ def strategy_for(name: str, args: argparse.Namespace) -> tuple[Any, type]:
         tuned = tuned_deepspeed_config(args)["zero_optimization"]
         knobs = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
         return AutoShardDeepSpeedStrategy(zero_overrides={k: tuned[k] for k in knobs}), plain
+    if name == "deepspeed-matched":  # every speed key of the tuned config, its bf16 gradient reduction too: autoshard's own cost
+        from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+        return AutoShardDeepSpeedStrategy(**matched_deepspeed_arguments(args)), plain
     if name == "deepspeed-tuned":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 

@@ -1,7 +1,7 @@
-"""autoshard benchmarks, one command: ``python benchmarks/run.py [--quick] [--only step,compile,comm,plans,plan,rss] [--json out.json]``.
+"""autoshard benchmarks, one command: ``python benchmarks/run.py [--quick] [--only step,compile,deepspeed,comm,plans,plan,rss] [--json out.json]``.
 
 Every ratio is measured in this run (never against a number from elsewhere): step time of strategy="fsdp2" vs a
-hand-written fully_shard of the same model, per-rank model-state bytes vs total / N, bytes all-gathered and
+hand-written fully_shard of the same model, autoshard-deepspeed's step vs a hand-tuned ZeRO-3 config, per-rank model-state bytes vs total / N, bytes all-gathered and
 reduced per step under bf16-mixed (bf16 vs fp32 all-gather), plan time on big trees, and setup peak RSS with
 meta-device init vs building the model whole. Not timed tests: nothing here asserts.
 """
@@ -28,8 +28,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from autoshard._harness import run_workers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-GOALS = {"compile_ratio": 1.02, "step_ratio": 1.03, "state_ratio": 1.02, "plan_10k_s": 1.0}
-BENCHES = ("step", "compile", "comm", "rss", "plans", "plan")  # rss before plan: the plan trees grow this process
+GOALS = {"compile_ratio": 1.02, "deepspeed_ratio": 1.03, "step_ratio": 1.03, "state_ratio": 1.02, "plan_10k_s": 1.0}
+BENCHES = ("step", "compile", "deepspeed", "comm", "rss", "plans", "plan")  # rss before plan: the plan trees grow this process
 
 
 def machine() -> dict[str, Any]:
@@ -132,6 +132,42 @@ def bench_compile(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
         f"  compile=True / hand-compiled: wall {med['autoshard_compile/hand_compile/wall']:.3f}  CPU {med['autoshard_compile/hand_compile/cpu']:.3f}"
         f"  (goal <= {GOALS['compile_ratio']}: CPU {verdict(med['autoshard_compile/hand_compile/cpu'], GOALS['compile_ratio'])});"
         f"  A/A control: wall {med['autoshard_compile_again/autoshard_compile/wall']:.3f}  CPU {med['autoshard_compile_again/autoshard_compile/cpu']:.3f}",
+    ]
+    return {"ratios": ratios, "median_ratios": med, "median_step_s": wall, "median_step_cpu_s": cpu}, lines
+
+
+def bench_deepspeed(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
+    """autoshard-deepspeed against the GPU benchmark's hand-tuned ZeRO-3 config on CPU: the same rows, the same run."""
+    steps, rounds = (4, 2) if quick else (10, 4)
+    r0 = run_workers(HERE / "deepspeed_step_worker.py", ["--steps", str(steps), "--rounds", str(rounds)], work / "deepspeed", nprocs=2, timeout=1800)[
+        0
+    ]
+    per_round: dict[int, dict[str, tuple[float, float]]] = {}
+    for r, name, w, c in r0["per_round_median_s"]:
+        per_round.setdefault(r, {})[name] = (w, c)
+    pairs = (("deepspeed-matched", "tuned"), ("deepspeed", "tuned"), ("deepspeed-knobs", "tuned"), ("deepspeed_again", "deepspeed"))
+    ratios = {f"{a}/{b}/{kind}": _paired(per_round, a, b, i) for a, b in pairs for i, kind in enumerate(("wall", "cpu"))}
+    med = {k: statistics.median(v) for k, v in ratios.items()}
+    wall, cpu = r0["median_step_s"], r0["median_step_cpu_s"]
+    shapes = r0["shapes"]
+    lines = [
+        f"DeepSpeed ZeRO-3 step time, HF Llama {r0['parameters']:,d} parameters ({shapes['layers']} layers, hidden {shapes['hidden']}),"
+        f" bf16-mixed, micro-batch {shapes['micro_batch']} x {shapes['seq']}, 2 ranks, rank 0; {rounds} rotating rounds x {steps} timed steps:",
+    ]
+    for name, label in (
+        ("deepspeed", "autoshard-deepspeed (fp32 gradient reduction)"),
+        ("deepspeed-knobs", "  + the tuned bucket, prefetch, persistence sizes"),
+        ("deepspeed-matched", "  + every tuned zero key, bf16 reduction (= tuned)"),
+        ("tuned", "DeepSpeedStrategy(config=hand-tuned)"),
+        ("deepspeed_again", "autoshard-deepspeed again (A/A control)"),
+    ):
+        lines.append(f"  {label:<52} wall {wall[name] * 1e3:8.2f} ms  CPU {cpu[name] * 1e3:8.2f} ms")
+    show = lambda a, b: f"wall {med[f'{a}/{b}/wall']:.3f}  CPU {med[f'{a}/{b}/cpu']:.3f}"  # noqa: E731
+    lines += [
+        f"  matched / tuned (autoshard's own cost, the same DeepSpeed config): {show('deepspeed-matched', 'tuned')}"
+        f"  (goal <= {GOALS['deepspeed_ratio']}: CPU {verdict(med['deepspeed-matched/tuned/cpu'], GOALS['deepspeed_ratio'])})",
+        f"  autoshard-deepspeed / tuned: {show('deepspeed', 'tuned')};  with the tuned sizes: {show('deepspeed-knobs', 'tuned')}",
+        f"  A/A control: {show('deepspeed_again', 'deepspeed')}",
     ]
     return {"ratios": ratios, "median_ratios": med, "median_step_s": wall, "median_step_cpu_s": cpu}, lines
 
@@ -239,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name], lines = bench_step(args.quick, work)
             elif name == "compile":
                 results[name], lines = bench_compile(args.quick, work)
+            elif name == "deepspeed":
+                results[name], lines = bench_deepspeed(args.quick, work)
             elif name == "comm":
                 results[name], lines = bench_comm(args.quick, work)
             elif name == "plans":

@@ -223,3 +223,48 @@ def test_the_memory_model_refuses_shard_size_as_the_matrix_does() -> None:
     # shard_size = the whole world is one replica, pure ZeRO-3: estimated as such
     whole = estimate_memory(model, ShardingIntent(shard_size=4), needs, 4, "deepspeed_zero3", optimizers=optimizers)
     assert whole.device == estimate_memory(model, None, needs, 4, "deepspeed_zero3", optimizers=optimizers).device
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install 'autoshard[deepspeed]')")
+def test_a_hand_tuned_zero3_config_is_reachable_from_the_intent() -> None:
+    """The GPU benchmark's hand-tuned ZeRO-3 config (benchmarks/gpu_worker.py), written through autoshard as its
+    ``deepspeed-matched`` row writes it: DeepSpeed's own parser reads the same ZeRO config and the same gradient
+    reduction dtype from both, so what separates those two rows' step times is autoshard's, not the config's."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from gpu_worker import matched_deepspeed_arguments, tuned_deepspeed_config
+    finally:
+        sys.path.pop(0)
+    tuned = tuned_deepspeed_config(argparse.Namespace())
+    arguments = matched_deepspeed_arguments(argparse.Namespace())
+    ours = make(ShardingIntent(reduce_dtype=arguments["reduce_dtype"]), world_size=1, zero_overrides=arguments["zero_overrides"])
+    ours["gradient_clipping"] = 0.0
+    theirs = DeepSpeedConfig({**tuned, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1})
+    parsed = DeepSpeedConfig(ours)
+    assert parsed.zero_config == theirs.zero_config
+    assert parsed.bfloat16_config.enabled and theirs.bfloat16_config.enabled
+    # DeepSpeed reduces in the model's dtype when the key is absent (engine.communication_data_type): bf16 here
+    assert theirs.communication_data_type is None and parsed.communication_data_type == torch.bfloat16
+    # ... and autoshard's default bf16-mixed reduces in fp32 (as under FSDP2): the row without reduce_dtype differs there
+    assert DeepSpeedConfig(make(world_size=1)).communication_data_type == torch.float32
+
+
+def test_the_config_printed_in_docs_is_the_one_generated() -> None:
+    """docs/deepspeed.md, "The generated config": the JSON it prints "as is" is what deepspeed_config writes for the
+    case it names, key for key."""
+    import json
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed.md").read_text()
+    printed = json.loads(re.search(r"## The generated config.*?```json\n(.*?)```", page, flags=re.S).group(1))
+    intent = ShardingIntent(offload="optimizer", checkpoint="full")
+    generated = make(intent, precision=resolve_precision("bf16-mixed", intent), world_size=8, accumulate_grad_batches=2, gradient_clip_val=1.0)
+    assert printed == generated

@@ -19,8 +19,8 @@ from autoshard.needs import MethodNeeds
 from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import select_backend
 
-# ZeRO-3 knobs, in elements. DeepSpeed's own defaults for the stage-3 ones; Lightning's 2e8 for the buckets
-# (DeepSpeed's 5e8 doubles the transient memory for little gain). Parameters below the persistence threshold
+# ZeRO-3 knobs, in elements. DeepSpeed's own defaults for the stage-3 ones; Lightning's 2e8 for the reduce bucket
+# (DeepSpeed's 5e8 doubles the transient memory for little gain); no allgather_bucket_size, which ZeRO-3 never reads. Parameters below the persistence threshold
 # stay whole on every rank: partitioning tiny tensors (biases, norms) costs more in latency than it saves.
 ZERO3_DEFAULTS: dict[str, Any] = {
     "stage": 3,
@@ -28,7 +28,6 @@ ZERO3_DEFAULTS: dict[str, Any] = {
     "contiguous_gradients": True,
     "reduce_scatter": True,
     "reduce_bucket_size": REDUCE_BUCKET_SIZE,
-    "allgather_bucket_size": 200_000_000,
     "stage3_prefetch_bucket_size": 50_000_000,
     "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
     "stage3_max_live_parameters": 1_000_000_000,
@@ -284,7 +283,6 @@ def _check_zero_keys(zero: Mapping[str, Any]) -> None:
             )
     for key in (
         "reduce_bucket_size",
-        "allgather_bucket_size",
         "stage3_prefetch_bucket_size",
         "stage3_param_persistence_threshold",
         "stage3_max_live_parameters",
