@@ -6,7 +6,9 @@ The rows are the GPU benchmark's (benchmarks/gpu_worker.py): ``deepspeed`` (auto
 its bf16 gradient reduction: DeepSpeed reads the same config), and ``tuned``: the tuned config handed to Lightning's
 DeepSpeedStrategy under its own name, ``strategy=DeepSpeedStrategy(config=...)`` (autoshard's subclass registered for
 Lightning's names: Lightning's own refuses a CPU). matched / tuned is what autoshard itself costs a DeepSpeed step.
-Every variant runs in the same process pair, rotating, so machine noise hits each alike. Launched by run.py.
+``fsdp2`` (``strategy="auto-shard"``, which picks fsdp2 for this module) is the same model under FSDP2: with the
+work each step dispatches (``OpCounter``: operators, collectives, host syncs, casts), what ZeRO-3 costs that FSDP2
+does not. Every variant runs in the same process pair, rotating, so machine noise hits each alike. Launched by run.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,19 +31,29 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpu_worker import module_class, strategy_for, tuned_deepspeed_config  # noqa: E402
+from gpu_worker import matched_deepspeed_arguments, module_class, strategy_for, tuned_deepspeed_config  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import autoshard  # noqa: E402,F401  registers the strategies
 from autoshard._harness import write_result  # noqa: E402
 from autoshard.engine.deepspeed import restore_functional_linear  # noqa: E402
-from autoshard.lightning.deepspeed import GuardedDeepSpeedStrategy  # noqa: E402
+from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy, GuardedDeepSpeedStrategy  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 WARMUP = 3
-SHAPES = {"layers": 4, "hidden": 256, "ffn": 688, "heads": 4, "kv_heads": 2, "vocab": 2000, "seq": 128, "micro_batch": 4}
-NAMES = ("deepspeed", "deepspeed-knobs", "deepspeed-matched", "tuned", "deepspeed_again")
+# Every weight over the tuned config's persistence threshold (1e6 elements), as in the GPU benchmark's model: a
+# smaller one would be kept whole by that row and not by the others.
+SHAPES = {"layers": 2, "hidden": 1024, "ffn": 2816, "heads": 8, "kv_heads": 8, "vocab": 2000, "seq": 32, "micro_batch": 2}
+# Host time: the same rows on 16 decoder layers too small for their kernels to count, so a step's time is what the
+# host spends driving it (hooks, fetch and release, launches): where a GPU waits on the host. Every weight partitioned
+# (persistence threshold 0), as in the GPU benchmark's model.
+HOST_SHAPES = {"layers": 16, "hidden": 64, "ffn": 128, "heads": 4, "kv_heads": 4, "vocab": 256, "seq": 16, "micro_batch": 2}
+HOST = ("fsdp2", "deepspeed-matched")
+NAMES = ("deepspeed", "deepspeed-knobs", "deepspeed-matched", "tuned", "deepspeed_again", "fsdp2")
+COUNTED = ("fsdp2", "deepspeed-matched", "deepspeed")
 
 
 class StepTimer(pl.Callback):
@@ -59,13 +72,85 @@ class StepTimer(pl.Callback):
         self.cpu.append(time.process_time() - self._cpu)
 
 
+class OpCounter(TorchDispatchMode):
+    """What one training step dispatches: operators (views aside; each one kernel or more on a GPU), collectives and
+    the bytes they carry, host syncs (``.item()``, ``bool(tensor)``: each waits for the GPU) and dtype casts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            self.counts["collectives"] += 1
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self.counts["collective_bytes"] += max((t.numel() * t.element_size() for t in tensors), default=0)
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            self.counts["host_syncs"] += 1
+        else:
+            for source, target in casts(func, args, kwargs or {}, out):
+                self.counts["casts"] += 1
+                self.counts["cast_bytes"] += source.numel() * (source.element_size() + target.element_size())
+        if not func.is_view:
+            self.counts["operators"] += 1
+        return out
+
+
+def casts(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, result) of each dtype change an op makes: ``.to(dtype)``, and a copy into a tensor of another dtype
+    (FSDP2 casts its shards into the all-gather buffer so)."""
+    aten = torch.ops.aten
+    if func is aten._to_copy.default and "dtype" in kwargs and kwargs["dtype"] != args[0].dtype:
+        return [(args[0], out)]
+    if func is aten.copy_.default and args[0].dtype != args[1].dtype:
+        return [(args[1], args[0])]
+    if func is aten._foreach_copy_.default:
+        return [(src, dst) for dst, src in zip(args[0], args[1]) if dst.dtype != src.dtype]
+    return []
+
+
+class CountStep(pl.Callback):
+    """``OpCounter`` over training batch ``WARMUP`` (forward, backward, optimizer step), on each rank."""
+
+    def __init__(self) -> None:
+        self.mode = OpCounter()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == WARMUP:
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == WARMUP:
+            self.mode.__exit__(None, None, None)
+
+
+def fused(module_cls: type) -> type:
+    """The benchmark's module with AdamW(fused=True) on CPU too, as on the GPU: the single-tensor AdamW reads each
+    parameter's step count with ``.item()``, a host sync per parameter that the GPU run never makes."""
+
+    class Fused(module_cls):  # type: ignore[valid-type,misc]
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
+
+    return Fused
+
+
 def strategy(name: str, args: argparse.Namespace) -> tuple[Any, type]:
-    if name == "tuned":
-        return GuardedDeepSpeedStrategy(config=tuned_deepspeed_config(args)), module_class(args)
-    return strategy_for(name.removesuffix("_again"), args)
+    if args.host and name == "deepspeed-matched":
+        arguments = matched_deepspeed_arguments(args)
+        overrides = {**arguments["zero_overrides"], "stage3_param_persistence_threshold": 0}
+        return AutoShardDeepSpeedStrategy(reduce_dtype=arguments["reduce_dtype"], zero_overrides=overrides), fused(module_class(args))
+    if name == "fsdp2":
+        chosen, module_cls = strategy_for("auto-shard", args)
+    elif name == "tuned":
+        chosen, module_cls = GuardedDeepSpeedStrategy(config=tuned_deepspeed_config(args)), module_class(args)
+    else:
+        chosen, module_cls = strategy_for(name.removesuffix("_again"), args)
+    return chosen, fused(module_cls)
 
 
-def run_variant(name: str, steps: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+def run_variant(name: str, steps: int, args: argparse.Namespace, extra: list[pl.Callback] | None = None) -> tuple[list[float], list[float]]:
     pl.seed_everything(0, verbose=False)
     chosen, module_cls = strategy(name, args)
     timer = StepTimer()
@@ -75,7 +160,7 @@ def run_variant(name: str, steps: int, args: argparse.Namespace) -> tuple[list[f
         devices=WORLD,
         precision="bf16-mixed",
         max_steps=steps,
-        callbacks=[timer],
+        callbacks=[timer, *(extra or [])],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -95,7 +180,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    ns = argparse.Namespace(**SHAPES, meta=False)
+    ns = argparse.Namespace(**SHAPES, meta=False, host=False)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     wall: dict[str, list[float]] = {n: [] for n in NAMES}
@@ -110,6 +195,19 @@ def main() -> None:
             wall[name] += w
             cpu[name] += c
             per_round.append((r, name, statistics.median(w), statistics.median(c)))
+    host = argparse.Namespace(**HOST_SHAPES, meta=False, host=True)
+    host_wall: dict[str, list[float]] = {n: [] for n in HOST}
+    host_cpu: dict[str, list[float]] = {n: [] for n in HOST}
+    for r in range(args.rounds):
+        for name in HOST[r % 2 :] + HOST[: r % 2]:
+            w, c = run_variant(name, 2 * args.steps + WARMUP, host)
+            host_wall[name] += w
+            host_cpu[name] += c
+    counted = {}
+    for name in COUNTED:
+        counter = CountStep()
+        run_variant(name, WARMUP + 1, ns, [counter])
+        counted[name] = dict(counter.mode.counts)
     write_result(
         args.out,
         RANK,
@@ -118,6 +216,10 @@ def main() -> None:
             "median_step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
             "steps_timed": {k: len(v) for k, v in wall.items()},
             "per_round_median_s": per_round,
+            "per_step": counted,
+            "host_step_s": {k: statistics.median(v) for k, v in host_wall.items()},
+            "host_step_cpu_s": {k: statistics.median(v) for k, v in host_cpu.items()},
+            "host_shapes": HOST_SHAPES,
             "parameters": sum(p.numel() for p in module_class(ns)().parameters()),
             "shapes": SHAPES,
         },
