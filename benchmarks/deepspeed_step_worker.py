@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpu_worker import matched_deepspeed_arguments, module_class, strategy_for, tuned_deepspeed_config  # noqa: E402
+from gpu_worker import leaf_blocks, matched_deepspeed_arguments, module_class, strategy_for, tuned_deepspeed_config  # noqa: E402
+from step_worker import StepTimer  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -51,25 +51,9 @@ SHAPES = {"layers": 2, "hidden": 1024, "ffn": 2816, "heads": 8, "kv_heads": 8, "
 # host spends driving it (hooks, fetch and release, launches): where a GPU waits on the host. Every weight partitioned
 # (persistence threshold 0), as in the GPU benchmark's model.
 HOST_SHAPES = {"layers": 16, "hidden": 64, "ffn": 128, "heads": 4, "kv_heads": 4, "vocab": 256, "seq": 16, "micro_batch": 2}
-HOST = ("fsdp2", "deepspeed-matched")
+HOST = ("fsdp2", "deepspeed-matched", "deepspeed-leaf")  # -leaf: each decoder layer a ZeRO-3 leaf module
 NAMES = ("deepspeed", "deepspeed-knobs", "deepspeed-matched", "tuned", "deepspeed_again", "fsdp2")
 COUNTED = ("fsdp2", "deepspeed-matched", "deepspeed")
-
-
-class StepTimer(pl.Callback):
-    """Wall and CPU time of each training batch (forward, backward, DeepSpeed's step)."""
-
-    def __init__(self) -> None:
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-        self._start = self._cpu = 0.0
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._start, self._cpu = time.perf_counter(), time.process_time()
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.wall.append(time.perf_counter() - self._start)
-        self.cpu.append(time.process_time() - self._cpu)
 
 
 class OpCounter(TorchDispatchMode):
@@ -137,10 +121,12 @@ def fused(module_cls: type) -> type:
 
 
 def strategy(name: str, args: argparse.Namespace) -> tuple[Any, type]:
-    if args.host and name == "deepspeed-matched":
+    if args.host and name in ("deepspeed-matched", "deepspeed-leaf"):
         arguments = matched_deepspeed_arguments(args)
         overrides = {**arguments["zero_overrides"], "stage3_param_persistence_threshold": 0}
-        return AutoShardDeepSpeedStrategy(reduce_dtype=arguments["reduce_dtype"], zero_overrides=overrides), fused(module_class(args))
+        module_cls = fused(module_class(args))
+        chosen = AutoShardDeepSpeedStrategy(reduce_dtype=arguments["reduce_dtype"], zero_overrides=overrides)
+        return chosen, leaf_blocks(module_cls) if name == "deepspeed-leaf" else module_cls
     if name == "fsdp2":
         chosen, module_cls = strategy_for("auto-shard", args)
     elif name == "tuned":
@@ -171,7 +157,7 @@ def run_variant(name: str, steps: int, args: argparse.Namespace, extra: list[pl.
     module = module_cls()
     trainer.fit(module, DataLoader(TensorDataset(ids), batch_size=args.micro_batch))
     restore_functional_linear()  # a Trainer of Lightning's own names leaves ZeRO-3's linear in the process
-    return timer.wall[WARMUP:], timer.cpu[WARMUP:]
+    return timer.times[WARMUP:], timer.cpu[WARMUP:]
 
 
 def main() -> None:
@@ -199,7 +185,7 @@ def main() -> None:
     host_wall: dict[str, list[float]] = {n: [] for n in HOST}
     host_cpu: dict[str, list[float]] = {n: [] for n in HOST}
     for r in range(args.rounds):
-        for name in HOST[r % 2 :] + HOST[: r % 2]:
+        for name in HOST[r % len(HOST) :] + HOST[: r % len(HOST)]:
             w, c = run_variant(name, 2 * args.steps + WARMUP, host)
             host_wall[name] += w
             host_cpu[name] += c

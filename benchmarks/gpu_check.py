@@ -49,7 +49,8 @@ CONFIGS = [
 # (issue 28: at fit every checkpointing candidate simulated at 26.41 GiB; the tables now say where each peaks).
 # deepspeed-matched: autoshard-deepspeed with every speed key of the tuned config and its bf16 gradient reduction
 # (autoshard's bf16-mixed reduces in fp32): with deepspeed-knobs, the gap split into sizes, reduction dtype, autoshard.
-EXTRA = [("deepspeed-knobs", 120, 8), ("deepspeed-matched", 120, 8), ("budget-diagnose", 300, 4)]
+# deepspeed-leaf: deepspeed-matched with each decoder layer a ZeRO-3 leaf module (fetched whole, one hook per layer).
+EXTRA = [("deepspeed-knobs", 120, 8), ("deepspeed-matched", 120, 8), ("deepspeed-leaf", 120, 8), ("budget-diagnose", 300, 4)]
 PRICED = {  # the intent fields of each configuration the CPU stage simulates and prices
     "auto-shard": {"activation_checkpointing": False},
     "ac-true": {"activation_checkpointing": True},

@@ -113,6 +113,22 @@ def matched_deepspeed_arguments(args: argparse.Namespace) -> dict[str, Any]:
     return {"reduce_dtype": "bfloat16", "zero_overrides": dict(tuned_deepspeed_config(args)["zero_optimization"])}
 
 
+def leaf_blocks(module_cls: type) -> type:
+    """The module with each decoder layer a ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``): DeepSpeed
+    gathers and releases a layer's parameters at once, from the layer's hooks, instead of hooking every submodule.
+    On CPU that took a third of ZeRO-3's host time per step away, below FSDP2's (docs/benchmarks.md); measured here
+    before autoshard does it."""
+
+    class Leaf(module_cls):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(self.model, [type(self.model.model.layers[0])])
+
+    return Leaf
+
+
 def strategy_for(name: str, args: argparse.Namespace) -> tuple[Any, type]:
     """(the Trainer's strategy, the module class) of one configuration."""
     from autoshard.lightning.fsdp2 import FSDP2Strategy
@@ -151,6 +167,10 @@ def strategy_for(name: str, args: argparse.Namespace) -> tuple[Any, type]:
         from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
 
         return AutoShardDeepSpeedStrategy(**matched_deepspeed_arguments(args)), plain
+    if name == "deepspeed-leaf":  # deepspeed-matched, each decoder layer fetched whole (one hook, like an FSDP2 unit)
+        from autoshard.lightning.deepspeed import AutoShardDeepSpeedStrategy
+
+        return AutoShardDeepSpeedStrategy(**matched_deepspeed_arguments(args)), leaf_blocks(plain)
     if name == "deepspeed-tuned":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 

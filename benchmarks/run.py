@@ -189,7 +189,9 @@ def bench_deepspeed(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]
         f"host time per step, {hs['layers']} decoder layers of hidden {hs['hidden']} (kernels negligible; ZeRO-3 partitions every"
         f" weight): fsdp2 wall {host['fsdp2'] * 1e3:.1f} ms CPU {host_cpu['fsdp2'] * 1e3:.1f} ms;"
         f" ZeRO-3 (tuned config) wall {host['deepspeed-matched'] * 1e3:.1f} ms CPU {host_cpu['deepspeed-matched'] * 1e3:.1f} ms"
-        f" ({host_cpu['deepspeed-matched'] / host_cpu['fsdp2']:.2f}x the CPU)"
+        f" ({host_cpu['deepspeed-matched'] / host_cpu['fsdp2']:.2f}x the CPU); each decoder layer a ZeRO-3 leaf module"
+        f" wall {host['deepspeed-leaf'] * 1e3:.1f} ms CPU {host_cpu['deepspeed-leaf'] * 1e3:.1f} ms"
+        f" ({host_cpu['deepspeed-leaf'] / host_cpu['fsdp2']:.2f}x)"
     )
     return {"ratios": ratios, "median_ratios": med, "median_step_s": wall, "median_step_cpu_s": cpu, "per_step": r0["per_step"], "host": host}, lines
 

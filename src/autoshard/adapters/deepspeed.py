@@ -20,8 +20,9 @@ from autoshard.precision import Dtype, PrecisionPlan, resolve_precision
 from autoshard.select import select_backend
 
 # ZeRO-3 knobs, in elements. DeepSpeed's own defaults for the stage-3 ones; Lightning's 2e8 for the reduce bucket
-# (DeepSpeed's 5e8 doubles the transient memory for little gain); no allgather_bucket_size, which ZeRO-3 never reads. Parameters below the persistence threshold
-# stay whole on every rank: partitioning tiny tensors (biases, norms) costs more in latency than it saves.
+# (DeepSpeed's 5e8 doubles the transient memory for little gain); no allgather_bucket_size, which ZeRO-3 never reads.
+# Parameters below the persistence threshold stay whole on every rank: partitioning tiny tensors (biases, norms) costs
+# more in latency than it saves.
 ZERO3_DEFAULTS: dict[str, Any] = {
     "stage": 3,
     "overlap_comm": True,
