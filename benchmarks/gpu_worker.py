@@ -350,7 +350,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def dynamo_counts() -> dict[str, Any]:
     """What dynamo compiled in this run: the compiled rows should read alike (same graphs, frames, no break); autoshard's
-    hooks traced on frames of their own had made compile=True one graph per block call more (issue 31)."""
+    hooks traced on frames of their own had given compile=True one graph more, called at every block call (issue 31)."""
     from torch._dynamo.utils import counters
 
     return {
