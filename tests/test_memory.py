@@ -246,6 +246,6 @@ def test_zero3_figures_are_deepspeeds_own(world: int, nodes: int, offload: str, 
         optimizers=[optimizer],
         options=EstimateOptions(num_nodes=nodes, zero_init=zero_init),
     )
-    bucket = REDUCE_BUCKET_SIZE * 2  # ZeRO-3's reduce bucket, allocated whole (bf16-mixed: 16-bit gradients)
+    bucket = REDUCE_BUCKET_SIZE * 4  # ZeRO-3's reduce bucket, allocated whole (bf16-mixed: reduced in fp32)
     assert (estimate.host, estimate.device, estimate.gathered_block) == (cpu, gpu + bucket, largest_mem + bucket)
     assert zero3_model_states(total, largest, world // nodes, nodes, offload != "none", offload == "params", zero_init) == (cpu, gpu, largest_mem)

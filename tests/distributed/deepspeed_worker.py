@@ -3,7 +3,8 @@
 ``engine``: raw ZeRO-3 engines built from autoshard's ``deepspeed_config`` train (bf16 AdamW; fp32 SGD compared
 with a single process). ``lightning``: Trainers with AutoShardDeepSpeedStrategy train with automatic, then manual
 optimization, then a probe callback that builds its optimizer in ``setup()`` is refused, all in the same processes.
-``reuse`` (one process): what ZeRO-3 keeps gathered from forward into backward, against the memory estimate.
+``reuse`` (one process): what ZeRO-3 keeps gathered from forward into backward, and the gradient reduce bucket it
+allocates, against the memory estimate.
 Each rank writes ``rank<R>.json``; the test asserts on those numbers.
 """
 
@@ -326,11 +327,35 @@ def gathered_into_backward(reuse: int | None, checkpointing: bool | int) -> dict
     return {"reuse": reuse, "checkpointing": checkpointing, "held": held[1:], "names": names[1:]}
 
 
+# (precision, reduce_dtype) of each engine whose gradient reduce bucket is measured; a small bucket (elements).
+BUCKET_RUNS = (("bf16-mixed", None), ("bf16-mixed", "bfloat16"), ("32-true", None))
+BUCKET = 4096
+
+
+def reduce_bucket_bytes(precision: str, reduce_dtype: str | None) -> dict[str, Any]:
+    """The bytes of the gradient reduce bucket a ZeRO-3 engine built from autoshard's config allocates (DeepSpeed
+    0.19: one buffer per reduction dtype, reduce_bucket_size elements of it, with contiguous_gradients)."""
+    import deepspeed
+
+    from autoshard.adapters.deepspeed import deepspeed_config
+    from autoshard.intent import ShardingIntent
+
+    intent = ShardingIntent(precision=precision, reduce_dtype=reduce_dtype)
+    config = deepspeed_config(intent, world_size=1, micro_batch_size=4, zero_overrides={"reduce_bucket_size": BUCKET})
+    model = make_blocks()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=sgd(model.parameters()), config=config, dist_init_required=False)
+    buffers = [b.buffer for b in engine.optimizer.ipg_buckets.values() if b.buffer is not None]
+    return {"precision": precision, "reduce_dtype": reduce_dtype, "bytes": sum(b.numel() * b.element_size() for b in buffers)}
+
+
 def run_reuse(rank: int) -> dict[str, Any]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=PG_TIMEOUT)
-    return {"runs": [gathered_into_backward(reuse, checkpointing) for reuse, checkpointing in REUSE_RUNS]}
+    return {
+        "runs": [gathered_into_backward(reuse, checkpointing) for reuse, checkpointing in REUSE_RUNS],
+        "buckets": [reduce_bucket_bytes(precision, reduce_dtype) for precision, reduce_dtype in BUCKET_RUNS],
+    }
 
 
 def main() -> None:

@@ -107,9 +107,34 @@ def test_probe_optimizer_built_in_setup_is_refused_on_both_ranks(lightning_ranks
 
 
 @pytest.fixture(scope="module")
-def reuse_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def reuse_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (rank,) = run_workers(WORKER, ["reuse"], tmp_path_factory.mktemp("ds_reuse"), nprocs=1, timeout=PAIR_TIMEOUT)
-    return rank["runs"]
+    return rank
+
+
+@pytest.fixture(scope="module")
+def reuse_runs(reuse_rank: dict[str, Any]) -> list[dict[str, Any]]:
+    return reuse_rank["runs"]
+
+
+@pytest.mark.timeout(PAIR_TIMEOUT + 30)
+def test_the_estimate_counts_the_reduce_bucket_in_the_dtype_deepspeed_allocates_it(reuse_rank: dict[str, Any]) -> None:
+    """ZeRO-3 allocates its gradient reduce bucket whole, in the reduction's dtype: fp32 under bf16-mixed (each bf16
+    gradient cast into it), bf16 with reduce_dtype='bfloat16'. The estimate counted it in the gather dtype, half of
+    the real bucket under bf16-mixed (381 MiB short at the default 2e8 elements)."""
+    from autoshard.intent import ShardingIntent
+    from autoshard.memory import EstimateOptions, estimate_memory
+    from tests.distributed.deepspeed_worker import BUCKET, make_blocks
+
+    def gathered(intent: ShardingIntent, **zero: Any) -> int:
+        options = EstimateOptions(zero_overrides={"reduce_bucket_size": BUCKET, **zero})
+        return estimate_memory(make_blocks(), intent, world_size=1, backend="deepspeed", options=options).gathered_block
+
+    measured = {(b["precision"], b["reduce_dtype"]): b["bytes"] for b in reuse_rank["buckets"]}
+    assert measured == {("bf16-mixed", None): 4 * BUCKET, ("bf16-mixed", "bfloat16"): 2 * BUCKET, ("32-true", None): 4 * BUCKET}
+    for (precision, reduce_dtype), held in measured.items():
+        intent = ShardingIntent(precision=precision, reduce_dtype=reduce_dtype)
+        assert gathered(intent) - gathered(intent, contiguous_gradients=False) == held, (precision, reduce_dtype)
 
 
 @pytest.mark.timeout(PAIR_TIMEOUT + 30)

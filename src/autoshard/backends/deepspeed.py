@@ -18,8 +18,9 @@ BACKEND_NAME = "deepspeed_zero3"
 # Its formula gives only the total; the split into 16-bit params / 16-bit grads / the rest is autoshard's reading.
 ZERO3_BYTES_PER_PARAM = 18
 # The config's reduce_bucket_size (adapters.deepspeed.ZERO3_DEFAULTS), in elements: with contiguous_gradients ZeRO-3
-# allocates this bucket whole, per parameter dtype, when the engine is built (stage3.py, DeepSpeed 0.19), whatever
-# the model's size; DeepSpeed's estimator leaves it out.
+# allocates this bucket whole when the engine is built (stage3.py, DeepSpeed 0.19), whatever the model's size, in the
+# gradient reduction's dtype (communication_data_type: fp32 under bf16-mixed, each gradient cast into it); DeepSpeed's
+# estimator leaves it out.
 REDUCE_BUCKET_SIZE = 200_000_000
 # The config's stage3_param_persistence_threshold and stage3_max_reuse_distance (DeepSpeed's defaults), in elements:
 # parameters of at most the threshold stay whole on every rank; see kept_gathered for the reuse distance.
@@ -253,7 +254,7 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         total, layout.largest_layer_params, per_node, num_nodes, offload_opt, offload_params, inputs.zero_init
     )
     contiguous = bool(inputs.zero_overrides.get("contiguous_gradients", True))  # the bucket is allocated whole only then
-    bucket = zero_size(inputs, "reduce_bucket_size", REDUCE_BUCKET_SIZE) * layout.precision.gather.bytes if contiguous else 0
+    bucket = zero_size(inputs, "reduce_bucket_size", REDUCE_BUCKET_SIZE) * layout.precision.reduce.bytes if contiguous else 0
     reuse_distance = zero_size(inputs, "stage3_max_reuse_distance", MAX_REUSE_DISTANCE)
     kept = kept_gathered(layout, reuse_distance, zero_size(inputs, "stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD))
     states = int(ZERO3_BYTES_PER_PARAM * total / world_size)
@@ -264,8 +265,9 @@ def memory(layout: Layout, inputs: RankInputs) -> MemoryEstimate:
         " precision; the gathered block is 4 bytes x the largest layer); the split into 16-bit params (2 B),"
         " 16-bit grads (2 B) and optimizer states with fp32 master weights (14 B) is autoshard's reading",
         "parameters below stage3_param_persistence_threshold stay whole on every rank; DeepSpeed's formula ignores them",
-        f"the gathered row adds ZeRO-3's gradient reduce bucket ({fmt_bytes(bucket)}: reduce_bucket_size elements, allocated"
-        " whole when the engine is built), which DeepSpeed's formula leaves out",
+        f"the gathered row adds ZeRO-3's gradient reduce bucket ({fmt_bytes(bucket)}: reduce_bucket_size elements of the"
+        f" reduction dtype, {layout.precision.reduce}, allocated whole when the engine is built), which DeepSpeed's formula"
+        " leaves out",
         f"the gathered row adds the parameters ZeRO-3 keeps gathered from forward into backward ({fmt_bytes(kept)}: each"
         f" module whose next use is within stage3_max_reuse_distance ({reuse_distance:,}) elements of the trace,"
         " whole on every rank), which DeepSpeed's formula leaves out",
