@@ -160,6 +160,24 @@ def run_variant(name: str, steps: int, args: argparse.Namespace, extra: list[pl.
     return timer.times[WARMUP:], timer.cpu[WARMUP:]
 
 
+def rotated(
+    names: tuple[str, ...], rounds: int, steps: int, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, list[float]], list[tuple[int, str, float, float]]]:
+    """Each variant's timed steps (wall, CPU) over ``rounds`` rounds, the order rotated each round so no variant
+    always runs first; and each round's medians."""
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    per_round: list[tuple[int, str, float, float]] = []
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            w, c = run_variant(name, steps + WARMUP, args)
+            wall[name] += w
+            cpu[name] += c
+            per_round.append((r, name, statistics.median(w), statistics.median(c)))
+    return wall, cpu, per_round
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=10)
@@ -169,26 +187,10 @@ def main() -> None:
     ns = argparse.Namespace(**SHAPES, meta=False, host=False)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    wall: dict[str, list[float]] = {n: [] for n in NAMES}
-    cpu: dict[str, list[float]] = {n: [] for n in NAMES}
-    per_round: list[tuple[int, str, float, float]] = []
     for name in NAMES:  # one untimed pass each: the first fits of a process run slow (allocator, caches)
         run_variant(name, WARMUP + 1, ns)
-    for r in range(args.rounds):
-        k = r % len(NAMES)
-        for name in NAMES[k:] + NAMES[:k]:  # rotate, so no variant always runs first
-            w, c = run_variant(name, args.steps + WARMUP, ns)
-            wall[name] += w
-            cpu[name] += c
-            per_round.append((r, name, statistics.median(w), statistics.median(c)))
-    host = argparse.Namespace(**HOST_SHAPES, meta=False, host=True)
-    host_wall: dict[str, list[float]] = {n: [] for n in HOST}
-    host_cpu: dict[str, list[float]] = {n: [] for n in HOST}
-    for r in range(args.rounds):
-        for name in HOST[r % len(HOST) :] + HOST[: r % len(HOST)]:
-            w, c = run_variant(name, 2 * args.steps + WARMUP, host)
-            host_wall[name] += w
-            host_cpu[name] += c
+    wall, cpu, per_round = rotated(NAMES, args.rounds, args.steps, ns)
+    host_wall, host_cpu, _ = rotated(HOST, args.rounds, 2 * args.steps, argparse.Namespace(**HOST_SHAPES, meta=False, host=True))
     counted = {}
     for name in COUNTED:
         counter = CountStep()

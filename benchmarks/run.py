@@ -48,9 +48,15 @@ def verdict(value: float, goal: float, lower_is_better: bool = True) -> str:
     return "meets goal" if (value <= goal if lower_is_better else value >= goal) else "MISSES goal"
 
 
-def _paired(rounds: dict[int, dict[str, tuple[float, float]]], a: str, b: str, which: int) -> list[float]:
-    """a / b within each round (same minute, same machine load), sorted; which: 0 wall time, 1 CPU time."""
-    return sorted(v[a][which] / v[b][which] for v in rounds.values())
+def _paired(result: dict[str, Any], pairs: tuple[tuple[str, str], ...]) -> dict[str, list[float]]:
+    """``"a/b/wall"`` and ``"a/b/cpu"`` for each pair: a / b within each round of a worker's ``per_round_median_s``
+    (same minute, same machine load), sorted."""
+    rounds: dict[int, dict[str, tuple[float, float]]] = {}
+    for r, name, w, c in result["per_round_median_s"]:
+        rounds.setdefault(r, {})[name] = (w, c)
+    return {
+        f"{a}/{b}/{kind}": sorted(v[a][which] / v[b][which] for v in rounds.values()) for a, b in pairs for which, kind in enumerate(("wall", "cpu"))
+    }
 
 
 def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
@@ -58,14 +64,7 @@ def bench_step(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
     ranks = run_workers(HERE / "step_worker.py", ["--steps", str(steps), "--rounds", str(rounds)], work / "step", nprocs=2, timeout=1200)
     r0 = ranks[0]
     wall, cpu = r0["median_step_s"], r0["median_step_cpu_s"]
-    per_round: dict[int, dict[str, tuple[float, float]]] = {}
-    for r, name, w, c in r0["per_round_median_s"]:
-        per_round.setdefault(r, {})[name] = (w, c)
-    ratios = {
-        f"{a}/{b}/{kind}": _paired(per_round, a, b, i)
-        for a, b in (("autoshard", "hand_reshard"), ("autoshard", "hand_default"), ("autoshard_again", "autoshard"))
-        for i, kind in enumerate(("wall", "cpu"))
-    }
+    ratios = _paired(r0, (("autoshard", "hand_reshard"), ("autoshard", "hand_default"), ("autoshard_again", "autoshard")))
     med = {k: statistics.median(v) for k, v in ratios.items()}
 
     def show(key: str) -> str:
@@ -117,11 +116,7 @@ def bench_compile(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]:
     steps, rounds = (8, 2) if quick else (20, 4)
     args = ["--steps", str(steps), "--rounds", str(rounds), "--compile"]
     r0 = run_workers(HERE / "step_worker.py", args, work / "compile", nprocs=2, timeout=1800)[0]
-    per_round: dict[int, dict[str, tuple[float, float]]] = {}
-    for r, name, w, c in r0["per_round_median_s"]:
-        per_round.setdefault(r, {})[name] = (w, c)
-    pairs = (("autoshard_compile", "hand_compile"), ("autoshard_compile_again", "autoshard_compile"))
-    ratios = {f"{a}/{b}/{kind}": _paired(per_round, a, b, i) for a, b in pairs for i, kind in enumerate(("wall", "cpu"))}
+    ratios = _paired(r0, (("autoshard_compile", "hand_compile"), ("autoshard_compile_again", "autoshard_compile")))
     med = {k: statistics.median(v) for k, v in ratios.items()}
     wall, cpu = r0["median_step_s"], r0["median_step_cpu_s"]
     lines = [
@@ -142,9 +137,6 @@ def bench_deepspeed(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]
     r0 = run_workers(HERE / "deepspeed_step_worker.py", ["--steps", str(steps), "--rounds", str(rounds)], work / "deepspeed", nprocs=2, timeout=1800)[
         0
     ]
-    per_round: dict[int, dict[str, tuple[float, float]]] = {}
-    for r, name, w, c in r0["per_round_median_s"]:
-        per_round.setdefault(r, {})[name] = (w, c)
     pairs = (
         ("deepspeed-matched", "tuned"),
         ("deepspeed", "tuned"),
@@ -152,7 +144,7 @@ def bench_deepspeed(quick: bool, work: Path) -> tuple[dict[str, Any], list[str]]
         ("deepspeed_again", "deepspeed"),
         ("fsdp2", "tuned"),
     )
-    ratios = {f"{a}/{b}/{kind}": _paired(per_round, a, b, i) for a, b in pairs for i, kind in enumerate(("wall", "cpu"))}
+    ratios = _paired(r0, pairs)
     med = {k: statistics.median(v) for k, v in ratios.items()}
     wall, cpu = r0["median_step_s"], r0["median_step_cpu_s"]
     shapes = r0["shapes"]
