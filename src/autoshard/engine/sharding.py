@@ -10,8 +10,18 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from autoshard.adapters.blocks import outermost
 from autoshard.adapters.compile import Compile, unwrap_compiled
-from autoshard.adapters.fsdp2 import FSDP2Plan, average_unsharded_gradients, broadcast_unsharded, check_ema_alignment, init_sharded_units, plan_fsdp2
+from autoshard.adapters.fsdp2 import (
+    FSDP2Plan,
+    average_unsharded_gradients,
+    broadcast_unsharded,
+    check_ema_alignment,
+    follows_forward_order,
+    init_sharded_units,
+    plan_fsdp2,
+    reshard_in_order,
+)
 from autoshard.engine.guarantees import reshard_after_no_grad_forward, reshard_teachers
 from autoshard.engine.launch import check_node_groups
 from autoshard.engine.meta_init import copy_students_into_teachers
@@ -73,8 +83,47 @@ def shard_module(
     if intent.shard_size == "node" and mesh.dims.hybrid:
         check_node_groups(node_ranks(), mesh.dims.node_group)
     plan.apply(module, mesh)
+    if follows_forward_order(plan):
+        follow_first_forward(module, plan)
+        plan.forward_order += "; the first training forward's order decides from the next forward on"
     rank_zero_info(plan.describe(mesh.dims.describe()))
     return plan
+
+
+def follow_first_forward(module: nn.Module, plan: FSDP2Plan) -> None:
+    """Log the order the first training forward returns from the plan's outermost units in; when the next forward
+    starts, choose again which units stay gathered after forward (``reshard_in_order``), then remove the hooks. Every
+    rank logs the same order (FSDP2's all-gathers follow it), so every rank makes the same choice."""
+    names = {u.name for u in plan.units}
+    outer = [u.name for u in plan.units if outermost(u.name, names) == u.name]
+    finished: list[str] = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def started(name: str) -> None:
+        if not torch.is_grad_enabled() or name not in finished:  # a no-grad forward (validation) shows nothing
+            return
+        for handle in handles:
+            handle.remove()
+        units = reshard_in_order(plan, finished)
+        changed = [(old, new) for old, new in zip(plan.units, units) if old.reshard is not new.reshard]
+        for _, new in changed:
+            module.get_submodule(new.name).set_reshard_after_forward(new.reshard_after_forward, recurse=False)  # type: ignore[operator]
+        plan.units[:] = units
+        if changed:
+            kept = ", ".join(f"'{new.name}'" for _, new in changed if new.reshard.keeps)
+            rank_zero_info(
+                f"autoshard: the first training forward ran its units in another order than they are registered in:"
+                f" {kept or 'none'} kept gathered after forward from now on (" + "; ".join(f"'{n.name}': {n.reshard.value}" for _, n in changed) + ")"
+            )
+
+    def returned(name: str) -> None:
+        if torch.is_grad_enabled():
+            finished.append(name)
+
+    for name in outer:
+        sub = module.get_submodule(name)
+        handles.append(sub.register_forward_pre_hook(torch.compiler.disable(lambda m, args, _n=name: started(_n))))  # eager: adapters.compile
+        handles.append(sub.register_forward_hook(torch.compiler.disable(lambda m, args, out, _n=name: returned(_n))))
 
 
 def after_materialize(

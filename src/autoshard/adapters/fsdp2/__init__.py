@@ -16,7 +16,7 @@ from __future__ import annotations
 from autoshard.adapters.fsdp2.apply import policies
 from autoshard.adapters.fsdp2.ema import check_ema_alignment
 from autoshard.adapters.fsdp2.plan import FSDP2Plan, ParallelizeFn, Reshard, Role, Unsharded, settings_in_words
-from autoshard.adapters.fsdp2.planner import plan_fsdp2, tensor_parallel_plan
+from autoshard.adapters.fsdp2.planner import follows_forward_order, plan_fsdp2, reshard_in_order, tensor_parallel_plan
 from autoshard.adapters.fsdp2.rng import per_shard_random_init
 from autoshard.adapters.fsdp2.runtime import (
     average_unsharded_gradients,
@@ -37,12 +37,14 @@ __all__ = [
     "average_unsharded_gradients",
     "broadcast_unsharded",
     "check_ema_alignment",
+    "follows_forward_order",
     "grad_buckets",
     "init_sharded_units",
     "is_sharded",
     "per_shard_random_init",
     "plan_fsdp2",
     "policies",
+    "reshard_in_order",
     "settings_in_words",
     "sync_buffers",
     "tensor_parallel_plan",

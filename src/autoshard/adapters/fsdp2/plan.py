@@ -127,6 +127,7 @@ class FSDP2Plan:
     hsdp: tuple[int, int] | None = None  # (replicas, shard_size) of the resolved dims, for a plain DeviceMesh given to apply; None: pure FSDP
     tp_plan: TPPlan | None = None  # the model's tensor-parallel layout, applied first when tensor_parallel_size > 1
     compiled: tuple[str, ...] = ()  # modules compiled in place before fully_shard (adapters.compile), units in unit order
+    forward_order: str = ""  # where the order choosing what stays gathered after forward came from (adapters.forward_trace)
 
     @property
     def whole_in_units(self) -> list[str]:
@@ -169,7 +170,7 @@ class FSDP2Plan:
             extra += " [compiled]" if u.name in self.compiled else ""
             gathered = "kept" if u.reshard.keeps else "reshard"
             lines.append(f"  {u.name:<40} {u.kind.value:<8} {u.numel:>12,d} params {_mib(u.bytes):>9}  {gathered:<7} {u.why}{extra}")
-        lines += _reshard_lines(self.units)
+        lines += _reshard_lines(self.units, self.forward_order)
         units = {u.name for u in self.units}
         if self.compiled:
             inside = [p for p in self.compiled if p not in units]
@@ -214,6 +215,7 @@ class FSDP2Plan:
             "settings": plan_settings(self.intent, self.precision_plan),
             "notes": list(self.notes),
             "compiled": list(self.compiled),
+            "forward_order": self.forward_order,
             **({"tensor_parallel": [{"module": m, "style": s} for m, s in self.tp_plan.rows()]} if self.tp_plan is not None else {}),
         }
 
@@ -229,12 +231,13 @@ PREFETCH = (
 )
 
 
-def _reshard_lines(units: list[ShardUnit]) -> list[str]:
-    """Each reshard_after_forward choice once, with the units it applies to (a count where there are many)."""
+def _reshard_lines(units: list[ShardUnit], forward_order: str = "") -> list[str]:
+    """Each reshard_after_forward choice once, with the units it applies to (a count where there are many), after
+    where the forward order came from."""
     by_choice: dict[Reshard, list[str]] = {}
     for u in units:
         by_choice.setdefault(u.reshard, []).append(u.name)
-    lines = ["reshard_after_forward:"]
+    lines = ["reshard_after_forward" + (f" (forward order: {forward_order})" if forward_order else "") + ":"]
     for choice, names in by_choice.items():
         shown = ", ".join(f"'{n}'" for n in names) if len(names) <= 3 else f"{len(names)} units"
         lines.append(f"  {shown}: {choice.value}")

@@ -6,6 +6,7 @@ policy). Block discovery is ``blocks``; the plan's types and summary are ``plan`
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable
 
@@ -14,6 +15,7 @@ from torch import nn
 from autoshard.adapters.blocks import block_units, is_metric, outermost, param_names, subtree_roots, within
 from autoshard.adapters.checkpointing import checkpointable_blocks, nothing_to_checkpoint
 from autoshard.adapters.compile import Compile, nothing_to_compile
+from autoshard.adapters.forward_trace import REGISTRATION_ORDER, ForwardTrace, trace_forward
 from autoshard.adapters.fsdp2.ema import check_ema_structure
 from autoshard.adapters.fsdp2.plan import PARALLELIZE_FN_HINT, FSDP2Plan, Replicated, Reshard, Role, ShardUnit, UnitKind, Unsharded
 from autoshard.adapters.tp_plan import TPPlan, find_tp_plan
@@ -56,10 +58,12 @@ def plan_fsdp2(
         check_ema_structure(module, pair)
     notes: list[str] = []
     replicated: list[Replicated] = []
+    trace = trace_forward(module)
     candidates = _candidates(module, modules, intent, needs, excluded, names_of, replicated, notes)
+    candidates = _called_units(module, modules, candidates, trace, notes)
     # The blocks activation checkpointing wraps: one selection for every engine (DeepSpeed checkpoints the same ones)
     checkpointed = set(checkpointable_blocks(module, intent, needs)) if intent.activation_checkpointing else set()
-    units = _units(modules, candidates, teachers, intent, needs, names_of, checkpointed)
+    units, forward_order = _units(modules, candidates, teachers, intent, needs, names_of, checkpointed, trace)
     if intent.activation_checkpointing and not any(u.checkpointed for u in units):
         raise nothing_to_checkpoint(module, intent)
     kept_whole = batchnorm_parameters(module) if low_precision_gather(precision or resolve_precision(None, intent)) else set()
@@ -71,7 +75,9 @@ def plan_fsdp2(
         user = ", ".join(f"'{p}'" for p in needs.compiled)
         notes.append(f"compiled by the model ({user}): its blocks are compiled in place before fully_shard, names stay eager")
     hsdp = dims.hsdp if dims is not None else None
-    return FSDP2Plan(units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, sync_batchnorm, precision, hsdp, tp_plan, compiled)
+    return FSDP2Plan(
+        units, replicated, tuple(needs.ema_pairs), intent, notes, buffers, sync_batchnorm, precision, hsdp, tp_plan, compiled, forward_order
+    )
 
 
 def _candidates(
@@ -243,17 +249,14 @@ def _units(
     needs: MethodNeeds,
     names_of: dict[int, list[str]],
     checkpointed: set[str],
-) -> list[ShardUnit]:
-    """Order candidates deepest first, give each the parameters no deeper unit already owns, choose its resharding."""
-    order = {name: i for i, name in enumerate(modules)}
-    owned: set[int] = set()
-    found: list[tuple[str, list[nn.Parameter]]] = []
-    for name in sorted(candidates, key=lambda n: (-n.count("."), order[n])):
-        own = [p for p in modules[name].parameters() if id(p) not in owned and p.dim() > 0]
-        owned.update(id(p) for p in own)
-        if own:
-            found.append((name, own))
-    kept = _ending_forward(found, candidates, teachers, order)
+    trace: ForwardTrace,
+) -> tuple[list[ShardUnit], str]:
+    """Order candidates deepest first, give each the parameters no deeper unit already owns, choose its resharding;
+    and where the forward order came from."""
+    found = _owned(modules, candidates)
+    order, how = _forward_order(modules, found, teachers, trace)
+    blocks = {name for name, _ in found if candidates[name][0] is UnitKind.BLOCK}
+    kept = _ending_forward(_top(found, teachers), blocks, {name for name, _ in found}, order)
     units: list[ShardUnit] = []
     for name, own in found:
         kind, why = candidates[name]
@@ -270,28 +273,133 @@ def _units(
                 why=why + _tied(own, names_of),
             )
         )
-    return units
+    return units, how
 
 
-def _ending_forward(
-    found: list[tuple[str, list[nn.Parameter]]], candidates: dict[str, tuple[UnitKind, str]], teachers: set[str], order: dict[str, int]
-) -> dict[str, Reshard]:
-    """The trainable units that end the forward, which backward needs first: the outermost unit registered last, and
-    the one before it when it holds blocks (``model`` + ``head``). Registration order is the forward order of every
-    model we know; a wrong guess costs the memory of a unit kept gathered, never correctness.
-    """
-    names = {name for name, _ in found}
-    top = sorted(
-        (name for name, own in found if outermost(name, names) == name and not within(name, teachers) and any(p.requires_grad for p in own)),
-        key=order.__getitem__,
+def _owned(modules: dict[str, nn.Module], candidates: dict[str, tuple[UnitKind, str]]) -> list[tuple[str, list[nn.Parameter]]]:
+    """Each candidate with the parameters it shards (no deeper candidate's, no 0-dim one), deepest first; those left
+    with none are no unit."""
+    order = {name: i for i, name in enumerate(modules)}
+    owned: set[int] = set()
+    found: list[tuple[str, list[nn.Parameter]]] = []
+    for name in sorted(candidates, key=lambda n: (-n.count("."), order[n])):
+        own = [p for p in modules[name].parameters() if id(p) not in owned and p.dim() > 0]
+        owned.update(id(p) for p in own)
+        if own:
+            found.append((name, own))
+    return found
+
+
+def _called_units(
+    module: nn.Module,
+    modules: dict[str, nn.Module],
+    candidates: dict[str, tuple[UnitKind, str]],
+    trace: ForwardTrace,
+    notes: list[str],
+) -> dict[str, tuple[UnitKind, str]]:
+    """FSDP2 gathers a unit's parameters only when the unit itself is called. Where the traced forward used a unit's
+    parameters while its own forward was not running, the module inside it that was running becomes a unit (a unit that
+    never ran at all is dropped: ``PeftModel.forward`` calls ``base_model.model``, never ``base_model``); a use from
+    outside the unit (``self.head.weight`` read by the parent) is refused by name."""
+    for _ in range(len(modules)):  # each round adds units strictly inside the bypassed ones: it ends
+        owner = {id(p): name for name, own in _owned(modules, candidates) for p in own}
+        bypassed: dict[str, set[tuple[str, ...]]] = {}
+        for pid, stacks in trace.uses.items():
+            unit = owner.get(pid)
+            for stack in stacks:
+                if unit is not None and unit not in stack:
+                    bypassed.setdefault(unit, set()).add(stack)
+        if not bypassed:
+            return candidates
+        for unit, stacks in sorted(bypassed.items()):
+            inside = {next((s for s in stack if within(s, {unit})), None) for stack in stacks}
+            if None in inside:
+                reader = next(stack[-1] for stack in sorted(stacks) if not any(within(s, {unit}) for s in stack))
+                raise _used_uncalled(module, unit, reader)
+            running = sorted(n for n in inside if n is not None)
+            skipped = trace.position(unit) is None
+            kind, why = candidates.pop(unit) if skipped else candidates[unit]
+            where = f"in place of '{unit}', which the traced forward never calls" if skipped else f"called inside '{unit}' but not by it"
+            for path in running:
+                candidates.setdefault(path, (kind, f"{where}: {why}"))
+            quoted = ", ".join(f"'{p}'" for p in running)
+            notes.append(
+                f"the traced forward uses parameters of '{unit}' while {'it never calls it' if skipped else 'it is not running'}"
+                f" (it calls {quoted} directly): {quoted} {'is a unit' if len(running) == 1 else 'are units'}, so that FSDP2"
+                f" gathers them where they run"
+            )
+    return candidates
+
+
+def _used_uncalled(module: nn.Module, unit: str, reader: str) -> AutoShardError:
+    """A unit's parameters used by a module outside it, while the unit was not called: FSDP2 never gathers them there."""
+    by = f"{type(module).__name__}.forward" if not reader else f"'{reader}' ({type(module.get_submodule(reader)).__name__}.forward)"
+    return AutoShardError(
+        f"{by} uses the parameters of '{unit}' without calling '{unit}' (seen in one forward traced on the meta device):"
+        f" FSDP2 gathers a unit's parameters only when the unit itself is called, so that forward would fail with"
+        f" torch's 'mixed torch.Tensor and DTensor'. What works: calling the module where its parameters are used, or"
+        f" keeping them whole. Fix: keep it whole with ShardingIntent(exclude=[{unit!r}]), or call the module"
+        f" (`self.{unit}(...)`) instead of reading its parameters"
     )
+
+
+def _top(found: list[tuple[str, list[nn.Parameter]]], teachers: set[str]) -> list[str]:
+    """The outermost units with trainable parameters, teachers aside: one of them ends the forward."""
+    names = {name for name, _ in found}
+    return [n for n, own in found if outermost(n, names) == n and not within(n, teachers) and any(p.requires_grad for p in own)]
+
+
+def _forward_order(
+    modules: dict[str, nn.Module], found: list[tuple[str, list[nn.Parameter]]], teachers: set[str], trace: ForwardTrace
+) -> tuple[dict[str, int], str]:
+    """The position of each unit in forward order, and where it comes from: where the traced forward returned from
+    it, when the trace ran every trainable outermost unit; else registration order (which the first training forward
+    may correct: ``reshard_in_order``)."""
+    missing = [n for n in _top(found, teachers) if trace.position(n) is None]
+    if trace.traced and not missing:
+        return {n: trace.positions.get(n, -1) for n, _ in found}, trace.how
+    how = trace.how
+    if trace.traced:
+        shown = ", ".join(f"'{n}'" for n in missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
+        how = f"{REGISTRATION_ORDER}: the traced forward ({trace.how.removeprefix('traced: ')}) never called {shown}"
+    return {name: i for i, name in enumerate(modules)}, how
+
+
+def _ending_forward(top: list[str], blocks: set[str], names: set[str], order: dict[str, int]) -> dict[str, Reshard]:
+    """The trainable units that end the forward, which backward needs first: of the outermost ones (``top``), the one
+    that runs last (in ``order``: the traced forward's, the first training forward's, else registration order; a
+    wrong guess costs the memory of a unit kept gathered, never correctness), and the one before it when it holds
+    ``blocks`` (``model`` + ``head``).
+    """
+    top = sorted(top, key=lambda n: order.get(n, -1))
     if not top:
         return {}
     kept = {top[-1]: Reshard.KEPT_LAST}
-    holders = {outermost(n, names) for n in names if candidates[n][0] is UnitKind.BLOCK and outermost(n, names) != n}
+    holders = {outermost(n, names) for n in blocks if outermost(n, names) != n}
     if len(top) > 1 and top[-2] in holders:
         kept[top[-2]] = Reshard.KEPT_BEFORE_LAST
     return kept
+
+
+def follows_forward_order(plan: FSDP2Plan) -> bool:
+    """The plan keeps a unit gathered for being last in a forward order it only guessed (registration order): the
+    first training forward's order should decide (``reshard_in_order``)."""
+    return plan.forward_order.startswith(REGISTRATION_ORDER) and any(u.reshard in (Reshard.KEPT_LAST, Reshard.KEPT_BEFORE_LAST) for u in plan.units)
+
+
+def reshard_in_order(plan: FSDP2Plan, finished: list[str]) -> list[ShardUnit]:
+    """The plan's units with the units that end the forward chosen again by ``finished``, the order a training
+    forward returned from its outermost units (every rank runs them in one order: FSDP2's all-gathers follow it)."""
+    names = {u.name for u in plan.units}
+    order = {n: i for i, n in enumerate(finished)}
+    top = [u.name for u in plan.units if u.reshard in _ORDERED and outermost(u.name, names) == u.name]
+    if not top or any(n not in order for n in top):  # a unit this forward did not run: the plan's guess stands
+        return plan.units
+    kept = _ending_forward(top, {u.name for u in plan.units if u.kind is UnitKind.BLOCK}, names, order)
+    return [dataclasses.replace(u, reshard=kept.get(u.name, Reshard.AFTER_FORWARD)) if u.reshard in _ORDERED else u for u in plan.units]
+
+
+_ORDERED = (Reshard.AFTER_FORWARD, Reshard.KEPT_LAST, Reshard.KEPT_BEFORE_LAST)  # the choices forward order makes
 
 
 def _reshard(kept: Reshard | None, teacher: bool, trainable: bool, intent: ShardingIntent, needs: MethodNeeds) -> Reshard:
