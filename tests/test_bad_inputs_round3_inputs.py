@@ -341,9 +341,9 @@ def test_159_lightning_cli_intent_values(tmp_path: Path, capsys: pytest.CaptureF
     """In a LightningCLI YAML, ``intent: {memory_budget: 8.0e+10}`` (YAML's float) was refused inside
     jsonargparse's union error; now it is that many bytes. Intent fields straight under ``init_args`` were refused
     by jsonargparse before autoshard ran ("Option 'memory_budget' is not accepted"); now LightningCLI reads them from
-    the strategy's signature (``as_intent`` builds a ``ShardingIntent(**fields)``), so they are the same request as
-    under ``intent:``, the defaults it passes for the others undo nothing ``intent:`` set, and a bad value gets
-    autoshard's own message."""
+    the strategy's signature (``**intent_fields: Unpack[IntentKeywords]``), so they are the same request as under
+    ``intent:``, it passes only the fields the config gives (nothing undoes what ``intent:`` set; one that differs
+    from it is refused: tests/test_intent_keywords.py), and a bad value gets autoshard's own message."""
     from lightning.pytorch.cli import LightningCLI
 
     from tests.test_bad_inputs import Net

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from autoshard.errors import IntentError, closest, did_you_mean
 from autoshard.precision import Dtype, normalize_precision
@@ -303,14 +303,7 @@ class ShardingIntent:
                 f" Fix: write it as a mapping, e.g. {{'offload': 'params', 'exclude': ['probe']}}"
             )
         data = dict(data or {})
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(known), key=str)
-        if unknown:
-            hints = "".join(f" {key!r}{did_you_mean(key, known)}" for key in unknown)
-            raise IntentError(
-                f"unknown ShardingIntent field(s):{hints}. Valid fields are {', '.join(known)}."
-                f" Fix: {'; '.join(_rename_or_drop(key, known) for key in unknown)}"
-            )
+        _refuse_unknown(data)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -324,27 +317,71 @@ class ShardingIntent:
         return out
 
 
-def _rename_or_drop(key: object, known: list[str]) -> str:
+def _rename_or_drop(key: object, known: list[str], value: Any = None) -> str:
+    if key == "save_distributed_checkpoint":  # Lightning ModelParallelStrategy's argument is the checkpoint field here
+        return f"replace save_distributed_checkpoint={value!r} by checkpoint={'distributed' if value else 'full'!r} (one of 'distributed', 'full')"
     near = closest(key, known)
     return f"rename {key!r} to {near!r}" if near else f"drop {key!r}"
 
 
-def as_intent(value: ShardingIntent | Mapping[str, Any] | None, **fields: Any) -> ShardingIntent:
-    """Accept an intent, a dict of its fields, or nothing (all defaults); ``fields`` given as keywords override it.
+def _refuse_unknown(names: Mapping[str, Any]) -> None:
+    known = [f.name for f in dataclasses.fields(ShardingIntent)]
+    unknown = sorted(set(names) - set(known), key=str)
+    if unknown:
+        hints = "".join(f" {key!r}{did_you_mean(key, known)}" for key in unknown)
+        raise IntentError(
+            f"unknown ShardingIntent field(s):{hints}. Valid fields are {', '.join(known)}."
+            f" Fix: {'; '.join(_rename_or_drop(key, known, names[key]) for key in unknown)}"
+        )
 
-    A keyword equal to the field's default asks for nothing: LightningCLI passes every field it reads from a
-    strategy's signature, and those defaults must not undo what ``intent`` set.
+
+# The type of a strategy's ``**intent_fields: Unpack[IntentKeywords]``: every field, none required. Why not
+# ``**intent_fields: Any``: jsonargparse (LightningCLI) then reads the fields from ``ShardingIntent``'s signature and
+# passes every one, defaults included, so a default it filled in could not be told from a value the user wrote;
+# with a TypedDict it passes only the keys the config gives.
+IntentKeywords = TypedDict("IntentKeywords", {f.name: f.type for f in dataclasses.fields(ShardingIntent)}, total=False)  # type: ignore[misc]
+
+
+def as_intent(value: ShardingIntent | Mapping[str, Any] | None, **fields: Any) -> ShardingIntent:
+    """Accept an intent, a dict of its fields, or nothing (all defaults); ``fields`` (keywords given beside it, as a
+    strategy takes them) set the fields the intent leaves at their defaults.
+
+    A keyword that differs from a field the intent sets is refused, as a precision given twice is: neither silently
+    wins, for both front ends and both engines (every strategy builds its intent here).
     """
-    if fields:
-        ShardingIntent.from_dict(fields)  # unknown or invalid keywords are refused by name, with the fix
-        asked, default = ShardingIntent(**fields), ShardingIntent()  # the call LightningCLI reads the fields from
-        changed = {name: value for name, value in fields.items() if getattr(asked, name) != getattr(default, name)}
-        return as_intent(value).replace(**changed)
+    _refuse_unknown(fields)
     if isinstance(value, ShardingIntent):
-        return value
-    if value is None or isinstance(value, Mapping):
-        return ShardingIntent.from_dict(value)
-    raise IntentError(
-        f"expected a ShardingIntent or a dict of its fields, got {type(value).__name__}."
-        f" Fix: pass intent=ShardingIntent(...) or intent={{'offload': 'params'}}"
-    )
+        base = value
+    elif value is None or isinstance(value, Mapping):
+        base = ShardingIntent.from_dict(value)
+    else:
+        raise IntentError(
+            f"expected a ShardingIntent or a dict of its fields, got {type(value).__name__}."
+            f" Fix: pass intent=ShardingIntent(...) or intent={{'offload': 'params'}}"
+        )
+    default = ShardingIntent()
+    twice = [name for name, asked in fields.items() if getattr(base, name) != getattr(default, name) and not _agrees(base, name, asked)]
+    if twice:
+        stated = ", ".join(f"{name}={getattr(base, name)!r}" for name in twice)
+        beside = ", ".join(f"{name}={fields[name]!r}" for name in twice)
+        names = " and ".join(twice)
+        raise IntentError(
+            f"{names} {'is' if len(twice) == 1 else 'are'} given twice and {'differs' if len(twice) == 1 else 'differ'}:"
+            f" intent=ShardingIntent({stated}) but {beside} beside it. Fix: set {names} in one place: drop {beside},"
+            f" or move {'it' if len(twice) == 1 else 'them'} into the intent (ShardingIntent(..., {beside}))"
+        )
+    return base.replace(**fields) if fields else base
+
+
+def _agrees(intent: ShardingIntent, name: str, asked: Any) -> bool:
+    """Whether keyword ``name=asked`` means what ``intent`` already says (``1`` and ``True`` for
+    activation_checkpointing, ``'bf16'`` and ``'bf16-mixed'``). A value invalid beside the intent's other fields
+    differs; one invalid on its own too (``offload='parms'``) is refused as such, with its own fix."""
+    try:
+        return getattr(intent.replace(**{name: asked}), name) == getattr(intent, name)
+    except IntentError as beside:
+        try:
+            ShardingIntent(**{name: asked})
+        except IntentError:
+            raise beside from None
+        return False

@@ -109,8 +109,7 @@ class IntentZeRO3(BackendMixin):
         """Take the intent and the config's own arguments; the config Lightning's DeepSpeedStrategy is built with.
         Intent-only refusals (tensor parallel) are said here, the precision once the front end's is known, the method
         at setup."""
-        base = as_intent(intent)
-        self.requested = base.replace(**fields) if fields else base
+        self.requested = as_intent(intent, **fields)  # a field given beside a conflicting intent is refused there
         self.micro_batch_size = micro_batch_size
         self.zero_overrides = dict(zero_overrides or {})
         return provisional_config(self.requested, micro_batch_size=micro_batch_size, zero_overrides=self.zero_overrides)
