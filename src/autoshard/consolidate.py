@@ -97,7 +97,7 @@ def consolidate(
     """Write one plain ``torch.save`` file of full weights from a DCP, DeepSpeed or full checkpoint, in one CPU process
     whatever world size wrote it. ``force`` replaces only a file consolidate wrote."""
     start = time.perf_counter()
-    out = Path(out_path)
+    out = _file_named(out_path, ckpt)
     _check_output(out, force, Path(ckpt))
     info = open_checkpoint(ckpt, "consolidate", tag=tag)  # detect, recover an interrupted save, verify, settle the tag
     source = info.path
@@ -142,6 +142,27 @@ REFUSALS = {  # of OUT, in consolidate's words (``publish.output_refusal``)
     " a file consolidate wrote. Fix: choose another output path, or move {out!r} away first",
 }
 REFUSALS[Clash.HOLDS] = REFUSALS[Clash.INSIDE]  # HOLDS needs a directory at OUT, refused first
+
+
+def _file_named(out_path: str | os.PathLike[str], ckpt: str | os.PathLike[str]) -> Path:
+    """OUT as the one torch.save file consolidate writes, refused before anything is read when its name means something
+    else: a trailing separator (a directory: ``Path`` drops it, and a file would take the directory's name) or a
+    ``.safetensors`` suffix (a pickle under that name, which safetensors readers refuse)."""
+    raw = os.fspath(out_path)
+    out = Path(raw)
+    if raw.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        raise CheckpointFormatError(
+            f"cannot write {raw!r}: a path ending in a separator names a directory, and consolidate writes one file."
+            f" Fix: name the file, e.g. {str(out / 'weights.pt')!r}"
+        )
+    if out.suffix.lower() == ".safetensors":
+        raise CheckpointFormatError(
+            f"cannot write {raw!r}: consolidate writes one torch.save file (a pickle), not safetensors, and"
+            f" safetensors.torch.load_file or from_pretrained would refuse a pickle under that name. Fix: for"
+            f" safetensors, `autoshard convert {shlex.quote(os.fspath(ckpt))} {shlex.quote(str(out.with_suffix('')))} --to safetensors` (it writes"
+            f" {str(out.with_suffix('') / 'model.safetensors')!r}); for a torch file, name it {str(out.with_suffix('.pt'))!r}"
+        )
+    return out
 
 
 def _check_output(out: Path, force: bool, source: Path | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -256,15 +256,14 @@ def model_mismatch(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[s
     return "; ".join(parts) or None
 
 
-def load_failure(path: Path, model_name: str, model: Mapping[str, tuple[int, ...]], failures: Mapping[int, Any]) -> CheckpointFormatError:
-    """torch's CheckpointException (a BaseException) as an autoshard error: which keys differ, or what failed where."""
-    try:
-        saved = saved_shapes(path)
-        mismatch = model_mismatch(saved, model)
-    except Exception:  # noqa: BLE001 - .metadata unreadable: report torch's failure below
-        mismatch = None
+def weights_refusal(
+    path: Path, model_name: str, saved: Mapping[str, tuple[int, ...] | None], model: Mapping[str, tuple[int, ...]], strict: bool = True
+) -> CheckpointFormatError | None:
+    """The refusal of a resume whose saved weights differ from the model (missing and unexpected names under
+    ``strict``, another shape always), in one set of words for a DCP directory and a full file; None if they match."""
+    reshaped = _reshaped(saved, model)
+    mismatch = model_mismatch(saved, model) if strict or reshaped else None
     if mismatch:
-        reshaped = _reshaped(saved, model)
         # strict=False skips missing and unexpected names only: a tensor of another shape still fails, so it is left out.
         load = (
             "model.load_state_dict(torch.load('weights.pt'), strict=False)"
@@ -283,6 +282,37 @@ def load_failure(path: Path, model_name: str, model: Mapping[str, tuple[int, ...
             f" Fix: resume from a checkpoint of this model, or to start from the weights that match, run"
             f" `{CONSOLIDATE.format(path=path)}`, then {load} before trainer.fit(model) without ckpt_path{skipped}"
         )
+    return None
+
+
+WEIGHTS_ONLY_MISSING = ("lr_schedulers", "optimizer_states", "callbacks")  # what Lightning's weights_only dump leaves out
+
+
+def weights_only_refusal(path: Path, keys: Collection[str]) -> CheckpointFormatError | None:
+    """A Lightning checkpoint saved with weights only (its loops, no optimizer, scheduler or callback state) cannot
+    resume a fit, which restores them all: said with what it lacks and how to start from its weights instead. ``keys``:
+    its top-level keys (a DCP directory's meta.pt, whose optimizer states are shards, has neither)."""
+    if "loops" not in keys or "lr_schedulers" in keys:
+        return None
+    lacks = [k for k in WEIGHTS_ONLY_MISSING if k not in keys]
+    return CheckpointFormatError(
+        f"cannot resume from {str(path)!r}: it was saved with weights only (ModelCheckpoint(save_weights_only=True),"
+        f" or trainer.save_checkpoint(path, weights_only=True)), so it holds the model's weights and the loops' progress"
+        f" but not {', '.join(map(repr, lacks))}: no optimizer state, learning-rate schedulers or callback states, which"
+        f" a resume (trainer.fit(..., ckpt_path=...)) restores. Fix: to start from its weights, pass"
+        f" strategy=FSDP2Strategy(init_from={str(path)!r}) (or ShardingIntent(init_from=...)) and fit without"
+        f" ckpt_path: the optimizer state and step counters restart; to resume exactly, save without save_weights_only"
+    )
+
+
+def load_failure(path: Path, model_name: str, model: Mapping[str, tuple[int, ...]], failures: Mapping[int, Any]) -> CheckpointFormatError:
+    """torch's CheckpointException (a BaseException) as an autoshard error: which keys differ, or what failed where."""
+    try:
+        refusal = weights_refusal(path, model_name, saved_shapes(path), model)
+    except Exception:  # noqa: BLE001 - .metadata unreadable: report torch's failure below
+        refusal = None
+    if refusal is not None:
+        return refusal
     ranks = ", ".join(map(str, sorted(failures)))
     first = next(iter(failures.values()), None)
     error = first[0] if isinstance(first, tuple) else first

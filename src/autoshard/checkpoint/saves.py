@@ -333,6 +333,17 @@ def publish_deepspeed_save(filepath: Any, write: Callable[[Path], None], rank: i
     publish_save(Path(broadcast(filepath)), write_and_hash, rank, world, broadcast)
 
 
+def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any], broadcast_from_rank0: bool = False) -> None:
+    """A full (unsharded, name-keyed) optimizer state into a sharded model's optimizer, for both front ends. One whose
+    state is empty (plain SGD keeps none) is loaded as the local state it equals: torch's full-state-dict load needs
+    a tensor in the state to find the device ("Expected device to be set"), and only the param groups are restored."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    full = bool(state.get("state"))
+    options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=broadcast_from_rank0 and full)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
+
+
 def restore_rng(extra: dict[str, Any], rank: int, world: int, loaded: str, draws: str) -> str | None:
     """This rank's saved RNG state put back; else (another world size) the warning to give, in the words of the
     front end: ``loaded`` ("resumed"), ``draws`` ("random augmentations")."""

@@ -5,6 +5,7 @@ in ``TRUSTED_TYPES`` allowed; the refusals name what a file wanted and how to re
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import pickle
 import re
@@ -146,6 +147,34 @@ def load_torch_file(path: str | os.PathLike[str], *, action: str = "read", trust
         raise unreadable(p, exc, action) from None
     except (RuntimeError, OSError, EOFError, ValueError, IndexError) as exc:
         raise unreadable(p, exc, action) from None
+
+
+def _without_tensor_data(value: Any) -> Any:
+    """``value`` with each plain tensor inside its dicts, lists and tuples replaced by an empty one of its dtype: what
+    ``unreadable_globals`` pickles (the tensors' bytes would only cost memory; their type is what it checks)."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return torch.empty(0, dtype=value.dtype)
+    if type(value) in (dict, list, tuple):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stripped = {k: _without_tensor_data(v) for k, v in items}
+        return stripped if isinstance(value, dict) else type(value)(stripped.values())
+    return value
+
+
+def unreadable_globals(value: Any) -> list[str]:
+    """The globals ``torch.save(value)`` would name that a weights-only load refuses (what ``load_torch_file`` reads
+    back without trust_pickle): [] when it reads back. Pickled in memory and loaded there, as the reader will."""
+    buffer = io.BytesIO()
+    torch.save(_without_tensor_data(value), buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals(trusted_types()):
+            torch.load(buffer, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        buffer.seek(0)
+        found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(buffer) if g not in TRUSTED_TYPES]
+        return found or re.findall(r"GLOBAL ([\w.]+)", str(exc)) or [str(exc).strip().splitlines()[0]]
+    return []
 
 
 # DCP writes its .metadata with plain pickle and torch reads it so (any global): these are all it holds.

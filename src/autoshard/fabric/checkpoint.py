@@ -27,7 +27,7 @@ from autoshard.checkpoint.formats import FORMAT_VERSION, LIGHTNING_META, STATE_K
 from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.readers import dcp_entries, saved_entries, saved_shapes
 from autoshard.checkpoint.resume import model_mismatch, resolve_for_load
-from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file
+from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file, unreadable_globals
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 
@@ -55,6 +55,28 @@ def owner_of(optimizer: torch.optim.Optimizer, modules: Mapping[str, nn.Module],
         f" so its state could not be saved or loaded by parameter name. Fix: put the model it trains in the same"
         f" state, e.g. {{'model': model, {key!r}: optimizer}}"
     )
+
+
+TRUST_FIX = (  # fabric.load's own argument, where the command line's refusal names --trust-pickle
+    "if you trust who wrote it (your own run), load it with fabric.load(path, state, weights_only=False), which"
+    " unpickles it as torch.load(weights_only=False) does; otherwise ask its author to save those entries as plain values"
+)
+
+
+def _refuse_unreadable(metadata: Mapping[str, Any]) -> None:
+    """fabric.save refuses what its own fabric.load would refuse to read back (a weights-only load), before anything
+    is written, naming the entry."""
+    for key, value in metadata.items():
+        names = unreadable_globals(value)
+        if names:
+            shown = ", ".join(f"`{n}`" for n in names[:4]) + (", ..." if len(names) > 4 else "")
+            raise CheckpointFormatError(
+                f"fabric.save cannot save {key!r}: it holds {shown}, which fabric.load would refuse to read back: a"
+                f" checkpoint is read with torch.load(weights_only=True), so that loading one runs no code, and that"
+                f" builds tensors, plain values (str, int, float, bool, None) and their dicts, lists and tuples only;"
+                f" nothing was written. Fix: save {key!r} as plain values (str(path), vars(namespace), float(x),"
+                f" x.tolist(), a tensor), or as an object whose state_dict() returns plain values"
+            )
 
 
 def unmatched_keys_refusal(path: Path, missing: list[str]) -> KeyError:
@@ -109,6 +131,7 @@ class FabricCheckpoint:
                 tensors[key] = _filtered(key, filter, get_optimizer_state_dict(owner_of(obj, modules, key), obj, options=options))
             else:
                 metadata[key] = _filtered(key, filter, obj.state_dict() if _is_stateful(obj) else obj)
+        saves.on_rank0(lambda: _refuse_unreadable(metadata), self.global_rank, self.world_size, self.broadcast)  # type: ignore[attr-defined]  # rank 0's is written
         metadata[STATE_KEY] = {
             "version": FORMAT_VERSION,
             "world_size": self.world_size,
@@ -143,7 +166,7 @@ class FabricCheckpoint:
         trust = weights_only is False
         if resolved.is_dir():
             self._load_shards(resolved, *_loadable(resolved, saved_entries(dcp_entries(resolved)), modules, optimizers, strict), strict)
-            metadata = load_torch_file(resolved / LIGHTNING_META, action="load", trust_pickle=trust)
+            metadata = load_torch_file(resolved / LIGHTNING_META, action="load", trust_pickle=trust, untrusted_fix=TRUST_FIX)
         else:
             metadata = self._load_full(resolved, modules, optimizers, strict, trust)
         extra = metadata.pop(STATE_KEY, None)
@@ -192,16 +215,21 @@ class FabricCheckpoint:
     def _load_full(
         self, path: Path, modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], strict: bool, trust: bool
     ) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        loaded = dict(load_torch_file(path, action="load", trust_pickle=trust))
+        loaded = dict(load_torch_file(path, action="load", trust_pickle=trust, untrusted_fix=TRUST_FIX))
         found = [((str(k), str(n)), v) for k, entry in loaded.items() if isinstance(entry, Mapping) for n, v in entry.items()]
         modules, optimizers = _loadable(path, saved_entries(found), modules, optimizers, strict)
+        for key, module in modules.items():  # every model checked before any is loaded, as a DCP load is
+            saved = {str(n): tuple(t.shape) if isinstance(t, torch.Tensor) else None for n, t in loaded[key].items()}
+            refusal = _mismatch_refusal(path, key, module, saved, strict)
+            if refusal is not None:
+                raise refusal
         options = StateDictOptions(full_state_dict=True, strict=strict)
         for key, module in modules.items():
             set_model_state_dict(module, loaded.pop(key), options=options)
         for key, optimizer in optimizers.items():
-            set_optimizer_state_dict(owner_of(optimizer, modules, key), optimizer, optim_state_dict=loaded.pop(key), options=options)
+            saves.load_full_optimizer_state(owner_of(optimizer, modules, key), optimizer, loaded.pop(key))
         return loaded
 
 
@@ -268,23 +296,34 @@ def _loadable(
     return loading, {k: o for k, o in optimizers.items() if k not in absent}
 
 
+def _mismatch_refusal(
+    path: Path, key: str, module: nn.Module, saved: Mapping[str, tuple[int, ...] | None], strict: bool = True
+) -> CheckpointFormatError | None:
+    """The refusal of a saved model entry that differs from the model, in both layouts alike (torch's full-state-dict
+    load returns normally with names missing, so the names are compared first): missing and unexpected names under
+    ``strict``, another shape always; None when it loads."""
+    model = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    reshaped = any(saved[n] is not None and tuple(saved[n] or ()) != model[n] for n in set(saved) & set(model))
+    mismatch = model_mismatch(saved, model) if strict or reshaped else None
+    if not mismatch:
+        return None
+    other = (
+        "a model whose shapes match (strict=False skips missing and unexpected names, never another shape)"
+        if reshaped
+        else "fabric.load(path, state, strict=False) to load the names both have"
+    )
+    return CheckpointFormatError(
+        f"cannot load {str(path)!r}: its {key!r} weights do not match this {type(module).__name__}: {mismatch}."
+        f" Fix: load a checkpoint of this model, or {other}"
+    )
+
+
 def _load_failure(path: Path, modules: Mapping[str, nn.Module], exc: Any) -> CheckpointFormatError:
     """torch's CheckpointException as the names that differ between a saved model entry and the model."""
     for key, module in modules.items():
-        model = {name: tuple(t.shape) for name, t in module.state_dict().items()}
-        saved = saved_shapes(path, key)
-        mismatch = model_mismatch(saved, model)
-        if mismatch:
-            reshaped = any(saved[n] is not None and tuple(saved[n] or ()) != model[n] for n in set(saved) & set(model))
-            other = (
-                "a model whose shapes match (strict=False skips missing and unexpected names, never another shape)"
-                if reshaped
-                else "fabric.load(path, state, strict=False) to load the names both have"
-            )
-            return CheckpointFormatError(
-                f"cannot load {str(path)!r}: its {key!r} weights do not match this {type(module).__name__}: {mismatch}."
-                f" Fix: load a checkpoint of this model, or {other}"
-            )
+        refusal = _mismatch_refusal(path, key, module, saved_shapes(path, key))
+        if refusal is not None:
+            return refusal
     ranks = ", ".join(map(str, sorted(exc.failures)))
     return CheckpointFormatError(
         f"cannot load {str(path)!r}: torch.distributed.checkpoint failed on rank(s) {ranks}: {exc}. Fix: load it with"

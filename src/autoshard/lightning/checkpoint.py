@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from autoshard.budget import BudgetDecision, stored_differs
-from autoshard.checkpoint.formats import BUDGET_KEY, FORMAT_VERSION, STATE_KEY
+from autoshard.checkpoint.formats import BUDGET_KEY, FORMAT_VERSION, LIGHTNING_META, STATE_KEY
 from autoshard.checkpoint.publish import remove, sidecar_path, unverified_warning
-from autoshard.checkpoint.resume import load_failure, resolve_for_load
+from autoshard.checkpoint.resume import load_failure, resolve_for_load, weights_only_refusal, weights_refusal
 from autoshard.checkpoint.saves import (
     all_gather_object,
+    load_full_optimizer_state,
     on_rank0,
     publish_save,
     restore_rng,
@@ -25,6 +27,7 @@ from autoshard.checkpoint.saves import (
     write_full,
     write_sharded,
 )
+from autoshard.checkpoint.trust import CheckpointFormatError, UntrustedPickleError, load_torch_file
 from autoshard.needs import held_optimizers, returned_optimizers
 
 T = TypeVar("T")
@@ -135,18 +138,16 @@ class CheckpointMixin:
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         resolved = Path(self._on_rank0(lambda: str(resolve_for_load(path, "fsdp2"))))  # type: ignore[arg-type]
         verified = verify_on_every_rank(resolved, self.global_rank, self.world_size)
-        try:
-            metadata = super().load_checkpoint(resolved, weights_only=weights_only)  # type: ignore[misc]
-        except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
-            wanted = get_model_state_dict(self.model)  # type: ignore[attr-defined]  # the names Lightning asked DCP for
-            shapes = {name: tuple(t.shape) for name, t in wanted.items()}
-            raise load_failure(resolved, type(self.lightning_module).__name__, shapes, exc.failures) from None  # type: ignore[attr-defined]
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
+        if resolved.is_file():
+            metadata = self._load_full(resolved, weights_only, fitting)
+        else:
+            if fitting:
+                self._on_rank0(lambda: _refuse_weights_only(resolved, _meta_keys(resolved, weights_only)))
+            metadata = self._load_sharded(resolved, weights_only)
         extra = metadata.pop(STATE_KEY, None)
         if extra is not None:
             self._restore_extra(extra, resolved)
@@ -161,6 +162,57 @@ class CheckpointMixin:
             )
         return metadata
 
+    def _load_sharded(self, resolved: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's DCP load, its failure in autoshard's words."""
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        try:
+            return super().load_checkpoint(resolved, weights_only=weights_only)  # type: ignore[misc, no-any-return]
+        except CheckpointException as exc:  # a BaseException: it would escape every `except Exception`
+            wanted = get_model_state_dict(self.model)  # type: ignore[attr-defined]  # the names Lightning asked DCP for
+            shapes = {name: tuple(t.shape) for name, t in wanted.items()}
+            raise load_failure(resolved, type(self.lightning_module).__name__, shapes, exc.failures) from None  # type: ignore[attr-defined]
+
+    def _load_full(self, path: Path, weights_only: bool | None, fitting: bool) -> dict[str, Any]:
+        """Lightning's full-file load (every rank maps the file; rank 0's values are broadcast), with the checks a DCP
+        load has: a weights-only save refused for a fit, the model's names compared before anything is loaded. Its
+        optimizer load is autoshard's: Lightning's reads the first entry of each optimizer's state, which a run
+        whose optimizer keeps none (plain SGD) lacks (IndexError on resume)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)  # as Lightning loads it
+        if fitting:
+            _refuse_weights_only(path, checkpoint)
+        module = self.lightning_module  # type: ignore[attr-defined]
+        strict = module.strict_loading
+        model = {name: tuple(t.shape) for name, t in get_model_state_dict(self.model).items()}  # type: ignore[attr-defined]
+        weights = checkpoint.pop("state_dict")
+        saved = {name: tuple(t.shape) if isinstance(t, torch.Tensor) else None for name, t in weights.items()}
+        refusal = weights_refusal(path, type(module).__name__, saved, model, strict)
+        if refusal is not None:
+            raise refusal
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+        set_model_state_dict(self.model, {k: v for k, v in weights.items() if k in model}, options=options)  # type: ignore[attr-defined]
+        states = checkpoint.get("optimizer_states", [])
+        optimizers = self.optimizers  # type: ignore[attr-defined]
+        if len(states) < len(optimizers):
+            raise CheckpointFormatError(
+                f"cannot resume from {str(path)!r}: it holds the state of {len(states)} optimizer(s), and"
+                f" configure_optimizers returned {len(optimizers)}. Fix: resume with the LightningModule and the"
+                f" optimizers (configure_optimizers) that wrote this checkpoint"
+            )
+        for optimizer, state in zip(optimizers, states):
+            if any(isinstance(p, int) for group in state["param_groups"] for p in group["params"]):  # saved by position
+                state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)  # type: ignore[attr-defined]
+            load_full_optimizer_state(self.model, optimizer, state, broadcast_from_rank0=True)  # type: ignore[attr-defined]
+        return checkpoint  # optimizer_states stays: Lightning checks it is there
+
     def _restore_extra(self, extra: dict[str, Any], path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -174,18 +226,32 @@ class CheckpointMixin:
                 continue
             key = saved[ident]
             if states is not None:  # full file: the state is in the file every rank loaded; rank 0's copy is used
-                options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-                state = states[key]
-            else:
-                from torch.distributed.checkpoint import FileSystemReader, load
+                load_full_optimizer_state(self.model, optimizer, states[key], broadcast_from_rank0=True)  # type: ignore[attr-defined]
+                continue
+            from torch.distributed.checkpoint import FileSystemReader, load
 
-                holder = {key: self._optimizer_state(optimizer, full=False)}
-                load(holder, storage_reader=FileSystemReader(str(path)))
-                options, state = StateDictOptions(cpu_offload=True), holder[key]
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)  # type: ignore[attr-defined]
+            holder = {key: self._optimizer_state(optimizer, full=False)}
+            load(holder, storage_reader=FileSystemReader(str(path)))
+            options = StateDictOptions(cpu_offload=True)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=holder[key], options=options)  # type: ignore[attr-defined]
         said = stored_differs(extra.get(BUDGET_KEY), self.budget_decision)
         if said:
             rank_zero_warn(said)
         said = restore_rng(extra, self.global_rank, self.world_size, "resumed", "random augmentations")
         if said:
             rank_zero_warn(said)
+
+
+def _meta_keys(path: Path, weights_only: bool | None) -> list[str]:
+    """The top-level keys of a DCP checkpoint's meta.pt (none when only a trusted load could read it: Lightning's own
+    load judges that file, as it always did)."""
+    try:
+        return list(load_torch_file(path / LIGHTNING_META, action="resume", trust_pickle=weights_only is False))
+    except UntrustedPickleError:
+        return []
+
+
+def _refuse_weights_only(path: Path, keys: Any) -> None:
+    refusal = weights_only_refusal(path, [str(k) for k in keys])
+    if refusal is not None:
+        raise refusal
