@@ -183,6 +183,39 @@ def test_a_step_that_raises_while_counted_leaves_no_counter_behind(tmp_path: Pat
     assert _get_current_dispatch_mode() is None
 
 
+def test_191_a_batch_that_ran_no_backward_is_not_taken_for_a_step(tmp_path: Path) -> None:
+    """A ``training_step`` that returns None (Lightning skips the backward) on the counted batch: the next batch is
+    counted, so FLOP/s are a full step's; one that never runs a backward gets a warning and no FLOP/s, not a forward's
+    count (a third of a step) logged for every batch."""
+
+    class SkipsOne(TokenModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            loss = self.loss(batch)
+            return None if batch_idx == 1 else loss  # e.g. a loss found not finite
+
+    model = SkipsOne()
+    expected = counted_step(model)
+    monitor = ThroughputMonitor(window_size=2)
+    rows = logged(fit(model, [monitor], tmp_path / "one"))
+    assert monitor.measured_flops == expected
+    assert any(r.get("train/device/flops_per_sec", 0) > 0 for r in rows)
+
+    class SkipsAll(TokenModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            self.loss(batch)
+            return None
+
+    monitor = ThroughputMonitor(window_size=2)
+    with pytest.warns(
+        UserWarning,
+        match=r"ran a backward.*a training_step that returns None makes Lightning skip the backward.* No FLOPs were measured, so FLOP/s and MFU are not logged.* Fix: ThroughputMonitor\(flops_per_batch=\.\.\.\)",
+    ):
+        rows = logged(fit(SkipsAll(), [monitor], tmp_path / "all"))
+    assert monitor.measured_flops is None
+    assert any(r.get("train/device/samples_per_sec", 0) > 0 for r in rows)
+    assert not any("train/device/flops_per_sec" in r for r in rows)
+
+
 def test_the_users_flops_win_and_nothing_is_measured(tmp_path: Path) -> None:
     """Lightning's convention (a ``flops_per_batch`` attribute on the module) and the argument are used as given."""
 

@@ -13,6 +13,7 @@ from autoshard.needs import MethodNeeds
 from autoshard.precision import PrecisionPlan, resolve_precision
 
 AUTO = ("auto", "auto-shard", "auto_shard")
+AUTO_STRATEGY = "auto-shard"  # the strategy string that asks for "auto"
 
 
 def features_needed(
@@ -91,11 +92,15 @@ class Decision:
     reasons: tuple[str, ...]
     caveats: tuple[Conflict, ...] = ()
     ruled_out: Mapping[str, tuple[Conflict, ...]] = field(default_factory=dict)
+    asked: str | None = None  # the strategy the user asked for ('auto-shard'), when it is not ``strategy``
 
     def describe(self, caveats: bool = True) -> str:
         """The log lines; ``caveats=False`` for a log that gives them as ``warnings()``. A rejected backend (FSDP1) is
         never a candidate, so "ruled out fsdp1" would be noise; ``to_dict`` still lists it."""
-        lines = [f"autoshard chose {self.backend} (strategy='{self.strategy}')"]
+        if self.asked is not None and self.asked != self.strategy:  # what was asked, then what it resolved to
+            lines = [f"autoshard chose {self.backend} for strategy='{self.asked}' (strategy='{self.strategy}' names it directly)"]
+        else:
+            lines = [f"autoshard chose {self.backend} (strategy='{self.strategy}')"]
         lines += [f"  {r}" for r in self.reasons]
         if caveats:
             lines += [f"  caveat: {c.line()}. Fix: {c.remedy}" for c in self.caveats]
@@ -120,6 +125,7 @@ class Decision:
         return {
             "backend": self.backend,
             "strategy": self.strategy,
+            "asked": self.asked or self.strategy,
             "reasons": list(self.reasons),
             "caveats": [conflict(c) for c in self.caveats],
             "ruled_out": {n: [conflict(c) for c in cs] for n, cs in self.ruled_out.items()},
@@ -225,7 +231,8 @@ def select_backend(
     """Return the backend to use, or raise IncompatibleBackendError naming the conflict, what works and the fix.
 
     ``available`` overrides the install checks by backend name (``explain`` of another machine, tests); ``applied``
-    is the strategy the user already runs, so that no refusal proposes it as the fix.
+    is the strategy the user already runs, so that no refusal proposes it as the fix, and the decision names it as
+    asked (else ``prefer``'s strategy: ``'auto-shard'`` for auto).
     """
     intent = as_intent(intent)
     wanted = None if isinstance(prefer, str) and prefer.strip().lower() in AUTO else get_backend(prefer)
@@ -239,7 +246,8 @@ def select_backend(
         chosen = verdicts[wanted.name]
         if not chosen.usable:
             raise _refusal(chosen, verdicts, best.backend if best else None, applied)
-        reasons = [f"requested: {wanted.name}"]
+        by = f" (by strategy='{applied}', for what the intent asks)" if applied and applied != wanted.strategy else ""
+        reasons = [f"requested: {wanted.name}{by}"]
     elif best is None:
         raise _refusal(None, verdicts, None, applied)
     else:
@@ -248,7 +256,8 @@ def select_backend(
     reasons.append("needs: " + ", ".join(f"{f.value} [{d}]" for f, d in needed.items()))
     reasons.append(f"installed: {chosen.installed.detail}")
     ruled_out = {n: v.all_conflicts for n, v in verdicts.items() if n != chosen.backend.name and not v.usable}
-    return Decision(chosen.backend.name, chosen.backend.strategy, tuple(reasons), chosen.caveats, ruled_out)
+    asked = applied or (wanted.strategy if wanted is not None else AUTO_STRATEGY)
+    return Decision(chosen.backend.name, chosen.backend.strategy, tuple(reasons), chosen.caveats, ruled_out, asked)
 
 
 def _why_auto(chosen: _Verdict, verdicts: Mapping[str, _Verdict]) -> str:

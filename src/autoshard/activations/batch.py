@@ -13,6 +13,14 @@ import torch
 from autoshard.activations.failures import describe_failure, reads_values
 from autoshard.errors import AutoShardError
 
+# The batch_idx values a simulated step offers training_step, in order: a method that skips its first batch (a warm-up
+# that returns None; Lightning then runs no backward and no optimizer step) is measured on the next.
+STEP_INDICES = (0, 1)
+
+
+class SkippedStep(ValueError):
+    """training_step returned None for every batch_idx of ``STEP_INDICES``: there is no training step to measure."""
+
 
 def load_batch(spec: str) -> Callable[..., Any]:
     """``path/to/file.py:make_batch`` or ``package.module:make_batch``: a function returning one micro-batch per rank,
@@ -112,6 +120,16 @@ def step_failure(exc: BaseException, make_batch: Callable[..., Any], batch: Any)
     head = f"training_step could not run on {batch_origin(make_batch)}, {describe_batch(batch)}: {describe_failure(exc)}."
     name = getattr(root, "__name__", "<lambda>").replace("<lambda>", "the batch function")
     measured = "a few real steps with autoshard.activations.measuring_callback() measure it instead"
+    if isinstance(exc, SkippedStep):
+        tried = " and ".join(map(str, STEP_INDICES))
+        return (
+            f"training_step returned None on {batch_origin(make_batch)}, {describe_batch(batch)}, for batch_idx {tried}:"
+            f" Lightning runs no backward and no optimizer step for such a step, so there is no training step to measure"
+            f" (the batch's shapes are not the cause). Fix: make training_step return the loss (or a dict with 'loss')"
+            f" for batch_idx {STEP_INDICES[-1]}, so that a skipped warm-up batch is measured on the next; a step that skips"
+            f" on something the simulated step lacks (self.global_step is 0 there, no Trainer) cannot be measured: set the"
+            f" fields yourself instead of memory_budget, or let {measured}"
+        )
     if reads_values(exc):
         return (
             f"{head} Fix: keep training_step's values on tensors (no .item(), no `if tensor:`), or measure a real run with"

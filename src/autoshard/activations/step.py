@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from autoshard.activations.batch import describe_batch, step_failure
+from autoshard.activations.batch import STEP_INDICES, SkippedStep, describe_batch, step_failure
 from autoshard.activations.compiled import block_saving
 from autoshard.activations.failures import describe_failure, reads_values
 from autoshard.activations.prepare import Run, fake_example, prepare_run
@@ -31,7 +31,7 @@ def _train_step(run: Run, precision: PrecisionPlan) -> None:
     optimization training_step is the whole step."""
     module, batch = run.module, run.batch
     with _autocast(precision):
-        out = module.training_step(batch, 0)
+        out, batch_idx = _training_step(run)
     if not run.manual:
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, torch.Tensor):
@@ -42,7 +42,7 @@ def _train_step(run: Run, precision: PrecisionPlan) -> None:
         del loss
         for optimizer in run.optimizers:
             optimizer.step()
-    for owner, args in [*((c, (None, module, out, batch, 0)) for c in run.callbacks), (module, (out, batch, 0))]:
+    for owner, args in [*((c, (None, module, out, batch, batch_idx)) for c in run.callbacks), (module, (out, batch, batch_idx))]:
         hook = getattr(owner, "on_train_batch_end", None)
         if callable(hook):
             try:
@@ -52,6 +52,20 @@ def _train_step(run: Run, precision: PrecisionPlan) -> None:
                     f"{type(owner).__name__}.on_train_batch_end stopped on fake tensors: {describe_failure(exc)}; what it does after that is not measured"
                 )
     del out
+
+
+def _training_step(run: Run) -> tuple[Any, int]:
+    """training_step's output and the batch_idx that gave it: the first of ``STEP_INDICES`` whose step returns
+    something (a step returning None trains nothing: Lightning skips its backward and optimizer step). The skipped
+    forward runs before the measured one, as in training, and frees what it made when it returns."""
+    for batch_idx in STEP_INDICES:
+        out = run.module.training_step(run.batch, batch_idx)
+        if out is not None or run.manual:
+            note = f"training_step returned None for batch_idx 0 (a step Lightning skips): the step measured is batch_idx {batch_idx}'s"
+            if batch_idx and note not in run.notes:
+                run.notes.append(note)
+            return out, batch_idx
+    raise SkippedStep(f"training_step returned None for batch_idx {', '.join(map(str, STEP_INDICES))}")
 
 
 @contextlib.contextmanager

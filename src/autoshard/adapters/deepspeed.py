@@ -1,11 +1,15 @@
 """Intent -> a complete DeepSpeed ZeRO-3 config dict, and a validator that refuses contradictory configs by key.
 
-Pure data: nothing here imports deepspeed, so configs can be generated, printed and checked on any machine.
+Pure data: importing this module imports no deepspeed, so configs can be generated, printed and checked on any
+machine; ``check_zero_overrides`` reads DeepSpeed's own ZeRO config model where DeepSpeed is installed.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import enum
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,8 +129,100 @@ def provisional_config(intent: ShardingIntent, *, micro_batch_size: int | None, 
     _positive(micro_batch_size=micro)
     check_intent(intent)
     config = {"zero_optimization": zero_config(intent, zero_overrides), "train_micro_batch_size_per_gpu": micro}
-    validate_deepspeed_config(config)
+    check_overridden_stage(zero_overrides or {})
+    validate_deepspeed_config(config)  # autoshard's own words first (MiCS, bucket sizes), then DeepSpeed's model
+    check_zero_overrides(zero_overrides or {}, config["zero_optimization"])
     return config
+
+
+def check_overridden_stage(zero_overrides: Mapping[str, Any]) -> None:
+    """``zero_overrides={'stage': '3'}`` (YAML's string) or ``2``: refused as the override it is."""
+    stage = zero_overrides.get("stage", 3)
+    if type(stage) is not int or stage != 3:
+        other = "for stages 1-2 use Lightning's strategy='deepspeed_stage_2'" if stage in (0, 1, 2) else "it is always 3"
+        raise IntentError(
+            f"zero_overrides['stage']={stage!r}: autoshard's DeepSpeed strategies run ZeRO stage 3 only, the integer 3."
+            f" Fix: drop 'stage' from zero_overrides ({other})"
+        )
+
+
+def check_zero_overrides(zero_overrides: Mapping[str, Any], zero: Mapping[str, Any]) -> None:
+    """``zero_overrides`` (merged into ``zero``, the ``zero_optimization`` block) against DeepSpeed's own ZeRO config
+    model, its refusal reworded with the key, the value, what is expected and a Fix: a misspelt key or a value of the
+    wrong type otherwise reached ``deepspeed.initialize`` as pydantic's raw ValidationError, after every process had
+    started. Without DeepSpeed installed only autoshard's own checks run (the strategy's install check says the rest)."""
+    if not zero_overrides:  # autoshard's own block: DeepSpeed's model is not imported for it
+        return
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+    except ImportError:
+        return
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except ValidationError as err:
+        raise IntentError(_reworded(err.errors()[0], DeepSpeedZeroConfig)) from None
+
+
+def _field_model(model: Any, path: tuple[Any, ...]) -> tuple[Any, Any]:
+    """The pydantic model holding the last key of ``path`` (DeepSpeed's nested offload blocks), and that key's field
+    (None where the key is unknown)."""
+    for key in path[:-1]:
+        field = _field(model, key)
+        inner = [a for a in typing.get_args(field.annotation) if hasattr(a, "model_fields")] if field else []
+        model = inner[0] if inner else getattr(field, "annotation", model)
+    return model, _field(model, path[-1])
+
+
+def _field(model: Any, key: Any) -> Any:
+    return next((f for name, f in model.model_fields.items() if key in (name, f.alias)), None)
+
+
+def _expected(annotation: Any) -> str:
+    """A field's type in words: ``int`` -> 'a whole number' (``Optional[int]`` too: None is never what was meant)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if args and len(args) < len(typing.get_args(annotation)):
+        return _expected(args[0])
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in annotation)
+    words = {bool: "True or False", int: "a whole number", float: "a number", str: "a string"}
+    if annotation in words:
+        return words[annotation]
+    return "a dict of its keys" if hasattr(annotation, "model_fields") else str(annotation)
+
+
+def _reworded(error: Mapping[str, Any], root: Any) -> str:
+    """One pydantic error of DeepSpeed's ZeRO config model as autoshard says a refusal."""
+    path = tuple(error["loc"])
+    if not path:  # a check of the whole block (a model validator): no key to name
+        return (
+            f"zero_overrides={error['input']!r}: DeepSpeed's ZeRO config refuses the block they make ({error['msg']}), so"
+            f" deepspeed.initialize would refuse it once every process had started. Fix: drop the keys that message names"
+        )
+    where = "".join(f"[{key!r}]" for key in path)
+    model, field = _field_model(root, path)
+    if error["type"] == "extra_forbidden":
+        known = [f.alias or n for n, f in model.model_fields.items() if not (f.json_schema_extra or {}).get("deprecated")]  # type: ignore[union-attr]
+        close = difflib.get_close_matches(str(path[-1]), known, n=1, cutoff=0.6)
+        block = f" in its '{'.'.join(map(str, path[:-1]))}' block" if len(path) > 1 else ""
+        fix = (
+            f"spell it '{close[0]}': zero_overrides{''.join(f'[{k!r}]' for k in path[:-1])}[{close[0]!r}]={error['input']!r}" if close else "drop it"
+        )
+        return (
+            f"zero_overrides{where}={error['input']!r}: DeepSpeed's ZeRO config has no key {str(path[-1])!r}{block}, so"
+            f" deepspeed.initialize would refuse it once every process had started. Fix: {fix}"
+        )
+    expected = _expected(field.annotation) if field is not None else "another value"
+    default = ZERO3_DEFAULTS.get(str(path[-1]), getattr(field, "default", None)) if len(path) == 1 else getattr(field, "default", None)
+    if isinstance(default, (bool, float)) or (isinstance(default, int) and default < 10**15):  # not an enum's
+        example = f"{default:_}" if isinstance(default, int) and not isinstance(default, bool) else repr(default)
+        fix = f"zero_overrides{where}={example} ({expected}; the default, which dropping the key gives too)"
+    else:
+        fix = f"{expected} in zero_overrides{where}, or drop the key"
+    return (
+        f"zero_overrides{where}={error['input']!r}: DeepSpeed's ZeRO config expects {expected} there ({error['msg']}),"
+        f" so deepspeed.initialize would refuse it once every process had started. Fix: {fix}"
+    )
 
 
 def _positive(**values: object) -> None:

@@ -3,7 +3,9 @@ filled in, for any strategy (autoshard's fsdp2 and DeepSpeed strategies included
 
 FLOPs are counted by torch's ``FlopCounterMode`` on the fit's second training batch, on rank 0, as it really runs
 (no extra call of any user hook). Not the first batch: a ``torch.compile``'d module first called under a dispatch
-mode is never compiled (measured on torch 2.13). Recomputation under activation checkpointing is counted (papers' MFU
+mode is never compiled (measured on torch 2.13). A counted batch that ran no backward (its ``training_step`` returned
+None) is a forward only, about a third of a step: the next batch is counted instead, up to ``COUNT_TRIES`` of them,
+then a warning says none was measured. Recomputation under activation checkpointing is counted (papers' MFU
 leaves it out: pass ``flops_per_batch=``); under tensor parallelism DTensor matmuls count at full shape (too high by
 up to the tensor-parallel size: a warning says so). The H200's peaks are its dense figures (``DENSE_PEAKS``):
 Lightning lists with-sparsity ones, under names ``torch.cuda.get_device_name`` does not return. The metrics are
@@ -37,6 +39,9 @@ DENSE_PEAKS: dict[str, dict[torch.dtype | str, float]] = {
     "h200 nvl": {torch.float64: 30e12, torch.float32: 60e12, "tfloat32": 417.5e12, torch.bfloat16: 835.5e12, torch.float16: 835.5e12},
     "h200": {torch.float64: 33.5e12, torch.float32: 66.9e12, "tfloat32": 494.7e12, torch.bfloat16: 989.4e12, torch.float16: 989.4e12},
 }
+
+# Training batches counted, from the second on, for one that ran a backward; then none is measured, with a warning.
+COUNT_TRIES = 8
 
 
 def _tensors(batch: Any) -> Any:
@@ -217,7 +222,8 @@ class ThroughputMonitor(LightningThroughputMonitor):
         peak_flops: the dense peak FLOP/s of one device for MFU; default: ``device_peak_flops`` (known GPUs; none
             on a CPU, so MFU is logged there only when given).
         flops_per_batch: FLOPs of one training batch on one device (forward and backward); default: the module's
-            own ``flops_per_batch`` attribute, else measured on the second training batch (``measured_flops``).
+            own ``flops_per_batch`` attribute, else measured on the second training batch, or the first after it
+            that ran a backward (``measured_flops``).
         **kwargs: Lightning's ``Throughput`` arguments: ``window_size`` (default 100 batches), ``separator``.
     """
 
@@ -238,6 +244,8 @@ class ThroughputMonitor(LightningThroughputMonitor):
         self._tokens = length_fn == "tokens"
         self._counter: Any = None
         self._train_batches = 0
+        self._tries = 0  # counted batches that ran no backward
+        self._backward = False  # a backward ran in the counted batch
 
     # -- setup: the meters, with the peak ------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -252,11 +260,11 @@ class ThroughputMonitor(LightningThroughputMonitor):
             assert each is not None
             meters[each] = Meter(available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs)
         if stage == TrainerFn.FITTING:  # a second fit (another module, other batches) is measured afresh
-            self._train_batches, self.measured_flops = 0, None
+            self._train_batches, self._tries, self.measured_flops = 0, 0, None
             if self._tokens:
                 self.length_fn = token_count
 
-    # -- FLOPs: counted on the second training batch, rank 0 -----------------------------------------------------------
+    # -- FLOPs: counted on the second training batch that ran a backward, rank 0 ---------------------------------------
     def _flops(self, pl_module: pl.LightningModule) -> Any:
         """What Lightning's hooks are handed for the module: the module itself when it defines ``flops_per_batch``
         (Lightning's convention), else the argument or the measured count."""
@@ -268,11 +276,17 @@ class ThroughputMonitor(LightningThroughputMonitor):
         return self.flops_per_batch is None and self.measured_flops is None and not hasattr(pl_module, "flops_per_batch")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.is_global_zero and self._train_batches == 1 and self._counter is None and self._measuring(pl_module):
+        counting = self._train_batches >= 1 and self._tries < COUNT_TRIES
+        if trainer.is_global_zero and counting and self._counter is None and self._measuring(pl_module):
             from torch.utils.flop_counter import FlopCounterMode
 
+            self._backward = False
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()  # left in on_train_batch_end; on_exception and teardown leave it too
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Lightning's hook after every backward it runs (automatic optimization and ``manual_backward`` alike)."""
+        self._backward = True
 
     def _stop_counting(self) -> int | None:
         counter, self._counter = self._counter, None
@@ -283,10 +297,15 @@ class ThroughputMonitor(LightningThroughputMonitor):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         flops = self._stop_counting()
-        if flops is not None:
+        if flops is not None and not self._backward:
+            self._tries += 1
+            if self._tries == COUNT_TRIES:
+                self._warn_unmeasured(f"none of training batches 2-{COUNT_TRIES + 1} ran a backward")
+        elif flops is not None:
             self.measured_flops = flops
             rank_zero_info(
-                f"autoshard.ThroughputMonitor: {flops / 1e9:.4g} GFLOP per training batch on one device (FlopCounterMode, batch 2 of the fit)"
+                f"autoshard.ThroughputMonitor: {flops / 1e9:.4g} GFLOP per training batch on one device (FlopCounterMode,"
+                f" batch {self._train_batches + 1} of the fit)"
             )
             tp = tensor_parallel_size(trainer.strategy)
             if tp > 1:
@@ -299,6 +318,19 @@ class ThroughputMonitor(LightningThroughputMonitor):
             self.length_fn = None  # no token ids in the batch: no tokens logged (Lightning's lengths must be >= samples)
         self._train_batches += 1
         super().on_train_batch_end(trainer, self._flops(pl_module), outputs, batch, batch_idx)  # type: ignore[arg-type]
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if 0 < self._tries < COUNT_TRIES and self.measured_flops is None:
+            self._warn_unmeasured(f"the fit ended before a training batch after the first ran a backward ({self._tries} counted ran none)")
+
+    def _warn_unmeasured(self, why: str) -> None:
+        """Say that no FLOPs were measured rather than log a forward's count as a step's (a third of it)."""
+        rank_zero_warn(
+            f"autoshard.ThroughputMonitor: {why}: a training_step that returns None makes Lightning skip the backward,"
+            f" and a backward run outside Lightning's manual_backward is not seen. No FLOPs were measured, so FLOP/s and"
+            f" MFU are not logged (samples and tokens are). Fix: ThroughputMonitor(flops_per_batch=...), the FLOPs of one"
+            f" training batch on one device"
+        )
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
         super().on_validation_batch_end(trainer, self._eval_flops(pl_module), *args, **kwargs)
