@@ -14,9 +14,10 @@ from autoshard.errors import AutoShardError, IntentError
 
 
 def check_launch(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
-    """A stale LOCAL_RANK, then torchrun's world, then SLURM's, against ``devices`` x ``num_nodes``: what every
-    strategy checks at construction. Written in the Trainer's terms: Fabric's strategies restate them (``FrontEnd``)."""
+    """A stale LOCAL_RANK or NODE_RANK, then torchrun's world, then SLURM's, against ``devices`` x ``num_nodes``: what
+    every strategy checks at construction. Written in the Trainer's terms: Fabric's strategies restate them (``FrontEnd``)."""
     check_stale_local_rank(num_processes, num_nodes, environment)
+    check_stale_node_rank(num_processes, num_nodes, environment)
     check_torchrun(num_processes, num_nodes, environment)
     check_slurm(num_processes, num_nodes, environment)
 
@@ -27,19 +28,25 @@ def check_launch(num_processes: int, num_nodes: int, environment: object | None 
 RENDEZVOUS_PORTS = ("MASTER_PORT", "STANDALONE_PORT")
 
 
+def _lightnings_own(environment: object | None) -> bool:
+    """Whether the ranks come from Lightning's own environment variables (``LightningEnvironment``: LOCAL_RANK,
+    NODE_RANK), not from torchrun's or SLURM's. ``environment``: the cluster environment Lightning chose (None: detected)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
+    if environment is not None:
+        return type(environment) is LightningEnvironment
+    return not (TorchElasticEnvironment.detect() or SLURMEnvironment.detect())
+
+
 def check_stale_local_rank(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
     """A ``LOCAL_RANK`` left in the shell makes Lightning take the process for one a launcher started: it then waits
     for the rest of the world in ``init_process_group`` forever. Refused when no rendezvous port says another process
     could join. ``environment``: the cluster environment Lightning chose (None: detected)."""
-    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
-
     world = num_processes * num_nodes
     local = os.environ.get("LOCAL_RANK")
     if world <= 1 or local is None or any(os.environ.get(name) for name in RENDEZVOUS_PORTS):
         return
-    if environment is not None and type(environment) is not LightningEnvironment:
-        return
-    if environment is None and (TorchElasticEnvironment.detect() or SLURMEnvironment.detect()):
+    if not _lightnings_own(environment):
         return
     node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     rank = int(node) * num_processes + int(local) if node.isdigit() and local.isdigit() else None
@@ -54,6 +61,42 @@ def check_stale_local_rank(num_processes: int, num_nodes: int, environment: obje
         f" itself); if you start each process yourself, also set MASTER_ADDR, MASTER_PORT, WORLD_SIZE={world} and"
         f" NODE_RANK in each"
     )
+
+
+def check_stale_node_rank(num_processes: int, num_nodes: int, environment: object | None = None) -> None:
+    """Lightning numbers this node's processes from ``NODE_RANK`` (else ``GROUP_RANK``) x devices. One left in the
+    shell at or above ``num_nodes`` (an ``export NODE_RANK=1`` of an earlier multi-node job), or a node above 0 with no
+    MASTER_PORT to meet node 0 at, makes every process wait in ``init_process_group`` for ranks that never come, even
+    with ``devices=1`` (an autoshard strategy always builds its process group). Refused before; a real multi-node launch
+    (each node's NODE_RANK below num_nodes, MASTER_ADDR and MASTER_PORT set) and torchrun's or SLURM's are unaffected."""
+    name = next((n for n in ("NODE_RANK", "GROUP_RANK") if n in os.environ), None)
+    if name is None or not os.environ[name].strip().isdigit() or not _lightnings_own(environment):
+        return  # not a number: Lightning's own int() refuses it first
+    value, world = os.environ[name], num_processes * num_nodes
+    nodes = f", num_nodes={num_nodes}" if num_nodes > 1 else ""
+    described = f"Trainer(devices={num_processes}{nodes}) describes " + (
+        f"one node, node 0, with {'rank 0 only' if world == 1 else f'ranks 0-{world - 1}'}"
+        if num_nodes == 1
+        else f"nodes 0-{num_nodes - 1} with ranks 0-{world - 1}"
+    )
+    leftover = f"A {name} left in the shell (an `export`, or the environment of an earlier multi-node job) does this."
+    node = int(value)
+    first = node * num_processes
+    ranks = f"rank {first}" if num_processes == 1 else f"ranks {first}-{first + num_processes - 1}"
+    if node >= num_nodes:
+        raise IntentError(
+            f"{name}={value} is set in the environment, so Lightning numbers this node's processes from rank {first};"
+            f" but {described}: rank {first} would wait at 'MEMBER: {first + 1}/{world}' forever for ranks that never"
+            f" come. {leftover} Fix: `unset {name}` and run the script again; on a multi-node launch, give every node"
+            f" Trainer(num_nodes=N) with N the number of nodes, and NODE_RANK from 0 to N-1"
+        )
+    if node > 0 and not os.environ.get("MASTER_PORT"):
+        raise IntentError(
+            f"{name}={value} is set in the environment, so this process is on node {node} ({ranks} of {world}), but MASTER_PORT is not set: node 0 chooses a free port of its own,"
+            f" so this node could never join it and would wait at 'MEMBER: {first + 1}/{world}' forever. {leftover}"
+            f" Fix: for a run on this machine alone, `unset {name}` and Trainer(num_nodes=1); on a multi-node launch,"
+            f" set MASTER_ADDR (node 0's address) and the same MASTER_PORT on every node beside NODE_RANK"
+        )
 
 
 # SLURM's whole-number variables that Lightning or this check read (srun sets them; a bad value was set by hand).
