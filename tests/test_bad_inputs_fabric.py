@@ -180,21 +180,21 @@ def test_114_optimizer_state_that_cannot_be_cut() -> None:
 
 
 # -- 115: precision ---------------------------------------------------------------------------------------------------------
-def test_115_fp16_mixed_plugin_in_fabric_terms() -> None:
-    """precision='16-mixed' as a string is Lightning's own check (it names Fabric); as a plugin it reaches autoshard's,
-    said in Fabric's terms."""
+def test_115_a_precision_plugin_fsdp2_cannot_run_in_fabric_terms() -> None:
+    """A plugin autoshard plans nothing for (64-true) reaches autoshard's check, said in Fabric's terms; the string is
+    Lightning's own check (it names Fabric). 16-mixed, as a string or a plugin, runs now (tests/test_fp16_fsdp2.py)."""
     from lightning.fabric import Fabric
-    from lightning.fabric.plugins.precision import MixedPrecision
+    from lightning.fabric.plugins.precision import DoublePrecision
 
     text = refused(
         IncompatibleBackendError,
-        lambda: Fabric(accelerator="cpu", devices=1, strategy="fsdp2", plugins=[MixedPrecision("16-mixed", "cpu")]),
-        "Fabric(strategy='fsdp2', precision='16-mixed') is not supported",
-        "no sharded gradient scaler",
+        lambda: Fabric(accelerator="cpu", devices=1, strategy="fsdp2", plugins=[DoublePrecision()]),
+        "Fabric(strategy='fsdp2', precision='64-true') is not supported",
+        "autoshard plans fsdp2 runs only for the precisions below",
         "Fix: use Fabric(precision='bf16-mixed') (recommended)",
     )
     assert "Trainer" not in text
-    refused(ValueError, lambda: Fabric(accelerator="cpu", devices=1, strategy="fsdp2", precision="16-mixed"), "Fabric(..., precision='16-mixed')")
+    refused(ValueError, lambda: Fabric(accelerator="cpu", devices=1, strategy="fsdp2", precision="64-true"), "Fabric(..., precision='64-true')")
 
 
 # -- 116, 118, 119: fabric.save / fabric.load -------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ REFUSALS: dict[str, Callable[[], Any]] = {
     "unknown backend": lambda: get_backend("fsdp3"),
     "EMA on deepspeed": lambda: select_backend(EMA, prefer="deepspeed_zero3"),
     "optimizers on deepspeed": lambda: select_backend(TWO_OPTIMIZERS, prefer="deepspeed_zero3"),
-    "16-mixed on fsdp2": lambda: select_backend(MethodNeeds(), ShardingIntent(precision="16-mixed"), prefer="fsdp2"),
+    "keyword beside a conflicting intent": lambda: FSDP2Strategy(intent=ShardingIntent(checkpoint="full"), checkpoint="distributed"),
     "nvme on fsdp2": lambda: select_backend(MethodNeeds(), ShardingIntent(offload="params", offload_device="nvme", nvme_path="/n"), prefer="fsdp2"),
     "nothing fits": lambda: select_backend(EMA, ShardingIntent(offload="params", offload_device="nvme", nvme_path="/n")),
     "deepspeed missing": lambda: select_backend(MethodNeeds(), prefer="deepspeed_zero3", available={"deepspeed_zero3": MISSING}),

@@ -141,7 +141,6 @@ def test_auto_keeps_fsdp2_on_cpu():
     [
         (NVME, "auto: deepspeed_zero3, because fsdp2 cannot run NVMe offload"),
         ({"offload": "optimizer"}, "auto: deepspeed_zero3, because fsdp2 only partly supports CPU offload of optimizer state only"),
-        ({"precision": "16-mixed"}, "auto: deepspeed_zero3, because fsdp2 cannot run fp16 mixed precision (16-mixed)"),
     ],
 )
 def test_auto_picks_deepspeed_only_for_what_only_it_has(fields, why):

@@ -78,12 +78,12 @@ def test_fsdp1_is_refused_with_a_redirect(make: Any) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "auto-shard", "instance"])
-def test_16_mixed_is_refused_in_trainer_terms(strategy: str) -> None:
+def test_a_precision_fsdp2_cannot_run_is_refused_in_trainer_terms(strategy: str) -> None:
     with pytest.raises(IncompatibleBackendError) as info:
-        trainer(strategy=FSDP2Strategy() if strategy == "instance" else strategy, precision="16-mixed")
+        trainer(strategy=FSDP2Strategy() if strategy == "instance" else strategy, precision="64-true")
     text = str(info.value)
-    assert "precision='16-mixed') is not supported" in text and "Fabric" not in text
-    assert "'bf16-mixed', '32-true', 'bf16-true', '16-true'" in text
+    assert "precision='64-true') is not supported" in text and "Fabric" not in text
+    assert "'bf16-mixed', '32-true', 'bf16-true', '16-mixed', '16-true'" in text
     assert "Fix: use Trainer(precision='bf16-mixed') (recommended)" in text
 
 
@@ -94,6 +94,7 @@ def test_16_mixed_is_refused_in_trainer_terms(strategy: str) -> None:
         ("bf16-mixed", {"param_dtype": "float32"}, "float32", "float32"),  # the opt-out
         ("32-true", {}, "float32", "float32"),
         ("bf16-true", {}, "bfloat16", "bfloat16"),
+        ("16-mixed", {}, "float16", "float32"),  # as bf16-mixed, with loss scaling (tests/test_fp16_fsdp2.py)
     ],
 )
 def test_the_trainers_precision_is_resolved_once_with_the_intent(stated: str, intent: dict, gather: str, reduce: str) -> None:
@@ -134,22 +135,12 @@ def test_bf16_mixed_all_gathers_in_bf16_and_keeps_fp32_weights() -> None:
 @pytest.mark.parametrize("strategy", ["auto-shard", "instance"])
 def test_auto_shard_treats_precision_in_the_intent_and_in_the_trainer_alike(strategy: str) -> None:
     """auto-shard picks its backend before the Trainer's precision exists: the intent's precision does not steer
-    it either, and a precision only DeepSpeed runs is refused wherever it was stated, with the same fix."""
-    messages = []
+    it either; 16-mixed, in the intent or in the Trainer, stays on fsdp2 (it used to leave for DeepSpeed)."""
     for intent in ({}, {"precision": "16-mixed"}):
         chosen = AutoShardStrategy(intent=intent) if strategy == "instance" or intent else "auto-shard"
         assert chosen == "auto-shard" or type(chosen) is AutoShardStrategy
-        with pytest.raises(IncompatibleBackendError) as info:
-            trainer(strategy=chosen, precision="16-mixed")
-        messages.append(str(info.value))
-    for text in messages:
-        assert "Trainer(strategy='auto-shard', precision='16-mixed')" in text and "no sharded gradient scaler" in text
-        assert "picks its backend when the strategy is built" in text
-        assert text.endswith(
-            "Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a single-optimizer method that needs fp16"
-        )
-    assert "ShardingIntent(precision='16-mixed') states it too" in messages[1]
-    assert messages[0] == messages[1].replace(" ShardingIntent(precision='16-mixed') states it too.", "")
+        built = trainer(strategy=chosen, precision="16-mixed")
+        assert type(built.strategy) is AutoShardStrategy and built.strategy.precision_plan.loss_scaling
 
 
 def test_precision_given_twice_must_agree() -> None:

@@ -40,9 +40,11 @@ ROW = {
         " than bf16's resolution (about 1/256 of a weight) are lost; ZeRO-3 keeps an fp32 master copy",
         "use precision='bf16-mixed' (fp32 weights, bf16 compute and all-gather), or " + DEEPSPEED_IF_ALLOWED,
     ),
-    Feature.FP16_MIXED: no(
-        "Lightning's ModelParallelStrategy refuses precision='16-mixed': it has no sharded gradient scaler, so fp16 autocast would train unscaled",
-        "use precision='bf16-mixed', or " + DEEPSPEED_IF_ALLOWED,
+    Feature.FP16_MIXED: yes(
+        "autocast in fp16, parameters all-gathered in fp16, gradients reduced in fp32, fp32 weights updated; dynamic loss"
+        " scaling by autoshard's sharded grad scaler (Lightning's ModelParallelStrategy has none): an inf or NaN in any"
+        " rank's gradient shard skips the step on every rank, gradients are clipped after unscaling, and the scaler's"
+        " state is saved and resumed with the checkpoint (on CPU too, where Lightning would run bf16-mixed)"
     ),
     Feature.FP16_TRUE: partial(
         "the module is converted to fp16: no fp32 master copy and no loss scaling, so small updates are lost and"

@@ -6,21 +6,24 @@ and the decision at setup. One copy, so the two cannot drift; each front end add
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh  # noqa: F401  ParallelizeFn's "DeviceMesh", for get_type_hints (below)
 
 from autoshard.adapters.fsdp2 import ParallelizeFn
 from autoshard.backends.matrix import cell
 from autoshard.checkpoint.saves import all_gather_object
 from autoshard.engine.auto_shard import FSDP2, fsdp2_auto_intent
 from autoshard.engine.base import BackendMixin
+from autoshard.engine.fp16 import accelerator_device, shard_aware, sharded_scaler
 from autoshard.errors import IncompatibleBackendError, IntentError
 from autoshard.init_from import InitPlan, plan_everywhere, sources_of
-from autoshard.intent import ShardingIntent, as_intent
+from autoshard.intent import IntentKeywords, ShardingIntent, as_intent
 from autoshard.mesh import ParallelMesh
 from autoshard.needs import MethodNeeds
 from autoshard.precision import Precision, PrecisionPlan, normalize_precision
@@ -28,16 +31,21 @@ from autoshard.privates import Private
 from autoshard.privates.in_lightning import lightning_lacks
 from autoshard.select import Decision
 
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # typing_extensions: a dependency of torch
+    from typing_extensions import Unpack
+
 FSDP2_PRECISIONS = tuple(p.value for p in Precision if cell("fsdp2", p.feature).support.usable)
 
 
 def refuse_unsupported_precision(precision_flag: object, strategy: FSDP2Checks) -> None:
-    """Refuse, in Trainer terms (Fabric restates them: ``FrontEnd.restated``), a precision fsdp2 cannot run (the
-    matrix's FP16_MIXED cell says why).
+    """Refuse, in Trainer terms (Fabric restates them: ``FrontEnd.restated``), a precision fsdp2 cannot run (one the
+    matrix's fsdp2 row does not list as usable, or one autoshard plans nothing for: 64-true, transformer-engine).
 
-    Called by the guard on the Trainer's precision flag, before Lightning's own check (which says ``Fabric(...)``,
-    skips strategies given by name, and on CPU turns 16-mixed into bf16-mixed right after), and at precision
-    resolution, for a precision plugin passed in ``plugins=``. The intent's precision, when stated, is named too.
+    Called by the guard on the Trainer's precision flag, before Lightning's own check (which says ``Fabric(...)`` and
+    skips strategies given by name), and at precision resolution, for a precision plugin passed in ``plugins=``. The
+    intent's precision, when stated, is named too. 16-mixed is run, not refused: ``FSDP2Checks.fp16_plugin``.
     """
     try:
         precision: Precision | None = normalize_precision(precision_flag)
@@ -55,8 +63,8 @@ def refuse_unsupported_precision(precision_flag: object, strategy: FSDP2Checks) 
     raise IncompatibleBackendError(
         f"Trainer(strategy='{name}', precision='{precision or precision_flag}') is not supported: {reason}.{also}{why}"
         f" Valid choices with fsdp2: {', '.join(map(repr, FSDP2_PRECISIONS))}."
-        f" Fix: use Trainer(precision='bf16-mixed') (recommended), or strategy='autoshard-deepspeed' for a"
-        f" single-optimizer method that needs fp16"
+        f" Fix: use Trainer(precision='bf16-mixed') (recommended), or precision='16-mixed' on a GPU without bf16"
+        f" (V100, T4)"
     )
 
 
@@ -83,6 +91,7 @@ class FSDP2Checks(BackendMixin):
     _data_parallel_size: Any
     _tensor_parallel_size: Any
     hooked_by: str  # how a refusal names the strategies whose hooked Lightning members are gone
+    mixed_precision: type  # the front end's own MixedPrecision plugin class (16-mixed: fp16_plugin)
     auto_shard_words: tuple[str, str, str] | None = None  # auto-shard's: how fsdp2_auto_intent's refusal names it
 
     def __init__(
@@ -91,7 +100,7 @@ class FSDP2Checks(BackendMixin):
         parallelize_fn: ParallelizeFn | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **intent_fields: Any,
+        **intent_fields: Unpack[IntentKeywords],  # LightningCLI passes only the fields the config gives: intent.py
     ) -> None:
         gone = self._lightning_gone()
         if gone:  # Lightning would never call _configure_launcher: "auto" sizes would mean tensor parallel, silently
@@ -130,7 +139,15 @@ class FSDP2Checks(BackendMixin):
 
     def _resolve_precision(self) -> PrecisionPlan | None:
         refuse_unsupported_precision(self.precision_plugin.precision, self)
+        shard_aware(self.precision_plugin)  # a 16-mixed MixedPrecision passed in plugins=: its scaler made shard-aware
         return super()._resolve_precision()
+
+    def fp16_plugin(self, accelerator: Any) -> Any:
+        """The precision plugin that runs precision='16-mixed' on fsdp2, for the accelerator the Trainer (or Fabric)
+        chose: the front end's own ``MixedPrecision`` with a ``ShardedLossScaler`` (``autoshard.engine.fp16``). Built by
+        the guard in place of Lightning's, which refuses 16-mixed under ModelParallelStrategy and on CPU runs bf16."""
+        device = accelerator_device(accelerator)
+        return self.mixed_precision("16-mixed", device, scaler=sharded_scaler(device))
 
     # -- in each process ------------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:

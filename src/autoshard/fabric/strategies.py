@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -41,6 +42,7 @@ from autoshard.needs import EMAPair, MethodNeeds
 from autoshard.privates import Private, in_lightning, missing
 
 _BUFFER_HOOK = "_autoshard_buffer_sync"
+SCALER_KEY = "autoshard_loss_scaler"  # fabric.save's entry for 16-mixed's loss scaler
 
 
 def teacher_plan(student: FSDP2Plan, path: str) -> FSDP2Plan:
@@ -102,6 +104,7 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
 
     strategy_name = "fsdp2"
     hooked_by = "Fabric strategies hook"
+    mixed_precision = MixedPrecision
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """``FSDP2Checks``' arguments; ``parallelize_fn`` is the user's (Fabric's own is ``self._shard``)."""
@@ -114,6 +117,23 @@ class FSDP2Strategy(FabricCheckpoint, FabricBackend, FSDP2Checks, ModelParallelS
 
     def _lightning_gone(self) -> list[Private]:
         return missing(in_lightning.FABRIC, ModelParallelStrategy)
+
+    # -- 16-mixed's loss scaler in fabric.save / fabric.load (the Trainer saves it under its plugin's name) ------------
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None) -> None:
+        """``fabric.save``, with the loss scaler's state (scale, growth tracker) under ``SCALER_KEY`` when 16-mixed
+        scales: a loaded run then scales and skips steps as the uninterrupted one would."""
+        scaler = self.precision.state_dict()
+        if scaler and isinstance(state, dict):
+            state = {**state, SCALER_KEY: scaler}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> Any:
+        """``fabric.load``; the loss scaler's saved state restored (it is not handed back with the rest)."""
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        scaler = remainder.pop(SCALER_KEY, None) if isinstance(remainder, dict) else None
+        if scaler is not None:
+            self.precision.load_state_dict(scaler)
+        return remainder
 
     def _parent_arguments(self) -> dict[str, Any]:
         return {"parallelize_fn": self._shard}

@@ -6,6 +6,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -41,6 +42,7 @@ class FSDP2Strategy(TrainerBackend, FSDP2Checks, ExplainMixedDTensor, Checkpoint
 
     strategy_name = "fsdp2"
     hooked_by = "fsdp2 strategies hook"
+    mixed_precision = MixedPrecision
     plan: FSDP2Plan | None = None
     init_report: InitReport | None = None  # what this rank read for ShardingIntent(init_from=...)
 

@@ -2,7 +2,8 @@
 (``autoshard.install_record``), so that it can be listed and undone.
 
 Registry entries, wrapped methods of Lightning's connectors (``install_guards``): FSDP1 is refused there, and so
-are a precision fsdp2 cannot run and a SLURM number that is not one; and ``Trainer._run``, wrapped to record the
+are a precision fsdp2 cannot run and a SLURM number that is not one, and 16-mixed under fsdp2 gets autoshard's plugin
+(both connectors, the Trainer's and Fabric's); and ``Trainer._run``, wrapped to record the
 checkpoint a run resumes from (``run_arguments``). ``FSDPStrategy`` itself is left as Lightning wrote it: other
 libraries construct it (stable-pretraining's tests do, to test their refusal). A member this Lightning lacks is never
 wrapped (``check_lightning`` says so).
@@ -92,6 +93,7 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import FSDPStrategy
 
+    from autoshard.engine.fsdp2 import FSDP2Checks
     from autoshard.engine.launch import SLURM_READ_BY_LIGHTNING, check_slurm_numbers
 
     def check_strategy(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -146,9 +148,36 @@ def install_guards(fsdp2_class: type, refuse_precision: Callable[[object, Any], 
         in_lightning.AcceleratorConnector,
         "_validate_precision_choice",
         validate_precision,
-        "precision='16-mixed' under fsdp2 / auto-shard is refused in Trainer terms, for strategy names too (Lightning"
-        " checks instances only, says 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
+        "a precision fsdp2 cannot run (64-true, ...) is refused in Trainer terms, for strategy names too (Lightning"
+        " checks instances only and says 'Fabric(...)')",
     )
+
+    def fp16_under_fsdp2(flag: str, given: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def init(self: Any) -> Any:
+                # Lightning refuses 16-mixed under ModelParallelStrategy objects (no sharded grad scaler) and on CPU
+                # runs bf16-mixed instead: autoshard's fsdp2 strategies bring the plugin (a plugin the user passed stays).
+                strategy = getattr(self, "strategy", None)
+                if isinstance(strategy, FSDP2Checks) and getattr(self, flag, None) == "16-mixed" and getattr(self, given, None) is None:
+                    return strategy.fp16_plugin(self.accelerator)
+                return original(self)
+
+            return init
+
+        return make
+
+    for connector, flag, given in (
+        (in_lightning.AcceleratorConnector, "_precision_flag", "_precision_plugin_flag"),
+        (in_lightning.FabricConnector, "_precision_input", "_precision_instance"),
+    ):
+        _wrap(
+            connector,
+            "_check_and_init_precision",
+            fp16_under_fsdp2(flag, given),
+            "precision='16-mixed' under fsdp2 / auto-shard runs with Lightning's MixedPrecision and autoshard's sharded"
+            " grad scaler (an inf in any rank's shard skips the step on every rank), on CPU too; Lightning refuses"
+            " 16-mixed under ModelParallelStrategy and on CPU runs bf16-mixed instead",
+        )
 
     _wrap(
         Trainer,

@@ -89,6 +89,23 @@ def _slurm_guard(connector: str, under: str) -> tuple[Private, Private]:
     )
 
 
+def _fp16_guard(connector: str, flag: str, given: str, under: str) -> tuple[Private, Private, Private]:
+    """The 16-mixed guard's members (autoshard.engine.fp16's plugin under fsdp2), on the Trainer's connector and on
+    Fabric's: the method wrapped, the precision asked for and the plugin the user passed, each under its own name."""
+    return (
+        Private(
+            connector,
+            "_check_and_init_precision",
+            "autoshard.lightning.guards",
+            "wrapped: precision='16-mixed' under fsdp2 / auto-shard gets autoshard's plugin (a sharded grad scaler), where"
+            " Lightning refuses ModelParallelStrategy with 16-mixed and on CPU runs bf16-mixed instead",
+            without=f"{under}16-mixed under fsdp2 is Lightning's: refused for a strategy object, bf16-mixed on CPU, unscaled on GPU",
+        ),
+        Private(connector, flag, "autoshard.lightning.guards", "read: the precision the user passed", on_instance=True),
+        Private(connector, given, "autoshard.lightning.guards", "read: a precision plugin the user passed (then kept)", on_instance=True),
+    )
+
+
 TRAINER: tuple[Private, ...] = (
     Private(
         _CONNECTOR,
@@ -101,14 +118,15 @@ TRAINER: tuple[Private, ...] = (
         _CONNECTOR,
         "_validate_precision_choice",
         "autoshard.lightning.guards",
-        "wrapped: 16-mixed under fsdp2 is refused for strategy names too (Lightning checks instances only, says"
-        " 'Fabric(...)', and on CPU turns 16-mixed into bf16-mixed right after)",
-        without="16-mixed under fsdp2 is refused only once the strategy sees the Trainer's precision",
+        "wrapped: a precision fsdp2 cannot run (64-true, ...) is refused for strategy names too, in Trainer terms"
+        " (Lightning checks instances only and says 'Fabric(...)')",
+        without="a precision fsdp2 cannot run is refused only once the strategy sees the Trainer's precision",
     ),
+    *_fp16_guard(_CONNECTOR, "_precision_flag", "_precision_plugin_flag", ""),
+    *_fp16_guard(_FABRIC_CONNECTOR, "_precision_input", "_precision_instance", "under Fabric, "),
     *_slurm_guard(_CONNECTOR, ""),
     *_slurm_guard(_FABRIC_CONNECTOR, "under Fabric, "),
     Private(_CONNECTOR, "_strategy_flag", "autoshard.lightning.guards", "read: the strategy the user passed", on_instance=True),
-    Private(_CONNECTOR, "_precision_flag", "autoshard.lightning.guards", "read: the precision the user passed", on_instance=True),
     *engine_members("lightning.pytorch.strategies", _LEFT_FSDP2, _LEFT_DEEPSPEED),
     Private(
         _MODEL_PARALLEL, "_save_distributed_checkpoint", "autoshard.lightning.checkpoint", "read: a DCP directory or one full file", on_instance=True

@@ -49,6 +49,18 @@ TORCH: tuple[Private, ...] = (
     Private("torch._utils", "_unflatten_dense_tensors", _FSDP, "that buffer back into views shaped like each gradient"),
     Private("torch", "_foreach_copy_", _FSDP, "the averages copied into the gradients, in one call"),
     Private("torch.nn.modules.batchnorm", "_BatchNorm", "autoshard.batchnorm", "every BatchNorm class, converted to SyncBatchNorm"),
+    Private(
+        "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
+        "_unscale_grads_",
+        "autoshard.engine.fp16",
+        "overridden: 16-mixed's scaler unscales each DTensor gradient's local shard (torch's mixes DTensor and plain ones)",
+    ),
+    Private(
+        "torch.amp.grad_scaler.GradScaler",
+        "_check_inf_per_device",
+        "autoshard.engine.fp16",
+        "overridden: a fused optimizer's inf check, all-reduced over every rank like unscale_'s",
+    ),
     # -- torch.compile ------------------------------------------------------------------------------------------------
     Private("torch._dynamo", "OptimizedModule", _HERE, "compile_wrapper: a module wrapped in torch.compile (needs, adapters.compile)"),
     Private("torch.nn.Module", "_compiled_call_impl", _HERE, "compiled_in_place: a module.compile() by the user or autoshard (needs, compile)"),
