@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 
 def _project_root(script: Path) -> Path:
@@ -199,3 +199,84 @@ def fsdp2_collectives() -> tuple[str, str]:
     if hasattr(dist, "all_gather_single"):
         return "all_gather_single", "reduce_scatter_single"
     return "all_gather_into_tensor", "reduce_scatter_tensor"
+
+
+# How a worker (or the demo, a user's script under Lightning's launcher) ends: tests/distributed/harness.py's
+# docstring says why. Groups destroyed while every rank is there, threads joined, atexit run, then os._exit.
+THREAD_JOIN_SECONDS = 10.0  # for the non-daemon threads still running after the worker's main (none is expected)
+
+
+def worker_main(main: Callable[[], object]) -> NoReturn:
+    """Run a worker's ``main`` and end the process the one deterministic way (the module docstring says why): exit
+    code 0 when ``main`` returned, its own code for ``SystemExit``, 1 with the traceback on stderr for any error."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:  # argparse's usage errors, a scenario's explicit exit
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  reported here, with its traceback, then a non-zero code
+        import traceback
+
+        print(f"worker (rank {os.environ.get('RANK', '?')}) failed:", file=sys.stderr)
+        traceback.print_exc()
+        code = 1
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """After the worker's results are written and closed: every process group destroyed (after a barrier when the
+    worker succeeded, so no rank tears down a group another rank still uses), Python's threads joined and its atexit
+    functions run, output flushed, then ``os._exit(code)``."""
+    try:
+        release_process_groups(barrier=code == 0)
+    except BaseException:  # noqa: BLE001  a failed barrier/destroy is the worker's failure, with its traceback
+        import traceback
+
+        print(f"worker (rank {os.environ.get('RANK', '?')}) failed while destroying its process groups:", file=sys.stderr)
+        traceback.print_exc()
+        code = code or 1
+    try:
+        join_python_threads()
+        import atexit
+
+        atexit._run_exitfuncs()  # what a normal exit runs first (logging's flush among them), interpreter still whole
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken stream: nothing more can be said on it
+                pass
+        os._exit(code)
+
+
+def release_process_groups(barrier: bool) -> None:
+    """Destroy every process group: torch's ``destroy_process_group()`` shuts the groups down newest first (DeviceMesh
+    and HSDP sub-groups, then the world) and unregisters them all; under DeepSpeed its own ``destroy_process_group``
+    does that and also drops the groups DeepSpeed caches (``deepspeed.utils.groups``)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+    if deepspeed_comm is not None and deepspeed_comm.cdb is not None:
+        deepspeed_comm.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def join_python_threads(timeout: float = THREAD_JOIN_SECONDS) -> None:
+    """Join the non-daemon Python threads (a checkpoint writer, say), as a normal exit would; one still running after
+    ``timeout`` is named on stderr and abandoned (``os._exit`` ends it with the process)."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            print(f"worker exit: thread {thread.name!r} still running after {timeout:.0f} s; abandoned", file=sys.stderr)

@@ -250,5 +250,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from autoshard._harness import worker_main
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    # Each rank ends as the test workers do: on torch 2.13 a normal exit tears gloo's threads down during interpreter
+    # finalization and now and then aborts ("terminate called without an active exception", exit -6) after the demo's
+    # work is done (seen in make test); worker_main destroys the groups first, then leaves through os._exit.
+    worker_main(main)
