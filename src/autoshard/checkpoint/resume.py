@@ -236,7 +236,8 @@ def finish_interrupted_commit(path: str | os.PathLike[str]) -> Path | None:
     return recovered
 
 
-def _reshaped(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[str, tuple[int, ...]]) -> list[str]:
+def reshaped_names(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The names both hold, saved with another shape (a load with strict=False still fails on them)."""
     return sorted(k for k in set(model) & set(saved) if saved[k] is not None and tuple(saved[k] or ()) != tuple(model[k]))
 
 
@@ -244,7 +245,7 @@ def model_mismatch(saved: Mapping[str, tuple[int, ...] | None], model: Mapping[s
     """How a model's state dict differs from a checkpoint's: missing and unexpected names, other shapes; None if equal."""
     missing = sorted(set(model) - set(saved))
     unexpected = sorted(set(saved) - set(model))
-    reshaped = _reshaped(saved, model)
+    reshaped = reshaped_names(saved, model)
     parts = []
     if missing:
         parts.append(f"{len(missing)} missing from the checkpoint: {listing(missing)}")
@@ -261,7 +262,7 @@ def weights_refusal(
 ) -> CheckpointFormatError | None:
     """The refusal of a resume whose saved weights differ from the model (missing and unexpected names under
     ``strict``, another shape always), in one set of words for a DCP directory and a full file; None if they match."""
-    reshaped = _reshaped(saved, model)
+    reshaped = reshaped_names(saved, model)
     mismatch = model_mismatch(saved, model) if strict or reshaped else None
     if mismatch:
         # strict=False skips missing and unexpected names only: a tensor of another shape still fails, so it is left out.

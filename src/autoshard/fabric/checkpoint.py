@@ -26,7 +26,7 @@ from autoshard.checkpoint import saves
 from autoshard.checkpoint.formats import FORMAT_VERSION, LIGHTNING_META, STATE_KEY, detect_format
 from autoshard.checkpoint.publish import unverified_warning
 from autoshard.checkpoint.readers import dcp_entries, saved_entries, saved_shapes
-from autoshard.checkpoint.resume import model_mismatch, resolve_for_load
+from autoshard.checkpoint.resume import model_mismatch, reshaped_names, resolve_for_load
 from autoshard.checkpoint.trust import CheckpointFormatError, load_torch_file, unreadable_globals
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
@@ -303,7 +303,7 @@ def _mismatch_refusal(
     load returns normally with names missing, so the names are compared first): missing and unexpected names under
     ``strict``, another shape always; None when it loads."""
     model = {name: tuple(t.shape) for name, t in module.state_dict().items()}
-    reshaped = any(saved[n] is not None and tuple(saved[n] or ()) != model[n] for n in set(saved) & set(model))
+    reshaped = bool(reshaped_names(saved, model))
     mismatch = model_mismatch(saved, model) if strict or reshaped else None
     if not mismatch:
         return None
